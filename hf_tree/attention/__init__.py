@@ -1,0 +1,94 @@
+"""The one attention entry point behind ``attn_implementation="tree_flash"``.
+
+``tree_attention_forward`` is what transformers calls in every attention layer. With a ``kv_end``
+keyword (packed trees) it runs a tree engine; without one (generation, ordinary batches) it is exactly
+``sdpa``, so a tree-trained model evaluates and generates unchanged.
+
+Engines share one signature (see ``reference_tree_attention``). The engine is chosen once per call
+from the device, unless forced with ``HF_TREE_ATTENTION_BACKEND`` or ``set_attention_backend``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+from hf_tree.attention.mask import dense_tree_mask, render_mask, tree_mask_mod
+from hf_tree.attention.reference import reference_tree_attention
+
+TreeAttentionEngine = Callable[..., torch.Tensor]
+
+ENGINES: dict[str, TreeAttentionEngine] = {"reference": reference_tree_attention}
+BACKEND_ENV_VAR = "HF_TREE_ATTENTION_BACKEND"
+_forced_backend: str | None = None
+
+
+def set_attention_backend(name: str | None) -> None:
+    """Force an engine for every later call (``None`` restores automatic choice)."""
+    global _forced_backend
+    if name is not None and name not in ENGINES:
+        raise ValueError(f"attention backend {name!r} is unknown; choose one of {sorted(ENGINES)} or None.")
+    _forced_backend = name
+
+
+def select_backend(device: torch.device) -> str:
+    """The engine name for tensors on ``device``: forced > environment > automatic."""
+    name = _forced_backend or os.environ.get(BACKEND_ENV_VAR) or "auto"
+    if name == "auto":
+        return "reference"
+    if name not in ENGINES:
+        raise ValueError(f"{BACKEND_ENV_VAR}={name!r} is unknown; choose one of {sorted(ENGINES)} or 'auto'.")
+    return name
+
+
+def tree_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    kv_end: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """transformers attention interface: ``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` ->
+    ``([B, N, H, D], None)``. ``kv_end [B, N]`` selects tree mode; ``position_ids`` arrive in kwargs."""
+    if kv_end is None:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+            sliding_window=sliding_window, softcap=softcap, **kwargs,
+        )
+    if dropout > 0.0:
+        raise ValueError(
+            f"tree_flash attention does not support attention dropout (got dropout={dropout}); "
+            "set the model config's attention_dropout to 0.0."
+        )
+    if kv_end.shape != query.shape[:1] + query.shape[2:3]:
+        raise ValueError(f"kv_end has shape {tuple(kv_end.shape)}; expected [batch, seq] = "
+                         f"{[query.shape[0], query.shape[2]]} matching input_ids.")
+    if scaling is None:
+        scaling = query.shape[-1] ** -0.5
+    engine = ENGINES[select_backend(query.device)]
+    out = engine(
+        query, key, value, kv_end, scaling=scaling, position_ids=kwargs.get("position_ids"),
+        sliding_window=sliding_window, softcap=softcap,
+    )
+    return out, None
+
+
+__all__ = [
+    "ENGINES",
+    "dense_tree_mask",
+    "reference_tree_attention",
+    "render_mask",
+    "select_backend",
+    "set_attention_backend",
+    "tree_attention_forward",
+    "tree_mask_mod",
+]

@@ -1,0 +1,49 @@
+"""The tree mask as a small pure factory over ``kv_end`` (one int per key; see DESIGN.md).
+
+Query ``i`` sees key ``j`` iff ``j <= i < kv_end[j]`` (and, with a sliding window, iff
+``depth(i) - depth(j) < window``). Only tests, the reference engine and debugging pictures may
+materialise the ``N x N`` mask.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def tree_mask_mod(kv_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None):
+    """A FlexAttention-style ``mask_mod(b, h, q, kv) -> bool`` for a batch of packed rows.
+
+    Args:
+        kv_end: ``[B, N]`` integer, packed index where the subtree of each key's node ends.
+        position_ids: ``[B, N]`` depth of each token; needed only with ``sliding_window``.
+        sliding_window: keys more than ``sliding_window - 1`` depth positions above the query are hidden.
+    """
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = (kv_idx <= q_idx) & (q_idx < kv_end[b, kv_idx])
+        if sliding_window is not None:
+            visible = visible & (position_ids[b, q_idx] - position_ids[b, kv_idx] < sliding_window)
+        return visible
+
+    return mask_mod
+
+
+def dense_tree_mask(
+    kv_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None
+) -> torch.Tensor:
+    """``[B, N, N]`` bool mask, ``True`` where query (dim 1) sees key (dim 2). For tests and the reference."""
+    if sliding_window is not None and position_ids is None:
+        raise ValueError("dense_tree_mask: a sliding_window needs position_ids (depths) to measure distance.")
+    n = kv_end.shape[-1]
+    q = torch.arange(n, device=kv_end.device)[None, :, None]
+    kv = torch.arange(n, device=kv_end.device)[None, None, :]
+    visible = (kv <= q) & (q < kv_end[:, None, :])
+    if sliding_window is not None:
+        visible = visible & (position_ids[:, :, None] - position_ids[:, None, :] < sliding_window)
+    return visible
+
+
+def render_mask(kv_end: torch.Tensor, max_size: int = 64) -> str:
+    """A text picture of one row's mask (``#`` visible, ``.`` hidden) to debug packing by eye."""
+    mask = dense_tree_mask(kv_end[None, :max_size])[0]
+    return "\n".join("".join("#" if v else "." for v in row) for row in mask.tolist())

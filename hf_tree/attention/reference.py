@@ -1,0 +1,48 @@
+"""Reference tree attention: explicit math over the dense mask. Slow, O(N^2) memory, obviously right.
+
+Every fast engine is tested against this one, and tests can force it (see ``hf_tree.attention``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_tree.attention.mask import dense_tree_mask
+
+
+def reference_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_end: torch.Tensor,
+    *,
+    scaling: float,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Attention of a packed tree row.
+
+    Args:
+        query: ``[B, H, N, D]``.
+        key, value: ``[B, Hkv, N, D]`` with ``H % Hkv == 0`` (GQA/MQA).
+        kv_end: ``[B, N]`` integer subtree ends.
+        scaling: multiplier of ``q @ k^T``.
+        position_ids: ``[B, N]`` depths (needed with ``sliding_window``).
+        sliding_window: window in depth positions, as each branch alone would see it.
+        softcap: ``softcap * tanh(scores / softcap)`` before masking (Gemma-style), if set.
+
+    Returns:
+        ``[B, N, H, D]`` in ``query``'s dtype.
+    """
+    groups = query.shape[1] // key.shape[1]
+    key = key.repeat_interleave(groups, dim=1)
+    value = value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    visible = dense_tree_mask(kv_end, position_ids, sliding_window)[:, None]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1)
+    out = torch.matmul(probs.to(value.dtype), value)
+    return out.transpose(1, 2).contiguous()

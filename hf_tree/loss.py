@@ -1,0 +1,98 @@
+"""The exact tree loss: a gather of predicting hidden states, the output embedding, chunked CE.
+
+HF's shifted causal-LM loss cannot score several children of one position, so the tree loss gathers
+``hidden[loss_positions]`` and scores each edge against ``loss_targets`` with ``loss_weights``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from accelerate.utils import extract_model_from_parallel
+from torch.utils.checkpoint import checkpoint
+
+from hf_tree.attention.registration import TREE_ATTENTION_NAME
+
+# Rows of logits computed at once: bounds the [chunk, vocab] buffer (recomputed in backward).
+DEFAULT_LOSS_CHUNK_SIZE = 2048
+
+
+def _weighted_ce_chunk(
+    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+    softcap: float | None,
+) -> torch.Tensor:
+    logits = head(hidden)
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return (F.cross_entropy(logits, targets, reduction="none") * weights.to(logits.dtype)).sum()
+
+
+def weighted_cross_entropy(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    softcap: float | None = None,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+) -> torch.Tensor:
+    """``sum_i weights[i] * CE(head(hidden[i]), targets[i])`` without materialising ``[M, vocab]`` logits.
+
+    Args:
+        head: the output embedding module (called, so LoRA-wrapped and tied heads work).
+        hidden: ``[M, D]`` hidden states of the predicting positions.
+        targets: ``[M]`` int64 token ids.
+        weights: ``[M]`` per-edge weights (any float dtype; cast to the logits' dtype).
+    """
+    total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = start + chunk_size
+        total = total + checkpoint(
+            _weighted_ce_chunk, head, hidden[start:end], targets[start:end], weights[start:end], softcap,
+            use_reentrant=False,
+        )
+    return total
+
+
+def tree_causal_lm_loss(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    num_items_in_batch: torch.Tensor | float | None = None,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+) -> torch.Tensor:
+    """Weighted CE of a packed tree batch (from ``TreeDataCollator``), as a 0-dim tensor.
+
+    Args:
+        model: a causal LM loaded with ``attn_implementation="tree_flash"`` (may be PEFT-, DDP- or
+            FSDP-wrapped).
+        batch: ``input_ids``, ``position_ids``, ``kv_end`` ``[B, N]`` and the loss gather tensors.
+        num_items_in_batch: the divisor for the whole optimizer step (sum of weights, or trained
+            branches for ``"sequence"``) across accumulation steps and ranks; defaults to the batch's
+            own ``num_loss_items``.
+    """
+    config = extract_model_from_parallel(model).config
+    if config._attn_implementation != TREE_ATTENTION_NAME:
+        raise ValueError(
+            f"the model uses attn_implementation={config._attn_implementation!r}, which ignores kv_end and "
+            f"would let sibling branches see each other. Load it with attn_implementation="
+            f"'{TREE_ATTENTION_NAME}' or call model.set_attn_implementation('{TREE_ATTENTION_NAME}')."
+        )
+    outputs = model(
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        kv_end=batch["kv_end"],
+        use_cache=False,
+        output_hidden_states=True,
+        logits_to_keep=1,  # the tree loss applies the head itself, to the gathered positions only
+    )
+    hidden = outputs.hidden_states[-1]  # final-norm output: what the LM head sees
+    gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
+    head = extract_model_from_parallel(model).get_output_embeddings()
+    total = weighted_cross_entropy(
+        head, gathered, batch["loss_targets"], batch["loss_weights"],
+        softcap=getattr(config, "final_logit_softcapping", None), chunk_size=chunk_size,
+    )
+    divisor = batch["num_loss_items"] if num_items_in_batch is None else num_items_in_batch
+    divisor = torch.as_tensor(divisor, device=total.device, dtype=total.dtype)
+    return total / divisor.clamp_min(torch.finfo(total.dtype).tiny)

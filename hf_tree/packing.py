@@ -1,0 +1,230 @@
+"""Packing trees into rows: branch limits, splitting oversized trees, best-fit bin packing, DFS layout.
+
+The output of ``pack_trees`` is exactly the batch contract of DESIGN.md: ``input_ids``, depth
+``position_ids``, ``kv_end`` and the loss gather (``loss_positions``/``loss_targets``/``loss_weights``).
+"""
+
+from __future__ import annotations
+
+import bisect
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, fields
+from typing import Literal
+
+import numpy as np
+import torch
+
+from hf_tree.tree import Tree
+
+logger = logging.getLogger("hf_tree")
+
+Normalization = Literal["token", "sequence"]
+OverlongPolicy = Literal["error", "drop", "truncate"]
+NORMALIZATIONS = ("token", "sequence")
+OVERLONG_POLICIES = ("error", "drop", "truncate")
+
+
+@dataclass
+class PackingStats:
+    """Counts of what packing did; every input branch is trained, split, truncated or counted as dropped."""
+
+    num_trees: int = 0
+    """Input trees."""
+    num_split_trees: int = 0
+    """Input trees larger than ``max_packed_tokens``, split into several parts by their branches."""
+    num_tree_parts: int = 0
+    """Trees placed in rows (a split tree counts once per part)."""
+    num_truncated_branches: int = 0
+    """Branches cut to ``max_branch_tokens`` (policy ``truncate``)."""
+    num_dropped_branches: int = 0
+    """Branches longer than ``max_branch_tokens`` left out (policy ``drop``)."""
+    num_dropped_trees: int = 0
+    """Trees left with no trained token after dropping/truncating branches."""
+    num_rows: int = 0
+    num_tree_tokens: int = 0
+    """Packed (deduplicated) tokens, padding excluded."""
+    num_branch_tokens: int = 0
+    """Tokens per-branch training would process for the same branches."""
+    num_padding_tokens: int = 0
+
+    def add(self, other: PackingStats) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
+
+    @property
+    def padding_fraction(self) -> float:
+        total = self.num_tree_tokens + self.num_padding_tokens
+        return self.num_padding_tokens / total if total else 0.0
+
+    @property
+    def dedup_ratio(self) -> float:
+        return self.num_branch_tokens / self.num_tree_tokens if self.num_tree_tokens else 1.0
+
+
+def check_packing_options(
+    max_packed_tokens: int,
+    max_branch_tokens: int | None,
+    overlong: str,
+    normalization: str,
+    pad_to_multiple_of: int | None,
+) -> int:
+    """Validate packing options (raising ``ValueError`` naming the field) and return ``max_branch_tokens``."""
+    if not isinstance(max_packed_tokens, int) or max_packed_tokens < 2:
+        raise ValueError(f"max_packed_tokens={max_packed_tokens!r} must be an integer >= 2.")
+    if max_branch_tokens is None:
+        max_branch_tokens = max_packed_tokens
+    if not isinstance(max_branch_tokens, int) or not 2 <= max_branch_tokens <= max_packed_tokens:
+        raise ValueError(
+            f"max_branch_tokens={max_branch_tokens!r} must be an integer in [2, max_packed_tokens="
+            f"{max_packed_tokens}]: a branch must fit in one row."
+        )
+    if overlong not in OVERLONG_POLICIES:
+        raise ValueError(f"overlong={overlong!r} must be one of {OVERLONG_POLICIES}.")
+    if normalization not in NORMALIZATIONS:
+        raise ValueError(f"normalization={normalization!r} must be one of {NORMALIZATIONS}.")
+    if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
+        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive integer or None.")
+    return max_branch_tokens
+
+
+def limit_branch_length(
+    tree: Tree, max_branch_tokens: int, overlong: OverlongPolicy, stats: PackingStats, where: str = "tree"
+) -> Tree | None:
+    """Apply the overlong policy to branches longer than ``max_branch_tokens``.
+
+    Returns the tree (unchanged if nothing is too long), a rebuilt tree, or ``None`` when no trained
+    token is left (counted in ``stats.num_dropped_trees``).
+    """
+    too_long = np.nonzero(tree.branch_lengths > max_branch_tokens)[0]
+    if too_long.size == 0:
+        return tree
+    if overlong == "error":
+        b = int(too_long[0])
+        raise ValueError(
+            f"{where}: branch {b} has {int(tree.branch_lengths[b])} tokens, more than max_branch_tokens="
+            f"{max_branch_tokens} ({too_long.size} such branches). Raise max_branch_tokens/max_packed_tokens, "
+            "or set overlong='truncate' or 'drop' (counted and reported)."
+        )
+    if overlong == "drop":
+        stats.num_dropped_branches += int(too_long.size)
+        dropped = set(too_long.tolist())
+        keep, truncate_to = [b for b in range(tree.num_branches) if b not in dropped], None
+    else:
+        stats.num_truncated_branches += int(too_long.size)
+        keep, truncate_to = list(range(tree.num_branches)), max_branch_tokens
+    limit = truncate_to or max_branch_tokens + 1
+    if not any(tree.branch_loss_spans[b] and tree.branch_loss_spans[b][0] < limit for b in keep):
+        stats.num_dropped_trees += 1
+        return None
+    return tree.select_branches(keep, max_tokens=truncate_to)
+
+
+def split_tree(tree: Tree, max_tokens: int) -> list[Tree]:
+    """Partition the branches into groups whose union fits ``max_tokens``; each group becomes a tree.
+
+    Branches are taken in DFS order of their end nodes, so neighbours (which share the most) stay together.
+    Every branch must already fit (``limit_branch_length``). Weights stay exact: each part's weights are
+    sums over its own branches.
+    """
+    if tree.num_tokens <= max_tokens:
+        return [tree]
+    order = sorted(range(tree.num_branches), key=lambda b: (tree.branch_end_nodes[b], b))
+    groups: list[list[int]] = []
+    included: set[int] = set()
+    size = 0
+    for b in order:
+        path = tree.branch_path(b)
+        added = int(sum(tree.node_lengths[n] for n in path if n not in included))
+        if groups and size + added <= max_tokens:
+            groups[-1].append(b)
+            size += added
+        else:
+            groups.append([b])
+            included = set()
+            size = int(tree.branch_lengths[b])
+        included.update(path)
+    return [tree.select_branches(sorted(group)) for group in groups]
+
+
+def best_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
+    """Bin packing: item indices per bin, largest items first, each into the fullest bin it fits."""
+    bins: list[list[int]] = []
+    free: list[tuple[int, int]] = []  # sorted (free space, bin index)
+    for item in sorted(range(len(sizes)), key=lambda i: (-sizes[i], i)):
+        pos = bisect.bisect_left(free, (sizes[item], -1))
+        if pos < len(free):
+            space, index = free.pop(pos)
+        else:
+            space, index = capacity, len(bins)
+            bins.append([])
+        bins[index].append(item)
+        bisect.insort(free, (space - sizes[item], index))
+    return [sorted(b) for b in bins]
+
+
+def pack_trees(
+    trees: Sequence[Tree],
+    max_packed_tokens: int,
+    normalization: Normalization = "token",
+    pad_to_multiple_of: int | None = None,
+    pad_token_id: int = 0,
+) -> tuple[dict[str, torch.Tensor], PackingStats]:
+    """Split, bin-pack and lay out trees (each already within the branch limit) into a batch.
+
+    Returns:
+        The batch of DESIGN.md (``input_ids``/``position_ids``/``kv_end`` ``[B, N]``; ``loss_positions``,
+        ``loss_targets`` ``[M]`` int64; ``loss_weights`` ``[M]`` float64; ``num_loss_items`` 0-dim
+        float64) and the packing statistics.
+    """
+    stats = PackingStats(num_trees=len(trees))
+    parts: list[Tree] = []
+    for tree in trees:
+        split = split_tree(tree, max_packed_tokens)
+        stats.num_split_trees += len(split) > 1
+        parts.extend(split)
+    stats.num_tree_parts = len(parts)
+    rows = best_fit_decreasing([p.num_tokens for p in parts], max_packed_tokens) or [[]]
+    longest = max(sum(parts[i].num_tokens for i in row) for row in rows) or 1
+    if pad_to_multiple_of:
+        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
+    num_rows = len(rows)
+
+    input_ids = np.full((num_rows, longest), pad_token_id, dtype=np.int64)
+    position_ids = np.zeros((num_rows, longest), dtype=np.int64)
+    kv_end = np.tile(np.arange(1, longest + 1, dtype=np.int64), (num_rows, 1))  # padding sees itself only
+    loss_positions, loss_targets, loss_weights = [], [], []
+    num_loss_items = 0.0
+    for r, row in enumerate(rows):
+        offset = 0
+        for i in row:
+            part = parts[i]
+            span = slice(offset, offset + part.num_tokens)
+            input_ids[r, span] = part.input_ids
+            position_ids[r, span] = part.position_ids
+            kv_end[r, span] = part.kv_end + offset
+            weights = part.token_weights if normalization == "token" else part.sequence_weights
+            trained = np.nonzero(weights)[0]
+            loss_positions.append(r * longest + offset + part.predictor_index[trained])
+            loss_targets.append(part.input_ids[trained])
+            loss_weights.append(weights[trained].astype(np.float64))
+            num_loss_items += float(weights.sum()) if normalization == "token" else part.num_trained_branches
+            stats.num_tree_tokens += part.num_tokens
+            stats.num_branch_tokens += part.num_branch_tokens
+            offset += part.num_tokens
+    stats.num_rows = num_rows
+    stats.num_padding_tokens = num_rows * longest - stats.num_tree_tokens
+
+    def cat(chunks: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
+        return np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype=dtype)
+
+    batch = {
+        "input_ids": torch.from_numpy(input_ids),
+        "position_ids": torch.from_numpy(position_ids),
+        "kv_end": torch.from_numpy(kv_end.astype(np.int32)),
+        "loss_positions": torch.from_numpy(cat(loss_positions, np.int64)),
+        "loss_targets": torch.from_numpy(cat(loss_targets, np.int64)),
+        "loss_weights": torch.from_numpy(cat(loss_weights, np.float64)),
+        "num_loss_items": torch.tensor(num_loss_items, dtype=torch.float64),
+    }
+    return batch, stats
