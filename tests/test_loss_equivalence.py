@@ -1,0 +1,139 @@
+"""The central promise: the packed tree loss and every parameter gradient equal per-branch training.
+
+Oracle: each branch run alone through the same model with ``sdpa`` and the standard shifted CE,
+combined with the same normalization. float64, RMSNorm kept in float64 (see tests/helpers.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from tests.helpers import float64_norms, grads_of, max_grad_relative_error, per_branch_loss, relative_error, tiny_model
+
+VOCAB = 97
+TOLERANCE = 1e-9
+
+
+def random_tree_branches(rng: random.Random, num_branches: int, max_len: int = 24, vocab: int = 5):
+    """Branches over a tiny vocabulary so that they share prefixes, with duplicates and prefix branches."""
+    sequences, masks = [], []
+    for _ in range(num_branches):
+        if sequences and rng.random() < 0.5:  # extend/cut a previous branch: deep sharing
+            base = rng.choice(sequences)
+            seq = base[: rng.randint(1, len(base))] + [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+        else:
+            seq = [rng.randrange(vocab) for _ in range(rng.randint(1, max_len))]
+        sequences.append(seq)
+        masks.append([rng.choice((0, 1, 1)) for _ in seq])
+    masks[0] = [0] + [1] * (len(sequences[0]) - 1)
+    if len(sequences[0]) == 1:
+        sequences[0], masks[0] = sequences[0] + [1], [0, 1]
+    return sequences, masks
+
+
+def wide_tree_branches(fan_out: int = 33):
+    prompt = [3, 1, 4, 1, 5]
+    return [prompt + [i % VOCAB, (7 * i) % VOCAB] for i in range(fan_out)], None
+
+
+def deep_tree_branches(depth: int = 12):
+    """Each branch extends the previous by one token and forks off: depth >= 10 nodes, single-token nodes."""
+    sequences, spine = [], [2]
+    for level in range(depth):
+        spine = spine + [10 + level]
+        sequences.append(spine + [50 + level])
+    return sequences, None
+
+
+def check_equivalence(family: str, groups, normalization: str, max_packed_tokens: int) -> None:
+    """``groups``: list of (sequences, masks) each forming one tree."""
+    with float64_norms():
+        model = tiny_model(family, vocab_size=VOCAB)
+        trees = [Tree.from_sequences(s, m) for s, m in groups]
+        collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, normalization=normalization,
+                                    pad_to_multiple_of=8)
+        batch = collator([t.to_dict() for t in trees])
+        loss = tree_causal_lm_loss(model, batch)
+        loss.backward()
+        tree_grads = grads_of(model)
+        model.zero_grad()
+
+        total, divisor = 0.0, 0.0
+        for s, m in groups:
+            t, d = per_branch_loss(model, s, m, normalization)
+            total, divisor = total + t, divisor + d
+        reference = total / divisor
+        reference.backward()
+        ref_grads = grads_of(model)
+
+    assert relative_error(loss, reference) <= TOLERANCE
+    assert float(batch["num_loss_items"]) == pytest.approx(float(divisor), rel=1e-12)
+    assert max_grad_relative_error(tree_grads, ref_grads) <= TOLERANCE
+    return batch
+
+
+@pytest.mark.parametrize("family", ["llama", "qwen3"])
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_wide_deep_multi_tree_row_matches_per_branch(family, normalization):
+    rng = random.Random(0)
+    groups = [wide_tree_branches(), deep_tree_branches(), random_tree_branches(rng, 6)]
+    batch = check_equivalence(family, groups, normalization, max_packed_tokens=128)
+    assert batch["input_ids"].shape[0] < 3  # trees share rows
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_split_trees_match_per_branch(normalization):
+    rng = random.Random(1)
+    groups = [random_tree_branches(rng, 10, max_len=20), wide_tree_branches(40)]
+    batch = check_equivalence("llama", groups, normalization, max_packed_tokens=24)
+    assert int(batch["num_split_trees"]) == 2
+
+
+@given(seed=st.integers(0, 2**31), num_trees=st.integers(1, 3), normalization=st.sampled_from(["token", "sequence"]),
+       family=st.sampled_from(["llama", "qwen3"]), max_packed_tokens=st.sampled_from([40, 64, 256]))
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_random_forests_match_per_branch(seed, num_trees, normalization, family, max_packed_tokens):
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(num_trees):
+        sequences, masks = random_tree_branches(rng, rng.randint(1, 8))
+        groups.append((sequences, masks))
+    check_equivalence(family, groups, normalization, max_packed_tokens)
+
+
+def test_loss_refuses_a_model_without_tree_attention():
+    model = tiny_model("llama", attn="sdpa")
+    batch = TreeDataCollator(max_packed_tokens=16)([Tree.from_sequences([[1, 2, 3]]).to_dict()])
+    with pytest.raises(ValueError, match="attn_implementation='sdpa'"):
+        tree_causal_lm_loss(model, batch)
+
+
+def test_loss_divides_by_the_given_global_count():
+    model = tiny_model("llama")
+    batch = TreeDataCollator(max_packed_tokens=16)([Tree.from_sequences([[1, 2, 3], [1, 2, 4]]).to_dict()])
+    own = tree_causal_lm_loss(model, batch)
+    doubled = tree_causal_lm_loss(model, batch, num_items_in_batch=2 * batch["num_loss_items"])
+    torch.testing.assert_close(doubled, own / 2)
+
+
+def test_tied_embeddings_and_chunked_loss_match_per_branch():
+    """Chunking the LM-head CE (chunk of 3 edges) and tied input/output embeddings keep exactness."""
+    sequences, masks = random_tree_branches(random.Random(3), 6)
+    with float64_norms():
+        model = tiny_model("qwen3", vocab_size=VOCAB, tie_word_embeddings=True)
+        assert model.get_output_embeddings().weight is model.get_input_embeddings().weight
+        batch = TreeDataCollator(max_packed_tokens=256)([Tree.from_sequences(sequences, masks).to_dict()])
+        loss = tree_causal_lm_loss(model, batch, chunk_size=3)
+        loss.backward()
+        tree_grads = grads_of(model)
+        model.zero_grad()
+        total, divisor = per_branch_loss(model, sequences, masks)
+        (total / divisor).backward()
+    assert relative_error(loss, total / divisor) <= TOLERANCE
+    assert max_grad_relative_error(tree_grads, grads_of(model)) <= TOLERANCE
