@@ -137,3 +137,24 @@ def test_tied_embeddings_and_chunked_loss_match_per_branch():
         (total / divisor).backward()
     assert relative_error(loss, total / divisor) <= TOLERANCE
     assert max_grad_relative_error(tree_grads, grads_of(model)) <= TOLERANCE
+
+
+def test_peft_wrapped_model_with_lora_on_the_head_matches_per_branch():
+    """LoRA on attention and on the LM head: the loss calls the (wrapped) head module, so adapters count."""
+    from peft import LoraConfig, get_peft_model
+
+    sequences, masks = random_tree_branches(random.Random(5), 5)
+    with float64_norms():
+        base = tiny_model("llama", vocab_size=VOCAB)
+        config = LoraConfig(r=4, target_modules=["q_proj", "v_proj", "lm_head"], init_lora_weights=False)
+        model = get_peft_model(base, config)
+        batch = TreeDataCollator(max_packed_tokens=256)([Tree.from_sequences(sequences, masks).to_dict()])
+        loss = tree_causal_lm_loss(model, batch)
+        loss.backward()
+        tree_grads = grads_of(model)
+        assert tree_grads and all("lora_" in name for name in tree_grads)
+        model.zero_grad()
+        total, divisor = per_branch_loss(model, sequences, masks)
+        (total / divisor).backward()
+    assert relative_error(loss, total / divisor) <= TOLERANCE
+    assert max_grad_relative_error(tree_grads, grads_of(model)) <= TOLERANCE
