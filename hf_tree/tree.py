@@ -53,7 +53,8 @@ class _BuildNode:
         self.add_child(tail)
 
 
-def _common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
+    """Number of leading items ``a`` and ``b`` share."""
     n = min(len(a), len(b))
     if list(a[:n]) == list(b[:n]):
         return n
@@ -151,9 +152,7 @@ class Tree:
                     )
                 bad = [i for i, m in enumerate(mask) if m not in (0, 1)]
                 if bad:
-                    raise ValueError(
-                        f"loss_masks[{b}][{bad[0]}] = {mask[bad[0]]!r}: mask values must be 0 or 1."
-                    )
+                    raise ValueError(f"loss_masks[{b}][{bad[0]}] = {mask[bad[0]]!r}: mask values must be 0 or 1.")
                 spans.append(mask_to_spans(mask))
             token_lists.append(tokens)
 
@@ -173,7 +172,7 @@ class Tree:
                     node.add_child(child)
                     child.end_branches.append(b)
                     break
-                shared = _common_prefix_length(child.tokens, tokens[pos : pos + len(child.tokens)])
+                shared = common_prefix_length(child.tokens, tokens[pos : pos + len(child.tokens)])
                 if shared < len(child.tokens):
                     child.split(shared)
                 pos += shared
