@@ -1,7 +1,11 @@
 """hf_tree: train causal LMs on tree-structured data (shared prefixes computed once) in the HF stack.
 
-Importing the package registers ``attn_implementation="tree_flash"`` with transformers.
+Importing the package registers ``attn_implementation="tree_flash"`` with transformers. The trainers
+are imported lazily (they pull in ``transformers.Trainer`` and TRL, a few seconds).
 """
+
+import importlib
+from typing import Any
 
 from hf_tree.attention.registration import TREE_ATTENTION_NAME, register_tree_attention
 from hf_tree.collator import TreeDataCollator
@@ -11,6 +15,24 @@ from hf_tree.tree import Tree
 
 register_tree_attention()
 
+_LAZY = {
+    "TreeTrainer": "hf_tree.trainer",
+    "TreeTrainingArguments": "hf_tree.trainer",
+    "TreeSFTConfig": "hf_tree.sft",
+    "TreeSFTTrainer": "hf_tree.sft",
+    "TreeGRPOConfig": "hf_tree.grpo",
+    "TreeGRPOTrainer": "hf_tree.grpo",
+    "TreeDPOConfig": "hf_tree.dpo",
+    "TreeDPOTrainer": "hf_tree.dpo",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'hf_tree' has no attribute {name!r}")
+
+
 __all__ = [
     "TREE_ATTENTION_NAME",
     "PackingStats",
@@ -19,4 +41,5 @@ __all__ = [
     "pack_trees",
     "split_tree",
     "tree_causal_lm_loss",
+    *_LAZY,
 ]

@@ -1,14 +1,20 @@
-"""The ``hf-tree`` command line."""
+"""The ``hf-tree`` command line: ``demo``, ``stats`` (what a dataset saves, what packing does) and ``show``
+(a picture of one packed row)."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import random
+import sys
 from collections.abc import Sequence
 
 from hf_tree.attention import render_mask
 from hf_tree.collator import TreeDataCollator
+from hf_tree.packing import OVERLONG_POLICIES
 from hf_tree.tree import Tree
+
+DEFAULT_TOKENIZER = "smollm2"
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -42,6 +48,136 @@ def _demo(args: argparse.Namespace) -> None:
     print(render_mask(TreeDataCollator(max_packed_tokens=8)([small.to_dict()])["kv_end"][0].long()))
 
 
+def _load_tokenizer(name: str):
+    """``smollm2``: the offline SmolLM2-135M-Instruct tokenizer (``hf_tree.assets``); else a local tokenizer folder."""
+    if name == DEFAULT_TOKENIZER:
+        from hf_tree.assets import load_smollm2_tokenizer
+
+        return load_smollm2_tokenizer()
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+def _load(args: argparse.Namespace):
+    """(trees, drop counts by reason) of the DATA argument; the tokenizer is loaded only if DATA needs it."""
+    from hf_tree.data.sources import load_tree_rows, tree_rows_summary
+
+    loaded = load_tree_rows(
+        args.data,
+        lambda: _load_tokenizer(args.tokenizer),
+        chat_template=args.chat_template,
+        group_by=args.group_by,
+        subset=args.subset,
+        limit=args.limit,
+        num_proc=args.num_proc,
+    )
+    if getattr(args, "save_trees", None):
+        loaded.trees.save_to_disk(args.save_trees)
+    trees = [Tree.from_dict(row, row=i) for i, row in enumerate(loaded.trees)]
+    return trees, tree_rows_summary(loaded)
+
+
+def _stats(args: argparse.Namespace) -> None:
+    """Print what tree packing saves on DATA and what packing at --max-packed-tokens does."""
+    from hf_tree.stats import compute_stats, format_report
+
+    trees, dropped = _load(args)
+    stats = compute_stats(
+        trees,
+        args.max_packed_tokens,
+        max_branch_tokens=args.max_branch_tokens,
+        overlong=args.overlong,
+        trees_per_batch=args.trees_per_batch,
+        dropped=dropped,
+    )
+    print(json.dumps(stats.to_dict(), indent=2, default=str) if args.json else format_report(stats))
+    if args.plot:
+        from hf_tree.plots import plot_stats
+
+        plot_stats(stats, args.plot, title=f"{args.data}: {stats.num_trees} trees, {stats.num_branches} branches")
+        print(f"wrote {args.plot}", file=sys.stderr)
+
+
+def _show(args: argparse.Namespace) -> None:
+    """Draw packed row --index of DATA (the tree and its mask) to --out."""
+    from hf_tree.plots import plot_packed_row
+    from hf_tree.stats import plan_rows
+
+    trees, _ = _load(args)
+    plan = plan_rows(
+        trees,
+        args.max_packed_tokens,
+        max_branch_tokens=args.max_branch_tokens,
+        overlong=args.overlong,
+        trees_per_batch=args.trees_per_batch,
+    )
+    if not -len(plan.rows) <= args.index < len(plan.rows):
+        raise SystemExit(f"--index {args.index} is out of range: DATA packs into {len(plan.rows)} rows.")
+    parts = plan.rows[args.index]
+    for k, part in enumerate(parts):
+        print(
+            f"tree part {k}: {part.num_branches} branches, {part.num_nodes} nodes, {part.num_tokens} tokens "
+            f"(dedup {part.dedup_ratio:.2f})"
+        )
+    window = None
+    if args.window:
+        first, _, last = args.window.partition(":")
+        window = (int(first or 0), int(last) if last else sum(p.num_tokens for p in parts))
+    plot_packed_row(
+        parts,
+        args.out,
+        title=f"{args.data} row {args.index} of {len(plan.rows)} "
+        f"(max_packed_tokens={args.max_packed_tokens}; dark: trained tokens)",
+        window=window,
+    )
+    print(f"wrote {args.out}", file=sys.stderr)
+
+
+def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "data",
+        help="a saved tree dataset folder (Dataset.save_to_disk), a .jsonl/.json/.parquet file in a user "
+        "format (messages; prompt+completions; prompt+completion; prompt/chosen/rejected), or builtin:champ, "
+        "builtin:bfcl, builtin:synthetic-agent",
+    )
+    parser.add_argument(
+        "--tokenizer",
+        default=DEFAULT_TOKENIZER,
+        help="'smollm2' (offline SmolLM2-135M-Instruct, the default) or a local tokenizer folder",
+    )
+    parser.add_argument(
+        "--chat-template",
+        default=None,
+        help="a .jinja file or a TRL template name (e.g. qwen3); builtin agent data defaults to qwen3",
+    )
+    parser.add_argument("--group-by", default=None, help="build_tree_dataset's group_by (a column name)")
+    parser.add_argument(
+        "--subset", default=None, help="builtin:champ prompt type (e.g. 0-Shot) or builtin:bfcl category"
+    )
+    parser.add_argument(
+        "--limit",
+        type=int,
+        default=None,
+        help="builtin sources: CHAMP problems, BFCL tasks or synthetic conversations to read",
+    )
+    parser.add_argument("--num-proc", type=int, default=None, help="tokenizing worker processes")
+    parser.add_argument("--max-packed-tokens", type=int, default=4096, help="row capacity for packing")
+    parser.add_argument("--max-branch-tokens", type=int, default=None, help="longest branch (default: row capacity)")
+    parser.add_argument(
+        "--overlong",
+        choices=OVERLONG_POLICIES,
+        default="drop",
+        help="what packing does with a longer branch (counted in the report)",
+    )
+    parser.add_argument(
+        "--trees-per-batch",
+        type=int,
+        default=None,
+        help="pack consecutive batches of this many trees, as the trainer's collator does (default: all trees at once)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-tree", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
@@ -52,6 +188,20 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--turns", type=int, default=10)
     demo.add_argument("--max-packed-tokens", type=int, default=4096)
     demo.set_defaults(run=_demo)
+
+    stats = commands.add_parser("stats", help="what tree packing saves on a dataset, and what packing does")
+    _add_data_arguments(stats)
+    stats.add_argument("--plot", default=None, help="write a PNG of the distributions here")
+    stats.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the report")
+    stats.add_argument("--save-trees", default=None, help="also save the tree rows here (Dataset.save_to_disk)")
+    stats.set_defaults(run=_stats)
+
+    show = commands.add_parser("show", help="draw one packed row (its trees and attention mask) to a PNG")
+    _add_data_arguments(show)
+    show.add_argument("--index", type=int, default=0, help="the packed row to draw (negative counts from the end)")
+    show.add_argument("--out", default="row.png", help="PNG file to write")
+    show.add_argument("--window", default=None, help="START:END packed positions to draw (zoom), e.g. 6000:7400")
+    show.set_defaults(run=_show)
     return parser
 
 

@@ -61,7 +61,10 @@ class TreeDataCollator:
 
     def __post_init__(self) -> None:
         self.max_branch_tokens = check_packing_options(
-            self.max_packed_tokens, self.max_branch_tokens, self.overlong, self.normalization,
+            self.max_packed_tokens,
+            self.max_branch_tokens,
+            self.overlong,
+            self.normalization,
             self.pad_to_multiple_of,
         )
 
@@ -87,8 +90,12 @@ class TreeDataCollator:
                 "TreeDataCollator: in this batch %d branches truncated and %d dropped for exceeding "
                 "max_branch_tokens=%d, %d trees dropped (no trained token left); totals so far: %d "
                 "truncated, %d dropped, %d trees dropped.",
-                batch_stats.num_truncated_branches, batch_stats.num_dropped_branches, self.max_branch_tokens,
-                batch_stats.num_dropped_trees, self.stats.num_truncated_branches, self.stats.num_dropped_branches,
+                batch_stats.num_truncated_branches,
+                batch_stats.num_dropped_branches,
+                self.max_branch_tokens,
+                batch_stats.num_dropped_trees,
+                self.stats.num_truncated_branches,
+                self.stats.num_dropped_branches,
                 self.stats.num_dropped_trees,
             )
         for name in STATS_KEYS:

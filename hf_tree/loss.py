@@ -18,10 +18,16 @@ DEFAULT_LOSS_CHUNK_SIZE = 2048
 
 
 def _weighted_ce_chunk(
-    head: torch.nn.Module, hidden: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor,
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
     softcap: float | None,
 ) -> torch.Tensor:
-    logits = head(hidden)
+    # forward(), not __call__: under FSDP2 (accelerate 1.15, torch 2.13) the head is its own FSDP unit, kept
+    # unsharded by the model forward until backward; running its FSDP hooks a second time here segfaulted in
+    # backward. forward() skips those hooks and keeps PEFT/accelerate wrappers (they replace forward itself).
+    logits = head.forward(hidden)
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
     if softcap is not None:
@@ -49,7 +55,12 @@ def weighted_cross_entropy(
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
         total = total + checkpoint(
-            _weighted_ce_chunk, head, hidden[start:end], targets[start:end], weights[start:end], softcap,
+            _weighted_ce_chunk,
+            head,
+            hidden[start:end],
+            targets[start:end],
+            weights[start:end],
+            softcap,
             use_reentrant=False,
         )
     return total
@@ -90,8 +101,12 @@ def tree_causal_lm_loss(
     gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
     head = extract_model_from_parallel(model).get_output_embeddings()
     total = weighted_cross_entropy(
-        head, gathered, batch["loss_targets"], batch["loss_weights"],
-        softcap=getattr(config, "final_logit_softcapping", None), chunk_size=chunk_size,
+        head,
+        gathered,
+        batch["loss_targets"],
+        batch["loss_weights"],
+        softcap=getattr(config, "final_logit_softcapping", None),
+        chunk_size=chunk_size,
     )
     divisor = batch["num_loss_items"] if num_items_in_batch is None else num_items_in_batch
     divisor = torch.as_tensor(divisor, device=total.device, dtype=total.dtype)

@@ -61,9 +61,7 @@ def _check_stored(stored: Any, expected: np.ndarray, key: str, where: str, tree:
         raise ValueError(f"{where}: {key!r} has {len(nodes)} nodes but node_tokens has {tree.num_nodes}.")
     for i, values in enumerate(nodes):
         if len(values) != tree.node_lengths[i]:
-            raise ValueError(
-                f"{where}: node {i}: {key!r} has {len(values)} values for {tree.node_lengths[i]} tokens."
-            )
+            raise ValueError(f"{where}: node {i}: {key!r} has {len(values)} values for {tree.node_lengths[i]} tokens.")
     flat = np.asarray([v for node in nodes for v in node], dtype=np.float64)
     if not np.allclose(flat, expected, rtol=1e-12, atol=0.0):
         index = int(np.argmax(~np.isclose(flat, expected, rtol=1e-12, atol=0.0)))
@@ -130,9 +128,7 @@ def validate_tree_dict(cls: type[Tree], data: dict[str, Any], where: str) -> Tre
 
     spans_raw = _check_list(data, "branch_loss_spans", where)
     if len(spans_raw) != len(end_nodes):
-        raise ValueError(
-            f"{where}: branch_loss_spans has {len(spans_raw)} entries for {len(end_nodes)} branches."
-        )
+        raise ValueError(f"{where}: branch_loss_spans has {len(spans_raw)} entries for {len(end_nodes)} branches.")
     lengths = np.asarray([len(t) for t in node_tokens])
     depth_end = np.zeros(num_nodes, dtype=np.int64)  # depth after each node's last token
     for i, p in enumerate(parents):
@@ -141,8 +137,10 @@ def validate_tree_dict(cls: type[Tree], data: dict[str, Any], where: str) -> Tre
     for b, branch_spans in enumerate(spans_raw):
         branch_spans = [_check_int(v, f"{where}: branch {b}: loss span value") for v in branch_spans]
         if len(branch_spans) % 2:
-            raise ValueError(f"{where}: branch {b}: loss spans have odd length {len(branch_spans)}; "
-                             "expected [start, end, start, end, ...].")
+            raise ValueError(
+                f"{where}: branch {b}: loss spans have odd length {len(branch_spans)}; "
+                "expected [start, end, start, end, ...]."
+            )
         length, previous_end = int(depth_end[end_nodes[b]]), 1
         for s, e in zip(branch_spans[0::2], branch_spans[1::2]):
             if not previous_end <= s < e <= length:
@@ -169,7 +167,8 @@ def validate_tree_dict(cls: type[Tree], data: dict[str, Any], where: str) -> Tre
         stored = np.asarray(list(data["branch_num_trained"]), dtype=np.float64)
         if stored.shape != tree.branch_num_trained.shape or not np.array_equal(stored, tree.branch_num_trained):
             raise ValueError(f"{where}: branch_num_trained does not match the loss spans; the row is stale.")
-    _check_stored(data.get("node_token_weights"), tree.token_weights.astype(np.float64), "node_token_weights",
-                  where, tree)
+    _check_stored(
+        data.get("node_token_weights"), tree.token_weights.astype(np.float64), "node_token_weights", where, tree
+    )
     _check_stored(data.get("node_sequence_weights"), tree.sequence_weights, "node_sequence_weights", where, tree)
     return tree

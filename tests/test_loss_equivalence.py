@@ -56,8 +56,9 @@ def check_equivalence(family: str, groups, normalization: str, max_packed_tokens
     with float64_norms():
         model = tiny_model(family, vocab_size=VOCAB)
         trees = [Tree.from_sequences(s, m) for s, m in groups]
-        collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, normalization=normalization,
-                                    pad_to_multiple_of=8)
+        collator = TreeDataCollator(
+            max_packed_tokens=max_packed_tokens, normalization=normalization, pad_to_multiple_of=8
+        )
         batch = collator([t.to_dict() for t in trees])
         loss = tree_causal_lm_loss(model, batch)
         loss.backward()
@@ -95,8 +96,13 @@ def test_split_trees_match_per_branch(normalization):
     assert int(batch["num_split_trees"]) == 2
 
 
-@given(seed=st.integers(0, 2**31), num_trees=st.integers(1, 3), normalization=st.sampled_from(["token", "sequence"]),
-       family=st.sampled_from(["llama", "qwen3"]), max_packed_tokens=st.sampled_from([40, 64, 256]))
+@given(
+    seed=st.integers(0, 2**31),
+    num_trees=st.integers(1, 3),
+    normalization=st.sampled_from(["token", "sequence"]),
+    family=st.sampled_from(["llama", "qwen3"]),
+    max_packed_tokens=st.sampled_from([40, 64, 256]),
+)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_random_forests_match_per_branch(seed, num_trees, normalization, family, max_packed_tokens):
     rng = random.Random(seed)

@@ -84,7 +84,8 @@ def test_deep_and_wide_trees():
 
 def test_to_dict_round_trips_through_arrow():
     tree = Tree.from_sequences(
-        [[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8]], [[0, 1, 1, 1], [0, 0, 1], [0, 0, 0, 1]],
+        [[5, 6, 7, 8], [5, 6, 9], [5, 6, 7, 8]],
+        [[0, 1, 1, 1], [0, 0, 1], [0, 0, 0, 1]],
         branch_fields={"reward": [1.0, -0.5, 0.25]},
     )
     ds = datasets.Dataset.from_list([tree.to_dict(), tree.to_dict()])
@@ -95,8 +96,9 @@ def test_to_dict_round_trips_through_arrow():
 
 
 def test_select_branches_recomputes_weights_from_its_own_branches():
-    tree = Tree.from_sequences([[1, 2, 3], [1, 2, 4], [1, 2, 5]], [[0, 1, 1], [0, 0, 1], [0, 1, 1]],
-                               branch_fields={"id": ["a", "b", "c"]})
+    tree = Tree.from_sequences(
+        [[1, 2, 3], [1, 2, 4], [1, 2, 5]], [[0, 1, 1], [0, 0, 1], [0, 1, 1]], branch_fields={"id": ["a", "b", "c"]}
+    )
     part = tree.select_branches([1, 2])
     assert part.token_weights.tolist() == [0, 1, 1, 1]
     assert part.branch_fields == {"id": ["b", "c"]}

@@ -34,8 +34,12 @@ def edited(**changes) -> dict:
         (edited(branch_loss_spans=[[1, 3], [2, 9]]), r"branch 1: loss span \[2, 9\) is invalid"),
         (edited(branch_loss_spans=[[0, 3], [2, 4]]), r"branch 0: loss span \[0, 3\) is invalid"),
         (edited(branch_loss_spans=[[1], [2, 4]]), r"branch 0: loss spans have odd length"),
-        (edited(branch_loss_spans=[[], []], branch_num_trained=None, node_token_weights=None,
-                node_sequence_weights=None), r"no token is trained"),
+        (
+            edited(
+                branch_loss_spans=[[], []], branch_num_trained=None, node_token_weights=None, node_sequence_weights=None
+            ),
+            r"no token is trained",
+        ),
         (edited(node_token_weights=[[0, 1], [1], [2, 2]]), r"'node_token_weights' at packed token .* stale"),
         (edited(node_token_weights=[[0, 1], [1, 1], [1, 1]]), r"node 1: 'node_token_weights' has 2 values"),
         (edited(branch_num_trained=[2, 3]), r"branch_num_trained does not match"),

@@ -16,12 +16,19 @@ from collections.abc import Callable
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+from hf_tree.attention.blocked import blocked_tree_attention
+from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.mask import dense_tree_mask, render_mask, tree_mask_mod
 from hf_tree.attention.reference import reference_tree_attention
+from hf_tree.parallel.context import active_context_parallel, refuse_torch_context_parallel
 
 TreeAttentionEngine = Callable[..., torch.Tensor]
 
-ENGINES: dict[str, TreeAttentionEngine] = {"reference": reference_tree_attention}
+ENGINES: dict[str, TreeAttentionEngine] = {
+    "blocked": blocked_tree_attention,  # CPU / any device: block-skipping PyTorch, custom autograd
+    "flex": flex_tree_attention,  # CUDA: compiled FlexAttention with a cached BlockMask
+    "reference": reference_tree_attention,  # dense mask, for tests
+}
 BACKEND_ENV_VAR = "HF_TREE_ATTENTION_BACKEND"
 _forced_backend: str | None = None
 
@@ -35,10 +42,11 @@ def set_attention_backend(name: str | None) -> None:
 
 
 def select_backend(device: torch.device) -> str:
-    """The engine name for tensors on ``device``: forced > environment > automatic."""
+    """The engine name for tensors on ``device``: forced > environment > automatic ("flex" on CUDA,
+    "blocked" elsewhere)."""
     name = _forced_backend or os.environ.get(BACKEND_ENV_VAR) or "auto"
     if name == "auto":
-        return "reference"
+        return "flex" if device.type == "cuda" else "blocked"
     if name not in ENGINES:
         raise ValueError(f"{BACKEND_ENV_VAR}={name!r} is unknown; choose one of {sorted(ENGINES)} or 'auto'.")
     return name
@@ -61,30 +69,54 @@ def tree_attention_forward(
     ``([B, N, H, D], None)``. ``kv_end [B, N]`` selects tree mode; ``position_ids`` arrive in kwargs."""
     if kv_end is None:
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-            sliding_window=sliding_window, softcap=softcap, **kwargs,
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            softcap=softcap,
+            **kwargs,
         )
+    refuse_torch_context_parallel()  # torch's CP would shard the row and force a causal mask
     if dropout > 0.0:
         raise ValueError(
             f"tree_flash attention does not support attention dropout (got dropout={dropout}); "
             "set the model config's attention_dropout to 0.0."
         )
     if kv_end.shape != query.shape[:1] + query.shape[2:3]:
-        raise ValueError(f"kv_end has shape {tuple(kv_end.shape)}; expected [batch, seq] = "
-                         f"{[query.shape[0], query.shape[2]]} matching input_ids.")
+        raise ValueError(
+            f"kv_end has shape {tuple(kv_end.shape)}; expected [batch, seq] = "
+            f"{[query.shape[0], query.shape[2]]} matching input_ids."
+        )
     if scaling is None:
         scaling = query.shape[-1] ** -0.5
+    if (context_parallel := active_context_parallel()) is not None:  # hf_tree.parallel: local rows, all keys
+        out = context_parallel.attention(
+            query, key, value, kv_end, scaling=scaling, sliding_window=sliding_window, softcap=softcap
+        )
+        return out, None
     engine = ENGINES[select_backend(query.device)]
     out = engine(
-        query, key, value, kv_end, scaling=scaling, position_ids=kwargs.get("position_ids"),
-        sliding_window=sliding_window, softcap=softcap,
+        query,
+        key,
+        value,
+        kv_end,
+        scaling=scaling,
+        position_ids=kwargs.get("position_ids"),
+        sliding_window=sliding_window,
+        softcap=softcap,
     )
     return out, None
 
 
 __all__ = [
     "ENGINES",
+    "blocked_tree_attention",
     "dense_tree_mask",
+    "flex_tree_attention",
     "reference_tree_attention",
     "render_mask",
     "select_backend",

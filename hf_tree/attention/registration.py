@@ -28,7 +28,12 @@ def tree_mask_function(
     if attention_mask is None and isinstance(q_offset, int) and q_offset == 0 and q_length == kv_length:
         return None
     return sdpa_mask(
-        batch_size, q_length, kv_length, q_offset=q_offset, kv_offset=kv_offset, attention_mask=attention_mask,
+        batch_size,
+        q_length,
+        kv_length,
+        q_offset=q_offset,
+        kv_offset=kv_offset,
+        attention_mask=attention_mask,
         **kwargs,
     )
 

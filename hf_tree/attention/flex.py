@@ -1,0 +1,183 @@
+"""Tree attention on FlexAttention: a ``BlockMask`` built from ``kv_end`` block summaries, shared by all layers.
+
+The block mask is computed from per-key-block summaries of ``kv_end`` (min/max; depth min/max with a
+sliding window), never from the ``N x N`` mask: a (query block, key block) pair is skipped when no key
+of the block is an ancestor-or-self of a query of the block, "full" (no ``mask_mod`` call) when every
+key is seen by every query, and partial otherwise, where ``tree_mask_mod`` decides per element.
+
+One model forward calls attention once per layer with the same ``kv_end`` tensor object (transformers
+passes the keyword through unchanged), so the block mask is cached on that object's identity and its
+in-place version counter. The cache holds a reference to the tensors it was built from: their memory
+cannot be reused by a later batch while the entry lives, so an identity match cannot be stale.
+
+On CUDA ``flex_attention`` runs compiled (fused, block-sparse forward and backward). Elsewhere it runs
+eagerly: PyTorch's CPU FlexAttention has no backward, so this path serves forward checks of the same
+block mask and mask function; the ``blocked`` engine is the CPU engine.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import OrderedDict
+
+import torch
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+from hf_tree.attention.mask import tree_mask_mod
+
+# FlexAttention's default sparse block size (its kernels' tile size).
+BLOCK_SIZE = 128
+# Distinct batches whose block masks are kept (train and eval forwards may interleave).
+CACHE_SIZE = 4
+
+_cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor | None, BlockMask]] = OrderedDict()
+
+
+def _block_summaries(x: torch.Tensor, block_size: int, fill_min: int, fill_max: int) -> tuple[torch.Tensor, ...]:
+    """``x [B, N]`` -> per-block ``(min, max)`` ``[B, ceil(N / block_size)]``, padding ignored."""
+    n = x.shape[1]
+    pad = -n % block_size
+    low = torch.nn.functional.pad(x, (0, pad), value=fill_min).view(x.shape[0], -1, block_size)
+    high = torch.nn.functional.pad(x, (0, pad), value=fill_max).view(x.shape[0], -1, block_size)
+    return low.amin(-1), high.amax(-1)
+
+
+def _ordered(blocks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[B, 1, Q, K]`` bool -> (count ``[B, 1, Q]``, indices ``[B, 1, Q, K]`` with the selected ones first)."""
+    counts = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(blocks.to(torch.int8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return counts, indices
+
+
+def tree_block_mask(
+    kv_end: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    block_size: int = BLOCK_SIZE,
+) -> BlockMask:
+    """The ``BlockMask`` of packed tree rows (uncached; see ``flex_tree_attention`` for the cached use).
+
+    Args:
+        kv_end: ``[B, N]`` integer subtree ends.
+        position_ids: ``[B, N]`` depths; needed with ``sliding_window``.
+        sliding_window: window in depth positions.
+        block_size: query and key block size.
+    """
+    if sliding_window is not None and position_ids is None:
+        raise ValueError("tree_block_mask: a sliding_window needs position_ids (depths) to measure distance.")
+    batch, n = kv_end.shape
+    device = kv_end.device
+    ends = kv_end.to(torch.int64)
+    num_blocks = -(-n // block_size)
+    starts = torch.arange(num_blocks, device=device) * block_size
+    q_first = starts[:, None]  # first query / key of each block
+    q_last = torch.clamp(starts + block_size, max=n)[:, None] - 1
+    k_first, k_last = starts[None, :], q_last.T
+    end_min, end_max = _block_summaries(ends, block_size, fill_min=n + 1, fill_max=0)
+    end_min, end_max = end_min[:, None, :], end_max[:, None, :]  # [B, 1 (query block), key block]
+    # Some key j of the block is seen: j <= i < kv_end[j] for some query i (taking i = max(j, q_first)).
+    any_visible = (k_first <= q_last) & (end_max > q_first)
+    # Every key seen by every query: all keys precede the block's first query and outlive its last.
+    all_visible = (k_last <= q_first) & (end_min > q_last)
+    if sliding_window is not None:
+        depth = position_ids.to(torch.int64)
+        depth_min, depth_max = _block_summaries(depth, block_size, fill_min=n + 1, fill_max=-1)
+        any_visible &= depth_min[:, :, None] - depth_max[:, None, :] < sliding_window
+        all_visible &= depth_max[:, :, None] - depth_min[:, None, :] < sliding_window
+    partial = any_visible & ~all_visible
+    counts, indices = _ordered(partial[:, None])
+    full_counts, full_indices = _ordered(all_visible.expand(batch, -1, -1)[:, None])
+    return BlockMask.from_kv_blocks(
+        counts,
+        indices,
+        full_counts,
+        full_indices,
+        BLOCK_SIZE=block_size,
+        mask_mod=tree_mask_mod(kv_end, position_ids, sliding_window),
+        seq_lengths=(n, n),
+    )
+
+
+def cached_tree_block_mask(
+    kv_end: torch.Tensor, position_ids: torch.Tensor | None, sliding_window: int | None
+) -> BlockMask:
+    """``tree_block_mask`` built once per batch: keyed on the identity and version of ``kv_end`` (and of
+    ``position_ids`` when a sliding window reads them)."""
+    depth = position_ids if sliding_window is not None else None
+    key = (id(kv_end), kv_end._version, id(depth), None if depth is None else depth._version, sliding_window)
+    entry = _cache.get(key)
+    if entry is not None and entry[0] is kv_end and entry[1] is depth:
+        _cache.move_to_end(key)
+        return entry[2]
+    block_mask = tree_block_mask(kv_end, depth, sliding_window)
+    _cache[key] = (kv_end, depth, block_mask)
+    while len(_cache) > CACHE_SIZE:
+        _cache.popitem(last=False)
+    return block_mask
+
+
+def clear_block_mask_cache() -> None:
+    """Drop the cached block masks (and the references they hold to batch tensors)."""
+    _cache.clear()
+
+
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention)
+
+
+@functools.cache
+def _softcap_score_mod(softcap: float):
+    def score_mod(score, b, h, q_idx, kv_idx):
+        return softcap * torch.tanh(score / softcap)
+
+    return score_mod
+
+
+def flex_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_end: torch.Tensor,
+    *,
+    scaling: float,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+) -> torch.Tensor:
+    """Tree attention with FlexAttention (same contract as ``reference_tree_attention``).
+
+    Args:
+        query: ``[B, H, N, D]``.
+        key, value: ``[B, Hkv, N, D]`` with ``H % Hkv == 0`` (GQA/MQA handled by Flex, not repeated).
+        kv_end: ``[B, N]`` integer subtree ends.
+        scaling: multiplier of ``q @ k^T``.
+        position_ids: ``[B, N]`` depths (needed with ``sliding_window``).
+        sliding_window: window in depth positions, as each branch alone would see it.
+        softcap: ``softcap * tanh(scores / softcap)`` before masking, if set.
+
+    Returns:
+        ``[B, N, H, D]`` in ``query``'s dtype.
+    """
+    if sliding_window is not None and position_ids is None:
+        raise ValueError("flex_tree_attention: a sliding_window needs position_ids (depths) to measure distance.")
+    if not query.is_cuda:  # PyTorch's FlexAttention has no backward off CUDA: forward only
+        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+            raise ValueError(
+                f"attention backend 'flex' cannot compute gradients on device {query.device.type!r} (PyTorch's "
+                "FlexAttention has no backward there); use the 'blocked' backend (the default off CUDA): "
+                "hf_tree.attention.set_attention_backend('blocked') or HF_TREE_ATTENTION_BACKEND=blocked."
+            )
+        query, key, value = query.detach(), key.detach(), value.detach()
+    block_mask = cached_tree_block_mask(kv_end, position_ids, sliding_window)
+    attend = _compiled_flex_attention() if query.is_cuda else flex_attention
+    out = attend(
+        query,
+        key,
+        value,
+        score_mod=None if softcap is None else _softcap_score_mod(softcap),
+        block_mask=block_mask,
+        scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1],
+    )
+    return out.transpose(1, 2).contiguous()

@@ -1,0 +1,119 @@
+"""``TreeGRPOTrainer``: TRL's ``GRPOTrainer`` computing each prompt once per group in its log-prob passes.
+
+GRPO scores the G completions of a prompt three times per step (old policy, reference, current policy), and TRL
+runs the prompt once per completion each time. Here every log-prob pass packs the rows that share prompt tokens
+into trees (one prompt node, one leaf per completion; rows are grouped by their tokens, so a micro-batch may hold
+partial groups or several groups) and runs the model once on them. The one-line swap::
+
+    from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer  # instead of trl's GRPOConfig, GRPOTrainer
+
+Generation, rewards, advantages and the loss are TRL's own, and the log-probs and entropies equal TRL's (see
+``hf_tree.logprobs`` and tests/test_grpo.py). The reference pass works with a separate reference model and with a
+disabled PEFT adapter alike.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate.utils import is_peft_model
+from trl import GRPOConfig, GRPOTrainer
+from trl.extras.profiling import profiling_decorator
+
+from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
+
+
+@dataclass
+class TreeGRPOConfig(TreeLogProbArguments, GRPOConfig):
+    """``GRPOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
+
+
+class TreeGRPOTrainer(GRPOTrainer):
+    """``GRPOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
+
+    Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is
+    refused: it lacks the tree fields). Raises ``ValueError`` for what the tree passes do not support: a model not
+    loaded with ``attn_implementation="tree_flash"``, vision-language models and image inputs, MoE router auxiliary
+    losses, and configs that rescale logits.
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: TreeGRPOConfig | None = None, **kwargs: Any) -> None:
+        args = prepare_trl_args(args, TreeGRPOConfig, model, "GRPO")
+        super().__init__(model, reward_funcs, args, **kwargs)
+        if not self.args.tree_logprobs:
+            return
+        if self.aux_loss_enabled:
+            raise ValueError(
+                f"router_aux_loss_coef={self.router_aux_loss_coef} enables the MoE load-balancing loss, which the tree "
+                "log-prob passes do not compute (packed rows change which tokens the routers see). Set "
+                "router_aux_loss_coef=0.0 or tree_logprobs=False."
+            )
+        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        add_tree_fused_lm_head(
+            policy,
+            temperature=self.temperature,
+            outputs=("log_probs", "entropy"),
+            max_packed_tokens=self.args.max_packed_tokens,
+            cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+        )
+        if self.ref_model is not None:
+            add_tree_fused_lm_head(
+                self.accelerator.unwrap_model(self.ref_model),
+                temperature=self.temperature,
+                max_packed_tokens=self.args.max_packed_tokens,
+                cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
+                name="ref_model",
+            )
+
+    @profiling_decorator
+    def _get_per_token_logps_and_entropies(
+        self,
+        model: torch.nn.Module,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        logits_to_keep: int,
+        batch_size: int | None = None,
+        compute_entropy: bool = False,
+        compute_aux_loss: bool = False,
+        **multimodal_inputs: Any,
+    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """TRL's contract: ``input_ids``/``attention_mask`` ``[B, T]`` (left-padded prompts, right-padded
+        completions) -> log-probs ``[B, logits_to_keep]`` of the last ``logits_to_keep`` columns, entropies (or
+        ``None``), no aux loss. All ``B`` rows are packed together (groups are never cut by ``batch_size``); each
+        backbone call holds at most ``batch_size * T`` packed tokens, the tokens of one TRL forward."""
+        if not self.args.tree_logprobs:
+            return super()._get_per_token_logps_and_entropies(
+                model,
+                input_ids,
+                attention_mask,
+                logits_to_keep,
+                batch_size,
+                compute_entropy,
+                compute_aux_loss,
+                **multimodal_inputs,
+            )
+        given = sorted(name for name, value in multimodal_inputs.items() if value is not None)
+        if given or compute_aux_loss:
+            raise ValueError(
+                f"tree log-probs do not support {given or 'the MoE aux loss'} (image inputs of vision-language "
+                "models, router losses); set tree_logprobs=False."
+            )
+        # Only the completion tokens are scored, as in TRL
+        labels = input_ids.masked_fill(attention_mask == 0, -100)
+        labels[:, :-logits_to_keep] = -100
+        tokens_per_forward = (batch_size or input_ids.size(0)) * input_ids.size(1)
+        with self.accelerator.autocast():
+            outputs = model(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                labels=labels,
+                fused_lm_head=True,
+                tree_tokens_per_forward=tokens_per_forward,
+            )
+        logps = outputs.log_probs[:, -logits_to_keep:]
+        entropies = outputs.entropy[:, -logits_to_keep:] if compute_entropy else None
+        if compute_entropy:  # the policy pass: log how much the trees saved
+            log_tree_stats(self, model)
+        return logps, entropies, None

@@ -1,0 +1,318 @@
+"""Tree context parallel: each rank computes its shard of a packed row and sees every key through an all-gather.
+
+Inside ``tree_context_parallel(...)`` every ``tree_flash`` attention layer of a model forward on the rank's
+shard (``shard_batch_for_context_parallel``) runs ``ContextParallelAttention``: the rank's keys/values are
+all-gathered from the CP group with an autograd all-gather (its backward is a reduce-scatter, so each rank
+receives the key/value gradients every other rank's queries produced), and the rank's query rows attend to
+the keys they can see under their rows of the tree mask, evaluated on *global* indices from ``kv_end``. The
+model's own parameters see nothing unusual, so FSDP2/DDP wrap it as usual.
+
+Loss edges are scored on the rank that owns the predicting position and every rank divides by the global
+``num_loss_items``: the CP losses sum to the cp=1 loss, and parameter gradients summed over the CP group
+(what DDP/FSDP do, up to their averaging, undone by scaling the loss by the number of processes) equal cp=1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from hf_tree.attention.mask import tree_mask_mod
+from hf_tree.parallel.plan import ContextParallelPlan
+
+# Query rows per attention call; bounds the [rows, keys] mask and score tiles of one call.
+DEFAULT_QUERY_BLOCK_SIZE = 1024
+# Batch keys sharded along the sequence; every other key except the loss gather passes through unchanged.
+SEQUENCE_KEYS = ("input_ids", "position_ids", "kv_end")
+
+_active: ContextParallelAttention | None = None
+
+
+def active_context_parallel() -> ContextParallelAttention | None:
+    """The tree context parallel attention of the enclosing ``tree_context_parallel`` block, if any."""
+    return _active
+
+
+def _all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
+    """Autograd all-gather along dim 0 (backward: reduce-scatter-sum). ``torch.distributed.nn.functional.
+    all_gather`` is not used: it returns wrong gradients on gloo (non-contiguous scatter buffers)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    try:
+        gather = funcol.all_gather_single_autograd
+    except AttributeError:  # older torch names it all_gather_tensor_autograd
+        gather = funcol.all_gather_tensor_autograd
+    out = gather(tensor, 0, group if group is not None else dist.group.WORLD)
+    return funcol.wait_tensor(out)
+
+
+def _torch_context_parallel_active() -> bool:
+    """Whether torch's own context parallel (``accelerator.maybe_context_parallel`` / ``context_parallel``) is
+    on: it swaps ``F.scaled_dot_product_attention`` for its ring version and records the swap in the private
+    ``_replaced_functions`` of its module. Looked up in ``sys.modules`` only: nothing is imported when torch's
+    context parallel was never used."""
+    for name in (
+        "torch.distributed.tensor.experimental._context_parallel._attention",  # newer torch (2.13 here)
+        "torch.distributed.tensor.experimental._attention",  # where older torch kept it
+    ):
+        module = sys.modules.get(name)
+        replaced = getattr(module, "_replaced_functions", None) if module is not None else None
+        if replaced and F.scaled_dot_product_attention in replaced:
+            return True
+    return False
+
+
+def refuse_torch_context_parallel() -> None:
+    """``ValueError`` when torch's/accelerate's context parallel is active around a tree forward: it shards
+    the row and forces a causal mask, so sibling branches would silently see each other."""
+    if _torch_context_parallel_active():
+        raise ValueError(
+            "accelerate's context parallel (accelerator.maybe_context_parallel, i.e. torch's context_parallel) is "
+            "active during a tree_flash forward with kv_end. It shards the row evenly and forces a causal mask, "
+            "which breaks the tree mask (sibling branches would see each other). Do not enter "
+            "accelerator.maybe_context_parallel for tree batches; keep ParallelismConfig(cp_size=...) and use "
+            "hf_tree's tree context parallel instead (hf_tree.parallel.TreeContextParallel; see "
+            "docs/context_parallel.md)."
+        )
+
+
+@dataclass
+class _QueryBlock:
+    """Local query rows ``[q0, q1)`` (consecutive global ids) and the global ids of the keys they can see."""
+
+    q0: int
+    q1: int
+    key_ids: torch.Tensor
+    """``[K]`` int64, ascending: the ancestors of the block's first query (in any row) and the block itself."""
+
+
+def _query_blocks(local_ids: torch.Tensor, kv_end: torch.Tensor, block_size: int) -> list[_QueryBlock]:
+    """Runs of consecutive global ids of the rank's rows, cut to ``block_size``, with their keys.
+
+    A query ``i`` of a run starting at ``a`` sees an earlier key ``j < a`` only if ``kv_end[j] > i >= a``, i.e.
+    only ancestors of ``a``: the run needs ``{j < a : kv_end[j] > a} | [a, b)`` (siblings, other trees and
+    padding never enter its attention call). ``kv_end``: ``[B, num_slots]`` int64 on the CPU.
+    """
+    ids = local_ids.tolist()
+    reach = kv_end.max(0).values  # a key is needed if it is an ancestor in any row
+    blocks, q0 = [], 0
+    for q in range(1, len(ids) + 1):
+        if q == len(ids) or ids[q] != ids[q - 1] + 1 or q - q0 == block_size:
+            a, b = ids[q0], ids[q - 1] + 1
+            ancestors = torch.nonzero(reach[:a] > a).flatten()
+            blocks.append(_QueryBlock(q0, q, torch.cat([ancestors, torch.arange(a, b)])))
+            q0 = q
+    return blocks
+
+
+def _block_attention(
+    query: torch.Tensor,
+    rows: torch.Tensor,
+    query_ids: torch.Tensor,
+    key_ids: torch.Tensor,
+    key_rows: torch.Tensor,
+    kv_end: torch.Tensor,
+    position_ids: torch.Tensor,
+    sliding_window: int | None,
+    scaling: float,
+    softcap: float | None,
+) -> torch.Tensor:
+    """Attention of one query block.
+
+    Args:
+        query: ``[B, H, Q, D]`` the block's queries, global ids ``query_ids [Q]``.
+        rows: ``[cp_size * L, 2, B, Hkv, D]`` the gathered keys and values of all ranks (rank-major slots).
+        key_ids, key_rows: ``[K]`` global ids of the keys the block needs and their rows in ``rows``.
+        kv_end, position_ids: ``[B, num_slots]`` of the global row (padding slots included).
+
+    Returns ``[B, H, Q, D]``. Run under activation checkpointing: the selected keys/values, the ``[B, Q, K]``
+    mask and SDPA's tiles are rebuilt in backward instead of being kept.
+    """
+    key, value = rows.index_select(0, key_rows).movedim(0, 3).unbind(0)  # [B, Hkv, K, D] each
+    batch_rows = torch.arange(kv_end.shape[0], device=kv_end.device)[:, None, None]
+    visible = tree_mask_mod(kv_end, position_ids, sliding_window)(batch_rows, None, query_ids[None, :, None], key_ids)
+    visible = visible[:, None]  # [B, 1, Q, K], shared by the heads
+    if softcap is None:  # SDPA's fused kernels take a boolean mask and GQA directly (no scores kept)
+        return F.scaled_dot_product_attention(
+            query, key, value, attn_mask=visible, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
+        )
+    groups = query.shape[1] // key.shape[1]
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
+    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~visible, float("-inf"))
+    compute = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=compute).to(value.dtype), value)
+
+
+class ContextParallelAttention:
+    """Tree attention of one rank's shard against the keys/values of the whole CP group (one forward).
+
+    Built by ``tree_context_parallel``; ``hf_tree.attention.tree_attention_forward`` calls ``attention`` while
+    it is active. A query block attends only to the keys it can see (the ancestors of its first query and
+    itself). Blocks run under activation checkpointing, so per rank and layer autograd keeps only the rank's
+    queries and the gathered keys/values (``[cp_size * L, 2, B, Hkv, D]``, as at cp=1); a block's selected
+    keys, mask and SDPA tiles live only while it is computed or recomputed in backward (the price: attention's
+    forward runs twice).
+    """
+
+    def __init__(
+        self,
+        batch: dict[str, torch.Tensor],
+        plan: ContextParallelPlan,
+        rank: int,
+        group: dist.ProcessGroup | None,
+        query_block_size: int = DEFAULT_QUERY_BLOCK_SIZE,
+    ) -> None:
+        if not 0 <= rank < plan.cp_size:
+            raise ValueError(f"rank={rank} is outside the plan's context-parallel group of size {plan.cp_size}.")
+        if not isinstance(query_block_size, int) or query_block_size < 1:
+            raise ValueError(f"query_block_size={query_block_size!r} must be a positive integer.")
+        group_size = dist.get_world_size(group) if plan.cp_size > 1 else 1
+        if group_size != plan.cp_size:
+            raise ValueError(f"the plan is for cp_size={plan.cp_size} but the process group has {group_size} ranks.")
+        kv_end = batch["kv_end"]
+        if kv_end.shape[1] != plan.num_tokens:
+            raise ValueError(
+                f"the batch has rows of {kv_end.shape[1]} tokens but the plan was made for {plan.num_tokens}; pass "
+                "the global (unsharded) batch the plan was built from."
+            )
+        self.plan, self.rank, self.group = plan, rank, group
+        # Planning tensors stay on the CPU; _on() copies them to the device the attention runs on, once.
+        self.kv_end = extend_to_slots(kv_end.detach().to("cpu", torch.int64), plan, "kv_end")
+        self.position_ids = extend_to_slots(batch["position_ids"].detach().to("cpu", torch.int64), plan, "position_ids")
+        self.blocks = _query_blocks(plan.indices[rank], self.kv_end, query_block_size)
+        self.device: torch.device | None = None
+
+    def _on(self, device: torch.device) -> None:
+        """Move the index tensors to ``device`` (first layer of the forward)."""
+        if self.device == device:
+            return
+        self.device = device
+        self.local_ids = self.plan.indices[self.rank].to(device)
+        # Global slot id -> row of the rank-major gathered keys/values.
+        row_of = torch.argsort(self.plan.indices.flatten())
+        self.key_rows = [row_of[b.key_ids].to(device) for b in self.blocks]
+        self.key_ids = [b.key_ids.to(device) for b in self.blocks]
+        self.kv_end, self.position_ids = self.kv_end.to(device), self.position_ids.to(device)
+
+    def gather_keys_values(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """``key/value [B, Hkv, L, D]`` of this rank -> ``[cp_size * L, 2, B, Hkv, D]`` of all ranks, rank-major."""
+        rows = torch.stack([key, value]).movedim(3, 0).contiguous()  # slots first: the all-gather concatenates dim 0
+        return _all_gather_rows(rows, self.group) if self.plan.cp_size > 1 else rows
+
+    def attention(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_end: torch.Tensor,
+        *,
+        scaling: float,
+        sliding_window: int | None = None,
+        softcap: float | None = None,
+    ) -> torch.Tensor:
+        """``query [B, H, L, D]``, ``key/value [B, Hkv, L, D]`` of the rank's rows -> ``[B, L, H, D]``."""
+        if query.shape[2] != self.plan.shard_len or kv_end.shape != self.kv_end.shape[:1] + (self.plan.shard_len,):
+            raise ValueError(
+                f"tree context parallel expects this rank's shard ([batch, {self.plan.shard_len}] rows, from "
+                f"shard_batch_for_context_parallel) but the model got {query.shape[2]} query rows and kv_end of shape "
+                f"{tuple(kv_end.shape)}."
+            )
+        self._on(query.device)
+        rows = self.gather_keys_values(key, value)
+        outputs = [
+            checkpoint(
+                _block_attention,
+                query[:, :, b.q0 : b.q1],
+                rows,
+                self.local_ids[b.q0 : b.q1],
+                key_ids,
+                key_rows,
+                self.kv_end,
+                self.position_ids,
+                sliding_window,
+                scaling,
+                softcap,
+                use_reentrant=False,
+            )
+            for b, key_ids, key_rows in zip(self.blocks, self.key_ids, self.key_rows)
+        ]
+        return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
+
+
+def extend_to_slots(values: torch.Tensor, plan: ContextParallelPlan, key: str, pad_token_id: int = 0) -> torch.Tensor:
+    """``[B, N]`` sequence tensor -> ``[B, num_slots]`` with padding slots filled like the collator's padding
+    (``input_ids``: ``pad_token_id``, ``position_ids``: 0, ``kv_end``: ``id + 1``, seen by itself only)."""
+    extra = plan.num_slots - plan.num_tokens
+    if key == "kv_end":
+        fill = torch.arange(plan.num_tokens + 1, plan.num_slots + 1, device=values.device, dtype=values.dtype)
+    else:
+        fill = torch.full((extra,), pad_token_id if key == "input_ids" else 0, device=values.device, dtype=values.dtype)
+    return torch.cat([values, fill.expand(values.shape[0], extra)], dim=1)
+
+
+def shard_batch_for_context_parallel(
+    batch: dict[str, torch.Tensor], plan: ContextParallelPlan, rank: int, pad_token_id: int = 0
+) -> dict[str, torch.Tensor]:
+    """The rank's part of a ``TreeDataCollator`` batch under ``plan``.
+
+    ``input_ids``/``position_ids``/``kv_end`` become ``[B, L]`` (the rank's slots; ``kv_end`` keeps global
+    values and only marks tree mode); the loss gather keeps the edges whose predicting position the rank owns,
+    re-indexed into ``B * L``; ``num_loss_items`` stays the global divisor. A rank owning no edge gets one
+    zero-weight edge, so its backward still runs the reduce-scatters the other ranks wait for.
+    """
+    num_rows, num_tokens = batch["kv_end"].shape
+    if num_tokens != plan.num_tokens:
+        raise ValueError(f"the batch has rows of {num_tokens} tokens but the plan was made for {plan.num_tokens}.")
+    if not 0 <= rank < plan.cp_size:
+        raise ValueError(f"rank={rank} is outside the plan's context-parallel group of size {plan.cp_size}.")
+    local = dict(batch)
+    ids = plan.indices[rank].to(batch["kv_end"].device)
+    for key in SEQUENCE_KEYS:
+        local[key] = extend_to_slots(batch[key], plan, key, pad_token_id).index_select(1, ids)
+    owner, slot = (t.to(batch["loss_positions"].device) for t in plan.slot_owner())
+    row, column = batch["loss_positions"] // num_tokens, batch["loss_positions"] % num_tokens
+    mine = owner[column] == rank
+    local["loss_positions"] = row[mine] * plan.shard_len + slot[column[mine]]
+    local["loss_targets"] = batch["loss_targets"][mine]
+    local["loss_weights"] = batch["loss_weights"][mine]
+    if not bool(mine.any()):
+        local["loss_positions"] = local["loss_positions"].new_zeros(1)
+        local["loss_targets"] = local["input_ids"].reshape(-1)[:1].clone()
+        local["loss_weights"] = local["loss_weights"].new_zeros(1)
+    return local
+
+
+@contextlib.contextmanager
+def tree_context_parallel(
+    batch: dict[str, torch.Tensor],
+    plan: ContextParallelPlan,
+    rank: int,
+    group: dist.ProcessGroup | None = None,
+    query_block_size: int = DEFAULT_QUERY_BLOCK_SIZE,
+) -> Iterator[ContextParallelAttention]:
+    """Route every ``tree_flash`` forward in the block through tree context parallel.
+
+    Args:
+        batch: the *global* batch the plan was built from (``kv_end``/``position_ids`` ``[B, N]``, any device).
+        plan: ``plan_context_parallel(batch["kv_end"], cp_size)``, the same on every rank.
+        rank: this process's rank in ``group``.
+        group: the CP process group (``None``: the default group).
+
+    Run forward *and backward* inside the block (gradient checkpointing recomputes attention in backward).
+    """
+    global _active
+    if _active is not None:
+        raise ValueError("tree_context_parallel blocks cannot be nested.")
+    _active = ContextParallelAttention(batch, plan, rank, group, query_block_size)
+    try:
+        yield _active
+    finally:
+        _active = None

@@ -1,0 +1,92 @@
+"""``TreeContextParallel``: tree context parallel configured the accelerate way, for trainers and custom loops.
+
+``ParallelismConfig(cp_size=..., dp_shard_size=...)`` (or ``--parallelism_config_cp_size`` / a config file's
+``parallelism_config`` section) builds accelerate's device mesh; its ``"cp"`` dimension is the group a packed
+row is sharded over, and FSDP2 shards parameters over ``"dp_shard_cp"`` exactly as accelerate does.
+``TreeContextParallel.prepare`` has the contract of ``transformers.Trainer._prepare_context_parallel_inputs``:
+it returns a context-manager factory and the rank's inputs.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hf_tree.parallel.context import (
+    DEFAULT_QUERY_BLOCK_SIZE,
+    shard_batch_for_context_parallel,
+    tree_context_parallel,
+)
+from hf_tree.parallel.plan import DEFAULT_CHUNKS_PER_RANK, STRATEGIES, ContextParallelPlan, plan_context_parallel
+
+
+@dataclass
+class ContextParallelConfig:
+    """How hf_tree splits packed rows over the context-parallel group (the group itself comes from accelerate)."""
+
+    strategy: str = "balanced"
+    """How rows are cut into shards, one of ``hf_tree.parallel.STRATEGIES``: ``"balanced"`` (equal tokens,
+    balanced attention work), ``"zigzag"``, ``"contiguous"`` (equal work, unequal tokens) or ``"naive"``."""
+    chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK
+    """Chunks dealt to each rank by ``"balanced"``: more chunks balance work more finely."""
+    query_block_size: int = DEFAULT_QUERY_BLOCK_SIZE
+    """Query rows per attention call on each rank; bounds the per-call mask and score tiles."""
+    pad_token_id: int = 0
+    """Token id of the padding slots that even out shard lengths (never seen by real tokens, never scored)."""
+
+    def __post_init__(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"strategy={self.strategy!r} must be one of {STRATEGIES}.")
+        for name in ("chunks_per_rank", "query_block_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive integer.")
+
+
+class TreeContextParallel:
+    """Shards packed tree batches over a context-parallel process group and runs the model forward under
+    tree context parallel.
+
+    Args:
+        group: the CP process group (``None``: the default group, i.e. every process is one CP group).
+        config: the sharding options.
+    """
+
+    def __init__(self, group: dist.ProcessGroup | None = None, config: ContextParallelConfig | None = None) -> None:
+        self.group = group
+        self.config = config or ContextParallelConfig()
+        self.size = dist.get_world_size(group)
+        self.rank = dist.get_rank(group)
+
+    @classmethod
+    def from_accelerator(cls, accelerator, config: ContextParallelConfig | None = None) -> TreeContextParallel | None:
+        """The CP group of accelerate's device mesh, or ``None`` when ``parallelism_config.cp_size`` is 1."""
+        parallelism = accelerator.parallelism_config
+        if parallelism is None or not parallelism.cp_enabled:
+            return None
+        return cls(accelerator.torch_device_mesh["cp"].get_group(), config)
+
+    def plan(self, kv_end: torch.Tensor) -> ContextParallelPlan:
+        """The shard plan of a batch (``kv_end [B, N]``); identical on every rank of the group."""
+        return plan_context_parallel(kv_end, self.size, self.config.strategy, self.config.chunks_per_rank)
+
+    def prepare(
+        self, batch: dict[str, torch.Tensor]
+    ) -> tuple[Callable[[], AbstractContextManager], dict[str, torch.Tensor]]:
+        """``(context factory, this rank's batch)`` for a global ``TreeDataCollator`` batch.
+
+        Call the model (loss) on the returned batch inside ``factory()``, backward included, and keep
+        ``num_items_in_batch`` the global divisor (every CP rank holds the same global batch, so a sum of
+        ``num_loss_items`` over all processes counts each batch ``size`` times).
+        """
+        plan = self.plan(batch["kv_end"])
+        local = shard_batch_for_context_parallel(batch, plan, self.rank, self.config.pad_token_id)
+        factory = functools.partial(
+            tree_context_parallel, batch, plan, self.rank, self.group, self.config.query_block_size
+        )
+        return factory, local

@@ -1,0 +1,260 @@
+"""``TreeTrainer``: a ``transformers.Trainer`` that trains on tree rows with the exact tree loss.
+
+What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``trl.SFTTrainer``):
+
+- batches come from ``TreeDataCollator`` (built from the tree fields of the arguments);
+- the loss is ``tree_causal_lm_loss`` divided by the sum of ``num_loss_items`` over every micro-batch of the
+  optimizer step on every data-parallel rank (one all-reduce per step), so N accumulated micro-batches on R
+  ranks give the update of one batch of N * R micro-batches;
+- evaluation uses the same loss, summed over the whole evaluation set before dividing;
+- with ``parallelism_config.cp_size > 1`` each training batch is sharded over the CP group by
+  ``hf_tree.parallel.TreeContextParallel`` (tree-exact; accelerate's own causal-only context parallel is not used);
+- training logs add trees and rows per step, dedup ratio, padding fraction and tree/branch tokens per second.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from peft import PeftModel
+from transformers import PreTrainedModel, Trainer, TrainingArguments
+from transformers.trainer_utils import EvalLoopOutput
+
+from hf_tree.attention.registration import TREE_ATTENTION_NAME
+from hf_tree.collator import STATS_KEYS
+from hf_tree.config import TreeArguments
+from hf_tree.distributed import enable_fsdp2_on_cpu
+from hf_tree.loss import tree_causal_lm_loss
+from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
+
+logger = logging.getLogger("hf_tree")
+
+# Per-step sums taken from each batch, all-reduced together with the loss divisor (index 0).
+STEP_SUM_KEYS = ("num_loss_items", "num_rows", *STATS_KEYS)
+# Counts of branches packing changed or left out: reported as running totals, never silently lost.
+LOSS_OF_DATA_KEYS = ("num_truncated_branches", "num_dropped_branches", "num_dropped_trees")
+
+
+@dataclass
+class TreeTrainingArguments(TreeArguments, TrainingArguments):
+    """``TrainingArguments`` plus the tree fields of ``hf_tree.config.TreeArguments``."""
+
+
+def use_tree_attention(model: torch.nn.Module) -> None:
+    """Switch a causal LM (or the base model of a PEFT model) to ``attn_implementation="tree_flash"``.
+
+    Without ``kv_end`` the tree attention is exactly SDPA, so generation and plain batches are unchanged.
+    """
+    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    if not isinstance(base, PreTrainedModel):
+        raise ValueError(
+            f"the model is a {type(base).__name__}; tree training needs a transformers PreTrainedModel (causal LM), "
+            "optionally wrapped by PEFT."
+        )
+    if base.config._attn_implementation != TREE_ATTENTION_NAME:
+        logger.warning(
+            "hf_tree: switching the model from attn_implementation=%r to %r (packed trees need it; without kv_end "
+            "it is exactly SDPA).",
+            base.config._attn_implementation,
+            TREE_ATTENTION_NAME,
+        )
+        base.set_attn_implementation(TREE_ATTENTION_NAME)
+
+
+def pad_token_id_of(processing_class: Any) -> int | None:
+    """The tokenizer's pad id (else its eos id), if there is a tokenizer."""
+    tokenizer = getattr(processing_class, "tokenizer", processing_class)
+    for name in ("pad_token_id", "eos_token_id"):
+        value = getattr(tokenizer, name, None)
+        if isinstance(value, int):
+            return value
+    return None
+
+
+class TreeTrainerMixin:
+    """Tree loss, exact step divisor, tree eval loss and packing logs, for ``Trainer`` subclasses.
+
+    Place it before the ``Trainer`` class in the bases; call ``_init_tree_training()`` at the end of ``__init__``.
+    """
+
+    # compute_loss divides by the whole optimizer step's divisor, so Trainer must not divide by the
+    # number of accumulation steps again.
+    loss_is_scaled_for_ga = True
+
+    def _init_tree_training(self) -> None:
+        if self.args.n_gpu > 1:
+            raise ValueError(
+                f"{type(self).__name__} does not support nn.DataParallel (n_gpu={self.args.n_gpu}): it splits the "
+                "flat loss_positions of a packed batch. Launch with `accelerate launch` or `torchrun`, or make one "
+                "GPU visible with CUDA_VISIBLE_DEVICES."
+            )
+        if self.compute_loss_func is not None:
+            raise ValueError(
+                "compute_loss_func is not used by tree trainers (the loss is hf_tree.tree_causal_lm_loss); "
+                "remove it, or subclass and override compute_loss."
+            )
+        if not self.args.average_tokens_across_devices:
+            logger.warning(
+                "average_tokens_across_devices=False has no effect on tree trainers: the loss is always divided by "
+                "the sum over all micro-batches and ranks of the optimizer step (exactly one large batch)."
+            )
+        self._tree_log_sums = torch.zeros(len(STEP_SUM_KEYS), dtype=torch.float64)
+        self._tree_total_sums = torch.zeros(len(STEP_SUM_KEYS), dtype=torch.float64)
+        self._tree_log_steps = 0
+        self._tree_log_start: float | None = None
+        self._tree_eval_sums: torch.Tensor | None = None
+        # None without context parallel (parallelism_config.cp_size 1 or no parallelism_config).
+        pad_token_id = getattr(self.data_collator, "pad_token_id", None)
+        self.tree_context_parallel = TreeContextParallel.from_accelerator(
+            self.accelerator, ContextParallelConfig(pad_token_id=0 if pad_token_id is None else pad_token_id)
+        )
+
+    # ------------------------------------------------------------------ training
+    @staticmethod
+    def _pop_batch_sums(batch: dict[str, Any]) -> torch.Tensor:
+        """``[len(STEP_SUM_KEYS)]`` float64 sums of one batch; removes the stats keys so the model never sees them."""
+        stats = [batch.pop(name) for name in STATS_KEYS]
+        values = [batch["num_loss_items"], batch["input_ids"].shape[0], *stats]
+        return torch.tensor([float(v) for v in values], dtype=torch.float64)
+
+    def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
+        """Fetch the optimizer step's micro-batches; the divisor is their ``num_loss_items`` summed over all ranks."""
+        if self._tree_log_start is None:
+            self._tree_log_start = time.perf_counter()
+        batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        sums = torch.zeros(len(STEP_SUM_KEYS), dtype=torch.float64)
+        for batch in batch_samples:
+            sums += self._pop_batch_sums(batch)
+        sums = sums.to(device)
+        if self.accelerator.num_processes > 1:
+            sums = self.accelerator.reduce(sums, reduction="sum")
+            # Every rank of a CP group holds the same batch: the sum counted it once per CP rank.
+            if self.tree_context_parallel is not None:
+                sums = sums / self.tree_context_parallel.size
+        self._tree_log_sums += sums.cpu()
+        self._tree_total_sums += sums.cpu()
+        self._tree_log_steps += 1
+        return batch_samples, sums[0]
+
+    def _prepare_context_parallel_inputs(self, model, inputs):
+        """``(context factory, this rank's inputs)``: the tree CP shard of the batch under context parallel, else
+        the batch unchanged. Replaces Trainer's torch CP (causal-only ring attention, SDPA only)."""
+        if self.tree_context_parallel is None:
+            return contextlib.nullcontext, inputs
+        return self.tree_context_parallel.prepare(inputs)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        """``tree_causal_lm_loss``; with the step's global divisor, scaled by the number of processes because
+        DDP/FSDP average gradients over ranks (under context parallel the CP ranks' shares add up the same way)."""
+        for name in STATS_KEYS:
+            inputs.pop(name, None)
+        loss = tree_causal_lm_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes
+        return (loss, None) if return_outputs else loss
+
+    # ------------------------------------------------------------------ evaluation
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        """The tree loss of one batch (no logits: a tree batch has several children per position)."""
+        inputs = self._prepare_inputs(inputs)
+        for name in STATS_KEYS:
+            inputs.pop(name, None)
+        with torch.no_grad(), self.compute_loss_context_manager():
+            total = tree_causal_lm_loss(model, inputs, num_items_in_batch=1.0)  # the weighted sum
+        items = inputs["num_loss_items"].to(total.device, torch.float64)
+        if self._tree_eval_sums is not None:
+            self._tree_eval_sums += torch.stack([total.detach().to(torch.float64), items])
+        return (total / items.clamp_min(1e-12)).detach().to(total.dtype), None, None
+
+    def evaluation_loop(
+        self, dataloader, description, prediction_loss_only=None, ignore_keys=None, metric_key_prefix="eval"
+    ) -> EvalLoopOutput:
+        """Trainer's loop; the reported loss is the weighted sum over the whole set divided by its divisor."""
+        self._tree_eval_sums = torch.zeros(2, dtype=torch.float64, device=self.args.device)
+        try:
+            output = super().evaluation_loop(
+                dataloader, description, prediction_loss_only, ignore_keys, metric_key_prefix
+            )
+            sums = self._tree_eval_sums
+            if self.accelerator.num_processes > 1:
+                sums = self.accelerator.reduce(sums, reduction="sum")
+        finally:
+            self._tree_eval_sums = None
+        if sums[1] > 0:
+            output.metrics[f"{metric_key_prefix}_loss"] = float(sums[0] / sums[1])
+        return output
+
+    # ------------------------------------------------------------------ logging
+    def tree_metrics(self) -> dict[str, float]:
+        """Packing figures since the last training log (sums over ranks) and running totals of lost branches."""
+        now = time.perf_counter()
+        elapsed = max(now - (self._tree_log_start or now), 1e-9)
+        steps = max(self._tree_log_steps, 1)
+        s = dict(zip(STEP_SUM_KEYS, self._tree_log_sums.tolist()))
+        packed = s["num_tree_tokens"] + s["num_padding_tokens"]
+        metrics = {
+            "trees_per_step": s["num_trees"] / steps,
+            "rows_per_step": s["num_rows"] / steps,
+            "dedup_ratio": s["num_branch_tokens"] / s["num_tree_tokens"] if s["num_tree_tokens"] else 1.0,
+            "padding_fraction": s["num_padding_tokens"] / packed if packed else 0.0,
+            "tree_tokens_per_second": s["num_tree_tokens"] / elapsed,
+            "branch_tokens_per_second": s["num_branch_tokens"] / elapsed,
+        }
+        totals = dict(zip(STEP_SUM_KEYS, self._tree_total_sums.tolist()))
+        metrics.update({name: totals[name] for name in LOSS_OF_DATA_KEYS if totals[name]})
+        self._tree_log_sums.zero_()
+        self._tree_log_steps = 0
+        self._tree_log_start = now
+        return metrics
+
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs and self._tree_log_steps:  # a training log (eval logs carry "eval_loss")
+            logs.update(self.tree_metrics())
+        super().log(logs, start_time)
+
+
+class TreeTrainer(TreeTrainerMixin, Trainer):
+    """``transformers.Trainer`` on tree rows (``Tree.to_dict()`` rows, e.g. from ``hf_tree.builders``).
+
+    Takes the same arguments as ``Trainer``; ``args`` must be ``TreeTrainingArguments`` unless a
+    ``TreeDataCollator`` is passed as ``data_collator``. The model is switched to ``tree_flash`` attention.
+    """
+
+    def __init__(
+        self,
+        model: PreTrainedModel | torch.nn.Module | None = None,
+        args: TrainingArguments | None = None,
+        data_collator=None,
+        train_dataset=None,
+        eval_dataset=None,
+        processing_class=None,
+        **kwargs,
+    ) -> None:
+        if args is None:
+            args = TreeTrainingArguments(output_dir="tmp_trainer")
+        if not isinstance(args, TreeArguments):
+            if data_collator is None or args.remove_unused_columns:
+                raise ValueError(
+                    f"args is a {type(args).__name__}: use hf_tree.TreeTrainingArguments (tree fields, "
+                    "remove_unused_columns=False), or pass a TreeDataCollator and set remove_unused_columns=False."
+                )
+        elif data_collator is None:
+            data_collator = args.make_tree_collator(pad_token_id_of(processing_class))
+        if model is not None:
+            use_tree_attention(model)
+        enable_fsdp2_on_cpu()  # before Trainer creates the Accelerator
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        self._init_tree_training()

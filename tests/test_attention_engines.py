@@ -1,0 +1,307 @@
+"""Tree attention engines against the dense reference on real packed rows.
+
+Oracle: ``reference_tree_attention`` (explicit softmax over ``dense_tree_mask``). Rows come from
+``Tree.from_sequences`` + ``TreeDataCollator`` (several trees per row, padding, several rows), so the
+engines see the ``kv_end``/``position_ids`` layouts training produces. float64 outputs and gradients
+must match to 1e-9; in float32/bfloat16 an engine's error against float64 may be at most twice the
+reference engine's own error in that dtype (the same math HF eager attention does).
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from hf_tree import Tree, TreeDataCollator
+from hf_tree.attention import (
+    ENGINES,
+    blocked,
+    blocked_tree_attention,
+    dense_tree_mask,
+    flex_tree_attention,
+    reference_tree_attention,
+    select_backend,
+    set_attention_backend,
+)
+from hf_tree.attention.flex import cached_tree_block_mask, clear_block_mask_cache, tree_block_mask
+from tests.helpers import relative_error
+from tests.test_loss_equivalence import random_tree_branches
+
+TOLERANCE = 1e-9
+HEAD_DIM = 8
+HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: intra-op threads only add synchronisation, which costs seconds on a shared 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def packed_rows(seed: int, num_trees: int = 8, max_packed_tokens: int = 96, pad_to_multiple_of: int = 32):
+    """``kv_end``/``position_ids`` ``[B, N]`` of random forests packed by the real collator."""
+    rng = random.Random(seed)
+    trees = [Tree.from_sequences(*random_tree_branches(rng, rng.randint(1, 6))) for _ in range(num_trees)]
+    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    batch = collator([t.to_dict() for t in trees])
+    return batch["kv_end"], batch["position_ids"]
+
+
+def qkv(kv_end: torch.Tensor, heads: tuple[int, int], dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+    """Leaf query/key/value in transformers' layout (``[B, N, H, D]`` projections viewed as ``[B, H, N, D]``)."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, n = kv_end.shape
+
+    def leaf(h: int) -> torch.Tensor:
+        x = torch.randn(batch, n, h, HEAD_DIM, generator=generator, dtype=torch.float64)
+        return x.to(device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+
+    return leaf(heads[0]), leaf(heads[1]), leaf(heads[1])
+
+
+def run(engine, q, k, v, kv_end, position_ids, grad_seed: int = 1, backward: bool = True, **options):
+    """Output and, with ``backward``, (dq, dk, dv) for a fixed random output gradient."""
+    if not backward:
+        with torch.no_grad():
+            return engine(q, k, v, kv_end, position_ids=position_ids, **options), None
+    out = engine(q, k, v, kv_end, position_ids=position_ids, **options)
+    generator = torch.Generator().manual_seed(grad_seed)
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out)
+    grads = torch.autograd.grad(out, (q, k, v), grad)
+    return out.detach(), grads
+
+
+def detached64(tensors):
+    return [t.detach().to(torch.float64).requires_grad_() for t in tensors]
+
+
+CASES = [
+    pytest.param(dict(), id="plain"),
+    pytest.param(dict(sliding_window=3), id="window3"),
+    pytest.param(dict(softcap=1.5), id="softcap"),
+    pytest.param(dict(sliding_window=5, softcap=2.0), id="window5-softcap"),
+]
+
+
+@pytest.mark.parametrize(
+    "heads, case, tile_elements",
+    [pytest.param(h, c.values[0], 64, id=f"{c.id}-{h[0]}x{h[1]}-small-tiles") for h in HEADS for c in CASES]
+    + [pytest.param((4, 2), {}, None, id="plain-default-tiles")],
+)
+def test_blocked_matches_reference_in_float64(heads, case, tile_elements):
+    kv_end, position_ids = packed_rows(seed=len(case) + heads[1])
+    q, k, v = qkv(kv_end, heads, torch.float64)
+    options = dict(scaling=0.37, **case)
+    out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=tile_elements, **options)
+    ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
+    assert kv_end.shape[0] > 1 and out.shape == ref_out.shape
+    assert relative_error(out, ref_out) <= TOLERANCE
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert grad.shape == ref_grad.shape
+        assert relative_error(grad, ref_grad) <= TOLERANCE
+
+
+def test_blocked_on_worker_threads_matches_reference_and_is_deterministic(monkeypatch):
+    """With several intra-op threads the CPU engine spreads blocks over worker threads; key/value gradient
+    terms are still added in block order, so two runs agree bit for bit, and the caller's thread count
+    is restored."""
+    monkeypatch.setattr(blocked, "MIN_PARALLEL_TOKENS", 1)  # this row is short: use the workers anyway
+    kv_end, position_ids = packed_rows(seed=8, num_trees=16, max_packed_tokens=200)
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    options = dict(scaling=0.37, sliding_window=6)
+    torch.set_num_threads(2)
+    first = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=64, **options)
+    second = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=64, **options)
+    assert torch.get_num_threads() == 2
+    torch.set_num_threads(1)
+    ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
+    assert relative_error(first[0], ref_out) <= TOLERANCE
+    assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(first[1], ref_grads))
+    assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("case", CASES)
+def test_flex_forward_matches_reference_on_cpu(heads, case):
+    """Flex's CPU path has no backward (PyTorch), but its forward checks the BlockMask and mask function."""
+    kv_end, position_ids = packed_rows(seed=10 + heads[1])
+    q, k, v = qkv(kv_end, heads, torch.float64)
+    options = dict(scaling=0.37, **case)
+    out, _ = run(flex_tree_attention, q, k, v, kv_end, position_ids, backward=False, **options)
+    ref, _ = run(reference_tree_attention, q, k, v, kv_end, position_ids, backward=False, **options)
+    assert relative_error(out, ref) <= TOLERANCE
+
+
+@pytest.mark.slow  # inductor compiles FlexAttention's CPU kernel: about a minute on 2 cores
+def test_compiled_flex_forward_on_cpu_honours_the_block_mask():
+    """Eager Flex evaluates every block (mask_mod only); the compiled kernel skips the blocks the
+    BlockMask leaves out, so this checks the block lists themselves in a real kernel."""
+    kv_end, position_ids = packed_rows(seed=13, num_trees=12, max_packed_tokens=256, pad_to_multiple_of=128)
+    q, k, v = (t.detach().float() for t in qkv(kv_end, (4, 2), torch.float64))
+    block_mask = tree_block_mask(kv_end, position_ids, 6, block_size=128)
+    compiled = torch.compile(torch.nn.attention.flex_attention.flex_attention)
+    with torch.no_grad():
+        out = compiled(q, k, v, block_mask=block_mask, scale=0.3, enable_gqa=True).transpose(1, 2)
+        ref = reference_tree_attention(q, k, v, kv_end, scaling=0.3, position_ids=position_ids, sliding_window=6)
+    assert relative_error(out, ref) <= 1e-5
+
+
+def test_flex_refuses_gradients_off_cuda():
+    kv_end, _ = packed_rows(seed=0)
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    with pytest.raises(ValueError, match="'blocked' backend"):
+        flex_tree_attention(q, k, v, kv_end, scaling=1.0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", CASES[:3])
+def test_blocked_low_precision_error_within_twice_eager(dtype, case):
+    kv_end, position_ids = packed_rows(seed=3, max_packed_tokens=160, pad_to_multiple_of=16)
+    q, k, v = qkv(kv_end, (4, 2), dtype)
+    options = dict(scaling=HEAD_DIM**-0.5, **case)
+    exact_out, exact_grads = run(reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **options)
+    out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=256, **options)
+    eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
+    assert out.dtype == dtype
+    assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
+    for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads):
+        assert grad.dtype == dtype
+        assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_flex_low_precision_forward_within_twice_eager(dtype):
+    kv_end, position_ids = packed_rows(seed=4, max_packed_tokens=160, pad_to_multiple_of=16)
+    q, k, v = qkv(kv_end, (4, 2), dtype)
+    exact, _ = run(reference_tree_attention, *detached64((q, k, v)), kv_end, None, backward=False, scaling=0.3)
+    out, _ = run(flex_tree_attention, q, k, v, kv_end, None, backward=False, scaling=0.3)
+    eager, _ = run(reference_tree_attention, q, k, v, kv_end, None, backward=False, scaling=0.3)
+    assert relative_error(out, exact) <= 2 * relative_error(eager, exact)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("engine", ["blocked", "flex"])
+def test_rows_that_see_only_themselves_give_no_nan(engine):
+    """Padding keys (kv_end = j + 1) and a row of one-token trees: each query sees itself only, output = v."""
+    n = 40
+    kv_end = torch.arange(1, n + 1, dtype=torch.int32)[None]
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    backward = engine == "blocked"
+    out, grads = run(ENGINES[engine], q, k, v, kv_end, None, backward=backward, scaling=0.5)
+    expected = v.detach().repeat_interleave(2, dim=1).transpose(1, 2)
+    assert torch.isfinite(out).all()
+    assert relative_error(out, expected) <= TOLERANCE
+    if backward:
+        assert all(torch.isfinite(g).all() for g in grads)
+        assert grads[0].abs().max() <= 1e-12  # softmax over one key: no gradient reaches the query
+
+
+def test_padding_rows_match_reference_and_stay_finite():
+    kv_end, position_ids = packed_rows(seed=7, num_trees=2, max_packed_tokens=64, pad_to_multiple_of=64)
+    assert (kv_end[:, -1] == kv_end.shape[1]).all() and (kv_end[0] == torch.arange(1, 65)).any()
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, scaling=0.4, sliding_window=4)
+    ref, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.4, sliding_window=4)
+    assert torch.isfinite(out).all() and all(torch.isfinite(g).all() for g in grads)
+    assert relative_error(out, ref) <= TOLERANCE
+    assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads))
+
+
+@pytest.mark.parametrize("window", [None, 4])
+@pytest.mark.parametrize("block_size", [8, 16])
+def test_block_mask_skips_exactly_the_empty_blocks(window, block_size):
+    """Block summaries vs the dense mask cut into blocks: no visible pair is skipped, a "full" block is
+    truly full, and without a window the classification is exact."""
+    kv_end, position_ids = packed_rows(seed=11, max_packed_tokens=120, pad_to_multiple_of=16)
+    batch, n = kv_end.shape
+    block_mask = tree_block_mask(kv_end, position_ids, window, block_size=block_size)
+    dense = dense_tree_mask(kv_end, position_ids, window).view(batch, n // block_size, block_size, -1, block_size)
+    exact_any, exact_all = dense.any(dim=(2, 4)), dense.all(dim=(2, 4))
+    mine_any = block_mask.to_dense()[:, 0].bool()
+    full_only = type(block_mask).from_kv_blocks(
+        block_mask.full_kv_num_blocks, block_mask.full_kv_indices, BLOCK_SIZE=block_size, seq_lengths=(n, n)
+    )
+    mine_all = full_only.to_dense()[:, 0].bool()
+    assert (mine_any >= exact_any).all() and (mine_all <= exact_all).all()
+    assert (mine_all <= mine_any).all()
+    if window is None:
+        assert torch.equal(mine_any, exact_any) and torch.equal(mine_all, exact_all)
+    assert not mine_any.all()  # sibling blocks are skipped
+
+
+def test_block_mask_is_built_once_per_batch():
+    clear_block_mask_cache()
+    kv_end, position_ids = packed_rows(seed=12)
+    first = cached_tree_block_mask(kv_end, position_ids, None)
+    assert cached_tree_block_mask(kv_end, position_ids, None) is first  # every layer of one forward
+    assert cached_tree_block_mask(kv_end.clone(), position_ids, None) is not first  # another batch
+    windowed = cached_tree_block_mask(kv_end, position_ids, 4)
+    assert windowed is not first and cached_tree_block_mask(kv_end, position_ids, 4) is windowed
+    kv_end[0, 0] = kv_end[0, 0]  # an in-place write bumps the version: rebuilt
+    assert cached_tree_block_mask(kv_end, position_ids, None) is not first
+    clear_block_mask_cache()
+
+
+def test_sliding_window_without_depths_is_refused():
+    kv_end, _ = packed_rows(seed=0)
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    for engine in (blocked_tree_attention, flex_tree_attention):
+        with pytest.raises(ValueError, match="position_ids"):
+            engine(q, k, v, kv_end, scaling=1.0, sliding_window=4)
+
+
+def test_backend_selection(monkeypatch):
+    monkeypatch.delenv("HF_TREE_ATTENTION_BACKEND", raising=False)
+    assert select_backend(torch.device("cpu")) == "blocked"
+    assert select_backend(torch.device("cuda")) == "flex"
+    monkeypatch.setenv("HF_TREE_ATTENTION_BACKEND", "reference")
+    assert select_backend(torch.device("cuda")) == "reference"
+    try:
+        set_attention_backend("flex")
+        assert select_backend(torch.device("cpu")) == "flex"  # the argument beats the environment
+    finally:
+        set_attention_backend(None)
+    monkeypatch.setenv("HF_TREE_ATTENTION_BACKEND", "nope")
+    with pytest.raises(ValueError, match="nope"):
+        select_backend(torch.device("cpu"))
+    with pytest.raises(ValueError, match="unknown"):
+        set_attention_backend("nope")
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("engine", ["flex", "blocked"])
+@pytest.mark.parametrize("case", CASES)
+def test_cuda_engines_within_twice_eager_in_float32(engine, case):
+    kv_end, position_ids = packed_rows(seed=21, num_trees=12, max_packed_tokens=400, pad_to_multiple_of=128)
+    kv_end, position_ids = kv_end.cuda(), position_ids.cuda()
+    q, k, v = qkv(kv_end, (4, 2), torch.float32, device="cuda")
+    options = dict(scaling=HEAD_DIM**-0.5, **case)
+    exact_out, exact_grads = run(reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **options)
+    out, grads = run(ENGINES[engine], q, k, v, kv_end, position_ids, **options)
+    eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
+    assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
+    for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads):
+        assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
+
+
+@pytest.mark.gpu
+@cuda
+def test_cuda_blocked_matches_reference_in_float64():
+    kv_end, position_ids = packed_rows(seed=22, num_trees=12, max_packed_tokens=400)
+    kv_end, position_ids = kv_end.cuda(), position_ids.cuda()
+    q, k, v = qkv(kv_end, (4, 2), torch.float64, device="cuda")
+    out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, scaling=0.3, sliding_window=5)
+    ref, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.3, sliding_window=5)
+    assert relative_error(out, ref) <= TOLERANCE
+    assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads))

@@ -1,0 +1,212 @@
+"""tree_flash engines inside real tiny models, against per-branch training.
+
+Oracle (tests/helpers.py): each branch run alone through the same model with ``sdpa`` and the standard
+shifted cross-entropy. float64 with RMSNorm kept in float64; low precision compares errors against the
+same-dtype per-branch run. Each test forces the engine it checks with ``set_attention_backend``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import random
+
+import pytest
+import torch
+
+from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.attention import set_attention_backend
+from tests.helpers import float64_norms, grads_of, max_grad_relative_error, per_branch_loss, relative_error, tiny_model
+from tests.test_loss_equivalence import random_tree_branches
+
+VOCAB = 97
+TOLERANCE = 1e-9
+FAMILIES = [
+    pytest.param("llama", {}, id="llama"),
+    pytest.param("qwen2", {}, id="qwen2"),
+    pytest.param("qwen3", {}, id="qwen3"),
+    pytest.param("mistral", {"sliding_window": 4}, id="mistral-window4"),
+]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny models: intra-op threads only add synchronisation, which costs seconds on a shared 2-core box."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def backend(name: str):
+    set_attention_backend(name)
+    try:
+        yield
+    finally:
+        set_attention_backend(None)
+
+
+def forest(seed: int, num_trees: int = 4, max_packed_tokens: int = 64, pad_to_multiple_of: int = 16):
+    """(groups of (sequences, masks), collated batch): several trees per row, several rows, padding."""
+    rng = random.Random(seed)
+    groups = [random_tree_branches(rng, rng.randint(2, 5)) for _ in range(num_trees)]
+    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in groups])
+    return groups, batch
+
+
+def per_branch_reference(model, groups):
+    """Per-branch loss (token normalization) of all groups, as a differentiable scalar."""
+    total, divisor = 0.0, 0.0
+    for sequences, masks in groups:
+        t, d = per_branch_loss(model, sequences, masks)
+        total, divisor = total + t, divisor + d
+    return total / divisor
+
+
+def tree_loss_and_grads(model, batch):
+    model.zero_grad()
+    loss = tree_causal_lm_loss(model, batch)
+    loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+def reference_loss_and_grads(model, groups):
+    model.zero_grad()
+    loss = per_branch_reference(model, groups)
+    loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+@pytest.mark.parametrize("family, overrides", FAMILIES)
+def test_blocked_engine_matches_per_branch_in_float64(family, overrides):
+    groups, batch = forest(seed=1)
+    assert batch["input_ids"].shape[0] > 1
+    with float64_norms(), backend("blocked"):
+        model = tiny_model(family, vocab_size=VOCAB, **overrides)
+        loss, grads = tree_loss_and_grads(model, batch)
+        ref_loss, ref_grads = reference_loss_and_grads(model, groups)
+    assert relative_error(loss, ref_loss) <= TOLERANCE
+    assert max_grad_relative_error(grads, ref_grads) <= TOLERANCE
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("family, overrides", FAMILIES)
+def test_flex_engine_forward_matches_per_branch_in_float64(family, overrides):
+    """Flex has no CPU backward: the loss value checks its block mask through each model family."""
+    groups, batch = forest(seed=2)
+    with float64_norms(), backend("flex"), torch.no_grad():
+        model = tiny_model(family, vocab_size=VOCAB, **overrides)
+        loss = tree_causal_lm_loss(model, batch)
+        ref_loss = per_branch_reference(model, groups)
+    assert relative_error(loss, ref_loss) <= TOLERANCE
+
+
+def branch_logits(model, tree: Tree, packed: bool) -> torch.Tensor:
+    """Logits of every branch's tokens, branches concatenated: from one packed row, or from each branch
+    run alone with ``sdpa`` (the eager per-branch oracle)."""
+    if packed:
+        batch = TreeDataCollator(max_packed_tokens=tree.num_tokens, pad_to_multiple_of=16)([tree])
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"]).logits
+        return torch.cat([logits[0, tree.branch_flat_indices(b)] for b in range(tree.num_branches)])
+    model.set_attn_implementation("sdpa")
+    try:
+        return torch.cat(
+            [model(input_ids=torch.tensor([tree.branch_tokens(b)])).logits[0] for b in range(tree.num_branches)]
+        )
+    finally:
+        model.set_attn_implementation("tree_flash")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("family, overrides", [FAMILIES[0], FAMILIES[3]])
+def test_low_precision_error_within_twice_per_branch_eager(family, overrides, dtype):
+    """Branch logits and the parameter gradients of a fixed linear function of them (float64 reduction on
+    both sides), against a float64 per-branch run: error at most twice the same-dtype per-branch error."""
+    tree = Tree.from_sequences(*random_tree_branches(random.Random(3), 6))
+    results = {}
+    with backend("blocked"):
+        exact_model = tiny_model(family, vocab_size=VOCAB, **overrides)
+        weights = None
+        for name, model, packed in (("exact", exact_model, False), ("tree", None, True), ("eager", None, False)):
+            model = model or copy.deepcopy(exact_model).to(dtype)
+            logits = branch_logits(model, tree, packed)
+            if weights is None:
+                weights = torch.randn(logits.shape, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+            (logits.to(torch.float64) * weights).sum().backward()
+            grads = grads_of(model)
+            results[name] = (logits.detach(), torch.cat([grads[k].flatten() for k in sorted(grads)]))
+    for i in range(2):  # logits, gradients
+        tree_error = relative_error(results["tree"][i], results["exact"][i])
+        assert tree_error <= 2 * relative_error(results["eager"][i], results["exact"][i])
+
+
+def test_attention_dropout_is_refused_in_training():
+    _, batch = forest(seed=4)
+    with backend("blocked"):
+        model = tiny_model("llama", vocab_size=VOCAB, attention_dropout=0.1).train()
+        with pytest.raises(ValueError, match="dropout"):
+            tree_causal_lm_loss(model, batch)
+        model.eval()  # dropout is off at evaluation: the same model works
+        assert torch.isfinite(tree_causal_lm_loss(model, batch))
+
+
+def test_without_kv_end_the_model_is_exactly_sdpa_and_generates():
+    """Dual mode: ordinary (padded) batches and generate() behave as with attn_implementation="sdpa"."""
+    tree_model = tiny_model("qwen2", vocab_size=VOCAB)
+    sdpa_model = tiny_model("qwen2", vocab_size=VOCAB, attn="sdpa")
+    input_ids = torch.tensor([[5, 6, 7, 8, 9, 10], [0, 0, 3, 4, 5, 6]])
+    attention_mask = torch.tensor([[1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1]])
+    with torch.no_grad():
+        assert torch.equal(tree_model(input_ids=input_ids[:1]).logits, sdpa_model(input_ids=input_ids[:1]).logits)
+        padded = tree_model(input_ids=input_ids, attention_mask=attention_mask).logits
+        assert torch.equal(padded, sdpa_model(input_ids=input_ids, attention_mask=attention_mask).logits)
+    kwargs = dict(attention_mask=attention_mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    generated = tree_model.generate(input_ids, **kwargs)
+    assert generated.shape == (2, 11)
+    assert torch.equal(generated, sdpa_model.generate(input_ids, **kwargs))
+
+
+def test_gradient_checkpointing_gives_the_same_gradients():
+    groups, batch = forest(seed=5)
+    with float64_norms(), backend("blocked"):
+        model = tiny_model("llama", vocab_size=VOCAB).train()
+        loss, grads = tree_loss_and_grads(model, batch)
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        ckpt_loss, ckpt_grads = tree_loss_and_grads(model, batch)
+        ref_loss, ref_grads = reference_loss_and_grads(model, groups)
+    assert relative_error(ckpt_loss, loss) <= 1e-12
+    assert max_grad_relative_error(ckpt_grads, grads) <= 1e-12
+    assert max_grad_relative_error(ckpt_grads, ref_grads) <= TOLERANCE
+
+
+def test_lora_model_through_the_blocked_engine_matches_per_branch():
+    from peft import LoraConfig, get_peft_model
+
+    groups, batch = forest(seed=6)
+    with float64_norms(), backend("blocked"):
+        base = tiny_model("qwen3", vocab_size=VOCAB)
+        model = get_peft_model(
+            base, LoraConfig(r=4, target_modules=["q_proj", "k_proj", "v_proj"], init_lora_weights=False)
+        )
+        loss, grads = tree_loss_and_grads(model, batch)
+        assert grads and all("lora_" in name for name in grads)
+        ref_loss, ref_grads = reference_loss_and_grads(model, groups)
+    assert relative_error(loss, ref_loss) <= TOLERANCE
+    assert max_grad_relative_error(grads, ref_grads) <= TOLERANCE
+
+
+@pytest.mark.slow  # dynamo traces the whole model: ~20 s on a busy 2-core machine
+def test_compiled_model_runs_the_blocked_engine_eagerly():
+    """torch.compile of the model: the engine is a compiler-disabled region, so the loss and gradients
+    are those of the eager model (``eager`` backend here: the graph breaks are what is tested)."""
+    _, batch = forest(seed=7)
+    with float64_norms(), backend("blocked"):
+        model = tiny_model("llama", vocab_size=VOCAB)
+        loss, grads = tree_loss_and_grads(model, batch)
+        compiled = torch.compile(model, backend="eager")
+        compiled_loss, _ = tree_loss_and_grads(compiled, batch)
+        compiled_grads = grads_of(model)
+    assert relative_error(compiled_loss, loss) <= 1e-12
+    assert max_grad_relative_error(compiled_grads, grads) <= 1e-12

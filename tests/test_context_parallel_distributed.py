@@ -1,0 +1,401 @@
+"""Tree context parallel on 2 CPU processes (gloo) equals the single-process run.
+
+One ``accelerate launch`` of this file (FSDP2 config, ``parallelism_config_cp_size: 2``) runs every case on
+both ranks and writes the measured errors; the tests read them. The cp=1 oracle is the same model on the
+whole batch in the same process (itself checked against per-branch training in test_loss_equivalence.py):
+per-rank logits, the loss summed over ranks and every parameter gradient (summed over ranks, or reduced by
+FSDP2) must match it: float64 to 1e-9 relative (RMSNorm kept in float64), float32 to 1e-5.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import os
+import random
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parents[1]
+VOCAB = 97
+FLOAT64_TOLERANCE = 1e-9
+FLOAT32_TOLERANCE = 1e-5
+# Accelerate's FSDP2 + context-parallel config, as a user writes it (CPU: ACCELERATE_USE_CPU=true).
+ACCELERATE_CONFIG = {
+    "compute_environment": "LOCAL_MACHINE",
+    "distributed_type": "FSDP",
+    "num_machines": 1,
+    "num_processes": 2,
+    "machine_rank": 0,
+    "mixed_precision": "no",
+    "use_cpu": True,
+    "fsdp_config": {
+        "fsdp_version": 2,
+        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
+        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
+        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
+        "fsdp_reshard_after_forward": True,
+        "fsdp_cpu_ram_efficient_loading": False,
+        # As in fsdp_configs/fsdp2_context_parallel.json: layers are recomputed in backward, CP all-gathers included.
+        "fsdp_activation_checkpointing": True,
+    },
+    "parallelism_config": {"parallelism_config_cp_size": 2, "parallelism_config_dp_shard_size": 1},
+}
+
+
+# ----------------------------------------------------------------------------------------------- tree rows
+def grpo_row() -> list[tuple[list[list[int]], list[list[int]]]]:
+    """One prompt, six completions of different lengths (odd row length), completions trained."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(17)]
+    sequences, masks = [], []
+    for length in (3, 9, 4, 7, 5, 8):
+        completion = [rng.randrange(1, VOCAB) for _ in range(length)]
+        sequences.append(prompt + completion)
+        masks.append([0] * len(prompt) + [1] * length)
+    return [(sequences, masks)]
+
+
+def agent_row() -> list[tuple[list[list[int]], list[list[int]]]]:
+    """One sample per turn; later turns keep the answers but not the reasoning, so the turns form a trunk
+    (the stripped history) with a trained reasoning+answer fork per turn."""
+    rng = random.Random(12)
+    history = [rng.randrange(1, VOCAB) for _ in range(9)]
+    sequences, masks = [], []
+    for _ in range(5):
+        reasoning = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 7))]
+        answer = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 5))]
+        sequences.append(history + reasoning + answer)
+        masks.append([0] * len(history) + [1] * (len(reasoning) + len(answer)))
+        history = history + answer + [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))]
+    return [(sequences, masks)]
+
+
+def deep_forest_rows() -> list[tuple[list[list[int]], list[list[int]] | None]]:
+    """A random deep tree, the 12-level fork chain and another random tree: two rows with padding."""
+    from tests.test_loss_equivalence import deep_tree_branches, random_tree_branches
+
+    rng = random.Random(13)
+    return [random_tree_branches(rng, 8), deep_tree_branches(), random_tree_branches(rng, 5)]
+
+
+# name: (rows, family, dtype, strategy, max_packed_tokens, query_block_size)
+CASES = {
+    "grpo_llama_f64_balanced": (grpo_row, "llama", torch.float64, "balanced", 128, 8),
+    "agent_qwen3_f64_zigzag": (agent_row, "qwen3", torch.float64, "zigzag", 128, 1024),
+    "deep_forest_llama_f64_contiguous": (deep_forest_rows, "llama", torch.float64, "contiguous", 72, 5),
+    "deep_forest_qwen3_f64_balanced": (deep_forest_rows, "qwen3", torch.float64, "balanced", 72, 1024),
+    "agent_llama_f32_balanced": (agent_row, "llama", torch.float32, "balanced", 128, 7),
+    "three_tokens_llama_f64_naive": (lambda: [([[5, 6, 7]], None)], "llama", torch.float64, "naive", 16, 1024),
+}
+FSDP_CASE = "fsdp2_grpo_llama_f64_balanced"
+
+
+def make_batch(rows_fn, max_packed_tokens: int) -> dict[str, torch.Tensor]:
+    """The collator's batch (rows padded to a multiple of 5 when there are several) without the stats keys."""
+    from hf_tree import Tree, TreeDataCollator
+    from hf_tree.collator import STATS_KEYS
+
+    trees = rows_fn()
+    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=5 if len(trees) > 1 else None)
+    batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in trees])
+    for key in STATS_KEYS:
+        batch.pop(key)
+    return batch
+
+
+# ----------------------------------------------------------------------------------------------- worker
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Full gradients by parameter name (FSDP2 shards gathered, activation-checkpoint wrappers unnamed)."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n.replace(_CHECKPOINT_PREFIX, ""): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
+        .detach()
+        .clone()
+        for n, p in model.named_parameters()
+        if p.grad is not None
+    }
+
+
+def _single_process(model, batch):
+    """cp=1 oracle: logits of every position, the loss and the gradients."""
+    from hf_tree import tree_causal_lm_loss
+
+    with torch.no_grad():
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"]).logits
+    loss = tree_causal_lm_loss(model, batch)
+    loss.backward()
+    grads = _grads(model)
+    model.zero_grad(set_to_none=True)
+    return logits, loss.detach(), grads
+
+
+def _logits_error(model, local, plan, rank, reference_logits) -> float:
+    """Relative error of this rank's logits (real positions only) against the cp=1 logits."""
+    from tests.helpers import relative_error
+
+    with torch.no_grad():
+        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], kv_end=local["kv_end"]).logits
+    ids = plan.indices[rank]
+    real = ids < plan.num_tokens
+    if not bool(real.any()):
+        return 0.0
+    return relative_error(logits[:, real], reference_logits[:, ids[real]])
+
+
+def run_case(name: str, cp) -> dict:
+    import torch.distributed as dist
+
+    from hf_tree import tree_causal_lm_loss
+    from hf_tree.parallel import (
+        plan_context_parallel,
+        shard_batch_for_context_parallel,
+        tree_context_parallel,
+    )
+    from tests.helpers import max_grad_relative_error, relative_error, tiny_model
+
+    rows_fn, family, dtype, strategy, max_packed_tokens, block = CASES[name]
+    batch = make_batch(rows_fn, max_packed_tokens)
+    model = tiny_model(family, dtype=dtype, vocab_size=VOCAB)
+    ref_logits, ref_loss, ref_grads = _single_process(model, batch)
+
+    plan = plan_context_parallel(batch["kv_end"], cp.size, strategy)
+    local = shard_batch_for_context_parallel(batch, plan, cp.rank)
+    with tree_context_parallel(batch, plan, cp.rank, cp.group, query_block_size=block):
+        logits_error = _logits_error(model, local, plan, cp.rank, ref_logits)
+        loss = tree_causal_lm_loss(model, local)
+        loss.backward()
+    grads = _grads(model)
+    for g in grads.values():
+        dist.all_reduce(g, group=cp.group)  # the CP ranks' gradient contributions add up
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=cp.group)
+    return {
+        "logits": logits_error,
+        "loss": relative_error(total, ref_loss),
+        "grads": max_grad_relative_error(grads, ref_grads),
+        "num_grads": len(grads),
+        "shape": list(batch["input_ids"].shape),
+        "local_edges": int(local["loss_positions"].numel()),
+        "report": plan.report(),
+        "tolerance": FLOAT64_TOLERANCE if dtype == torch.float64 else FLOAT32_TOLERANCE,
+    }
+
+
+def run_fsdp_case(accelerator, cp) -> dict:
+    """FSDP2 over accelerate's ``dp_shard_cp`` mesh with activation checkpointing, the CP group from its ``cp``
+    mesh, as a trainer runs it."""
+    from hf_tree import tree_causal_lm_loss
+    from tests.helpers import max_grad_relative_error, relative_error, tiny_model
+
+    batch = make_batch(grpo_row, 128)
+    model = tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB)
+    ref_logits, ref_loss, ref_grads = _single_process(copy.deepcopy(model), batch)
+    model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
+    factory, local = cp.prepare(batch)
+    with factory():
+        loss = tree_causal_lm_loss(model, local)
+        # FSDP2 averages gradients over the dp_shard_cp ranks; the CP parts must add up: scale by the
+        # number of processes, as TreeTrainer does for data parallelism.
+        accelerator.backward(loss * accelerator.num_processes)
+    grads = _grads(model)
+    total = accelerator.reduce(loss.detach(), reduction="sum")
+    return {
+        "loss": relative_error(total, ref_loss),
+        "grads": max_grad_relative_error(grads, ref_grads),
+        "num_grads": len(grads),
+        "tolerance": FLOAT64_TOLERANCE,
+        "sharded": type(model).__name__,
+        "checkpointed": sum("checkpoint" in type(m).__name__.lower() for m in model.modules()),
+        "refusal": _accelerate_context_parallel_refusal(accelerator, model, batch),
+    }
+
+
+def _accelerate_context_parallel_refusal(accelerator, model, batch) -> str:
+    """accelerate's own context parallel (torch ring attention, causal only) around a tree forward must raise."""
+    buffers = [batch[k].clone() for k in ("input_ids", "position_ids", "kv_end")]
+    try:
+        with accelerator.maybe_context_parallel(buffers=buffers, buffer_seq_dims=[1, 1, 1]):
+            model(input_ids=buffers[0], position_ids=buffers[1], kv_end=buffers[2])
+    except ValueError as error:
+        return str(error)
+    return ""
+
+
+def worker(out_dir: str) -> None:
+    from accelerate import Accelerator
+
+    from hf_tree.distributed import enable_fsdp2_on_cpu
+    from hf_tree.parallel import TreeContextParallel
+    from tests.helpers import float64_norms
+
+    enable_fsdp2_on_cpu()
+    accelerator = Accelerator()
+    cp = TreeContextParallel.from_accelerator(accelerator)
+    results = {"distributed_type": str(accelerator.distributed_type), "cp_size": cp.size}
+    with float64_norms():
+        for name in CASES:
+            results[name] = run_case(name, cp)
+        results[FSDP_CASE] = run_fsdp_case(accelerator, cp)
+    Path(out_dir, f"rank{accelerator.process_index}.json").write_text(json.dumps(results))
+
+
+# ----------------------------------------------------------------------------------------------- tests
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> list[dict]:
+    out = tmp_path_factory.mktemp("context_parallel")
+    config = out / "accelerate_cp.json"
+    config.write_text(json.dumps(ACCELERATE_CONFIG))
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--main_process_port",
+        str(free_port()),
+        __file__,
+        str(out),
+    ]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
+
+
+@pytest.mark.distributed
+def test_launch_uses_fsdp2_and_a_cp_group_of_two(results):
+    assert all(r["distributed_type"] == "DistributedType.FSDP" and r["cp_size"] == 2 for r in results)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(CASES))
+def test_context_parallel_matches_single_process(results, name):
+    for rank, r in enumerate(results):
+        case = r[name]
+        assert case["num_grads"] > 0
+        assert case["logits"] <= case["tolerance"], (rank, case)
+        assert case["loss"] <= case["tolerance"], (rank, case)
+        assert case["grads"] <= case["tolerance"], (rank, case)
+
+
+@pytest.mark.distributed
+def test_cases_cover_padding_odd_lengths_and_a_rank_without_loss_edges(results):
+    shapes = {name: results[0][name]["shape"] for name in CASES}
+    assert shapes["deep_forest_llama_f64_contiguous"][0] == 2  # two packed rows, the shorter one padded
+    assert shapes["grpo_llama_f64_balanced"][1] % 2 == 1  # odd: the shards get a padding slot
+    assert results[0]["grpo_llama_f64_balanced"]["report"]["num_padding_slots"] > 0
+    # Three tokens, naive split: rank 1 holds the last token and a padding slot, predicts nothing, and runs
+    # backward through one zero-weight edge.
+    assert [r["three_tokens_llama_f64_naive"]["local_edges"] for r in results] == [2, 1]
+
+
+@pytest.mark.distributed
+def test_fsdp2_context_parallel_matches_single_process(results):
+    for rank, r in enumerate(results):
+        case = r[FSDP_CASE]
+        assert case["sharded"].startswith("FSDP") and case["checkpointed"] > 0, case
+        assert case["loss"] <= case["tolerance"], (rank, case)
+        assert case["grads"] <= case["tolerance"], (rank, case)
+
+
+@pytest.mark.distributed
+def test_accelerate_own_context_parallel_is_refused(results):
+    for r in results:
+        assert "accelerate's context parallel" in r[FSDP_CASE]["refusal"]
+
+
+# ----------------------------------------------------------------------------------------------- TreeTrainer
+def train_tree_trainer(output_dir: str) -> dict:
+    """2 SGD steps of ``TreeTrainer`` (float64 tiny Llama, RMSNorm in float64, 2 trees per step, gradient
+    accumulation 2): logged losses, the step divisors and the final full parameters. Under the CP launch
+    both ranks hold the same batch and ``TreeTrainer`` shards it over the CP group."""
+    from torch.distributed.tensor import DTensor
+
+    from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
+    from tests.helpers import float64_norms, tiny_model
+    from tests.test_trainer import branch_groups, tree_dataset
+
+    args = TreeTrainingArguments(
+        output_dir=output_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        seed=3,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        train_sampling_strategy="sequential",
+        max_packed_tokens=48,
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    model = tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB)
+    trainer = TreeTrainer(model=model, args=args, train_dataset=tree_dataset(branch_groups(seed=5, num_trees=8)))
+    with float64_norms():
+        trainer.train()
+    named = [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in model.named_parameters()]
+    cp = trainer.tree_context_parallel
+    return {
+        "cp_size": 1 if cp is None else cp.size,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "trees_per_step": [h["trees_per_step"] for h in trainer.state.log_history if "trees_per_step" in h],
+        "params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in named},
+    }
+
+
+@pytest.mark.distributed
+def test_tree_trainer_with_context_parallel_matches_single_process(tmp_path):
+    """``TreeTrainer`` under the FSDP2 + cp_size 2 launch (both ranks see the same batches, each trains its
+    shard) gives the losses and parameters of the same run in one process."""
+    from tests.helpers import relative_error, tiny_model
+
+    config = tmp_path / "accelerate_cp.json"
+    config.write_text(json.dumps(ACCELERATE_CONFIG))
+    report = tmp_path / "report.pt"
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    command += ["--main_process_port", str(free_port()), __file__, "--trainer", str(tmp_path / "cp"), str(report)]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    distributed = torch.load(report)
+    single = train_tree_trainer(str(tmp_path / "single"))
+
+    assert distributed["cp_size"] == 2 and single["cp_size"] == 1
+    assert len(distributed["losses"]) == len(single["losses"]) == 2
+    # the step sums count each tree once, not once per CP rank
+    assert distributed["trees_per_step"] == single["trees_per_step"]
+    for got, want in zip(distributed["losses"], single["losses"]):
+        assert abs(got - want) <= FLOAT64_TOLERANCE * abs(want), (distributed["losses"], single["losses"])
+    assert distributed["params"].keys() == single["params"].keys()
+    errors = {n: relative_error(p, single["params"][n]) for n, p in distributed["params"].items()}
+    assert max(errors.values()) <= FLOAT64_TOLERANCE, errors
+    initial = dict(tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB).named_parameters())
+    assert all(not torch.equal(p, initial[n]) for n, p in single["params"].items())  # training moved them
+
+
+if __name__ == "__main__":
+    if sys.argv[1] == "--trainer":
+        out = train_tree_trainer(sys.argv[2])
+        if int(os.environ.get("RANK", "0")) == 0:
+            torch.save(out, sys.argv[3])
+    else:
+        worker(sys.argv[1])

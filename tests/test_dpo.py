@@ -1,0 +1,151 @@
+"""TreeDPOTrainer against TRL's own DPOTrainer on the same tiny models and the same batches.
+
+Oracle: TRL's fused-head forward on the concatenated ``[chosen; rejected]`` batch (each row alone, padded) and
+TRL's full training step. Exactness in float64 with RMSNorm kept in float64; float32 against TRL's own float32
+error. Both trainers load the same saved tiny Llama by path, the tree one with ``tree_flash``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from transformers import AutoModelForCausalLM
+from trl import DPOConfig, DPOTrainer
+from trl.trainer.utils import add_fused_lm_head
+
+from hf_tree.dpo import POLICY_OUTPUTS, TreeDPOConfig, TreeDPOTrainer
+from tests.helpers import float64_norms, relative_error, tiny_model
+from tests.test_grpo import STEP_TOLERANCE, TOLERANCE, saved_tiny_model, word_tokenizer
+
+# Two pairs share a prompt (and so does one chosen/rejected start), prompts and responses of unequal lengths.
+PAIRS = {
+    "prompt": ["w10 w11 w12 w13", "w14 w15", "w10 w11 w12 w13", "w16 w17 w18"],
+    "chosen": [" w20 w21", " w22", " w23 w24 w25", " w26 w27"],
+    "rejected": [" w20 w28 w29 w30", " w31 w32", " w33", " w26"],
+}
+FIELDS = ("log_probs", "entropy", "mean_logits", "log_sum_sq_probs")
+
+
+def dpo_args(cls, path: str, dtype: torch.dtype, **overrides):
+    args = dict(
+        output_dir=f"{path}/out",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        model_init_kwargs={"dtype": dtype},
+        per_device_train_batch_size=4,
+        use_weighting=True,
+    )
+    return cls(**{**args, **overrides})
+
+
+def make_trainer(cls, config_cls, path: str, dtype: torch.dtype, peft: bool = False, **overrides):
+    return cls(
+        path,
+        args=dpo_args(config_cls, path, dtype, **overrides),
+        train_dataset=Dataset.from_dict(PAIRS),
+        processing_class=word_tokenizer(),
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
+    )
+
+
+def fused_outputs(model, batch):
+    """What DPOTrainer's ``_compute_loss`` asks of the policy (and the reference, log_probs only)."""
+    labels = batch["input_ids"].masked_fill(batch["completion_mask"] == 0, -100)
+    with torch.no_grad(), float64_norms():
+        return model(
+            input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels, fused_lm_head=True
+        )
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
+def test_per_token_values_match_trl(tmp_path, dtype):
+    path = saved_tiny_model(tmp_path, dtype)
+    trl = make_trainer(DPOTrainer, DPOConfig, path, dtype)
+    tree = make_trainer(TreeDPOTrainer, TreeDPOConfig, path, dtype)
+    batch = trl.data_collator([trl.train_dataset[i] for i in range(len(PAIRS["prompt"]))])
+    theirs, ours = fused_outputs(trl.model, batch), fused_outputs(tree.model, batch)
+    ref_theirs, ref_ours = fused_outputs(trl.ref_model, batch), fused_outputs(tree.ref_model, batch)
+    stats = tree.model.hf_tree_layout_stats
+    assert stats.num_tree_tokens < int(batch["attention_mask"].sum()), "chosen and rejected did not share prompts"
+    assert torch.equal(ours.label_mask, theirs.label_mask)
+    pairs = [(getattr(ours, f), getattr(theirs, f)) for f in FIELDS] + [(ref_ours.log_probs, ref_theirs.log_probs)]
+    if dtype == torch.float64:
+        for ours_value, theirs_value in pairs:
+            assert relative_error(ours_value, theirs_value) <= TOLERANCE
+        assert torch.equal(ours.is_top1, theirs.is_top1)
+    else:  # no worse than twice TRL's own float32 error against its float64 twin (same weights)
+        twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        add_fused_lm_head(twin, outputs=POLICY_OUTPUTS + ("log_sum_sq_probs",))
+        exact = fused_outputs(twin, batch)
+        truths = [getattr(exact, f) for f in FIELDS] + [exact.log_probs]
+        for (ours_value, theirs_value), truth in zip(pairs, truths):
+            assert relative_error(ours_value, truth) <= 2 * relative_error(theirs_value, truth) + 1e-7
+
+
+def one_step(cls, config_cls, path: str, peft: bool, precompute: bool):
+    """One SGD step without clipping (gradient errors stay visible) on 4 pairs, two of them sharing a prompt."""
+    trainer = make_trainer(
+        cls,
+        config_cls,
+        path,
+        torch.float64,
+        peft,
+        max_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+        precompute_ref_log_probs=precompute,
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    with float64_norms():
+        trainer.train()
+    return trainer, {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+@pytest.mark.parametrize(
+    "peft, precompute", [(False, False), (True, True)], ids=["full-ref_model", "lora-precomputed_ref"]
+)
+def test_one_step_matches_trl(tmp_path, peft, precompute):
+    """A separate reference model, and LoRA with the reference (adapter disabled) precomputed in __init__. The
+    tolerance is float32-level: TRL's fused head computes its gradients in float32 (see tests/test_grpo.py)."""
+    path = saved_tiny_model(tmp_path, torch.float64)
+    with float64_norms():  # the precomputed reference runs inside __init__
+        trl, trl_updates = one_step(DPOTrainer, DPOConfig, path, peft, precompute)
+        tree, tree_updates = one_step(TreeDPOTrainer, TreeDPOConfig, path, peft, precompute)
+    base = tree.model.get_base_model() if peft else tree.model
+    assert base.hf_tree_layout_stats.dedup_ratio > 1
+    if precompute:
+        for column in ("ref_chosen_logps", "ref_rejected_logps"):
+            theirs, ours = torch.tensor(trl.train_dataset[column]), torch.tensor(tree.train_dataset[column])
+            assert relative_error(ours, theirs) <= TOLERANCE
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TOLERANCE)
+    assert trl_updates.keys() == tree_updates.keys()
+    for name, update in trl_updates.items():
+        assert relative_error(tree_updates[name], update) <= STEP_TOLERANCE, name
+    assert any(u.norm() > 0 for u in trl_updates.values())
+
+
+def test_unsupported_setups_raise(tmp_path):
+    path = saved_tiny_model(tmp_path, torch.float64)
+    with pytest.raises(ValueError, match="TreeDPOConfig"):
+        TreeDPOTrainer(
+            path,
+            args=dpo_args(DPOConfig, path, torch.float64),
+            train_dataset=Dataset.from_dict(PAIRS),
+            processing_class=word_tokenizer(),
+        )
+    with pytest.raises(ValueError, match="ref_model uses attn_implementation='sdpa'"):
+        TreeDPOTrainer(
+            path,
+            ref_model=tiny_model(attn="sdpa"),
+            args=dpo_args(TreeDPOConfig, path, torch.float64),
+            train_dataset=Dataset.from_dict(PAIRS),
+            processing_class=word_tokenizer(),
+        )

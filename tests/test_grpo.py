@@ -1,0 +1,268 @@
+"""TreeGRPOTrainer against TRL's own GRPOTrainer on the same tiny models and the same batches.
+
+Oracle: TRL's ``_get_per_token_logps_and_entropies`` (each row run alone, padded) and TRL's full training step.
+Exactness in float64 with RMSNorm kept in float64; float32 against float32 TRL's own error. Both trainers load the
+same saved tiny Llama by path (so the reference model is built by TRL itself), the tree one with ``tree_flash``.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from datasets import Dataset
+from peft import LoraConfig
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from trl import GRPOConfig, GRPOTrainer
+from trl.trainer.utils import add_fused_lm_head
+
+from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
+from hf_tree.logprobs import add_tree_fused_lm_head
+from tests.helpers import float64_norms, relative_error, tiny_model
+
+VOCAB = 97
+TOLERANCE = 1e-9
+# Parameter updates of one step: TRL's fused log-prob kernel computes its gradients in float32 even in a float64
+# model (hidden-state gradients and the LM head's weight gradient), rounding differently for a different number of
+# rows (TRL: every position of the padded batch; tree: the scored ones). TRL itself moves by ~3e-8 when only its
+# padding changes (pad_to_multiple_of); a missing, doubled or misplaced token changes updates by > 1e-3.
+STEP_TOLERANCE = 1e-6
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """A real (word-level) fast tokenizer over the tiny vocabulary: ids 0-2 special, ``w{i}`` -> id ``i``."""
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+
+
+def saved_tiny_model(path, dtype: torch.dtype) -> str:
+    tiny_model(dtype=dtype, attn="sdpa").save_pretrained(path)
+    return str(path)
+
+
+def trainer_args(cls, path: str, dtype: torch.dtype, **overrides):
+    args = dict(
+        output_dir=f"{path}/out",
+        report_to="none",
+        use_cpu=True,
+        bf16=False,
+        save_strategy="no",
+        disable_tqdm=True,
+        model_init_kwargs={"dtype": dtype},
+        per_device_train_batch_size=4,
+        num_generations=4,
+        max_completion_length=8,
+        beta=0.1,
+    )
+    return cls(**{**args, **overrides})
+
+
+def zero_reward(completions, **_) -> list[float]:
+    return [0.0] * len(completions)
+
+
+@pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["float64", "float32"])
+def trainers(request, tmp_path_factory):
+    """(TRL trainer, tree trainer, model path) on the same saved model; both build their reference from the path."""
+    dtype = request.param
+    path = saved_tiny_model(tmp_path_factory.mktemp(f"grpo_{dtype}"), dtype)
+    setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
+    trl = GRPOTrainer(path, zero_reward, trainer_args(GRPOConfig, path, dtype), **setup)
+    tree = TreeGRPOTrainer(path, zero_reward, trainer_args(TreeGRPOConfig, path, dtype), **setup)
+    return trl, tree, path
+
+
+def padded_batch(prompts: list[list[int]], completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """TRL's GRPO layout: ``[B, P + C]`` ids and mask, prompts left-padded, completions right-padded."""
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (p, c) in enumerate(zip(prompts, completions)):
+        ids[row, width_p - len(p) : width_p], mask[row, width_p - len(p) : width_p] = torch.tensor(p), 1
+        ids[row, width_p : width_p + len(c)], mask[row, width_p : width_p + len(c)] = torch.tensor(c), 1
+    return ids, mask, width_c
+
+
+def scenario(name: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Rows (prompt, completion) of one micro-batch; completions of unequal length everywhere."""
+    rng = random.Random(name)
+    tokens = lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]  # noqa: E731
+    if name == "full_group":  # one prompt, 4 completions: a duplicate and one the prefix of another
+        first = tokens(6)
+        prompt, completions = tokens(9), [first, tokens(3), first, first[:2]]
+        return [prompt] * 4, completions
+    if name == "partial_groups":  # rows of two groups interleaved (as after TRL's shuffle), one group partial
+        a, b = tokens(7), tokens(4)
+        return [a, b, a, b, a], [tokens(5), tokens(2), tokens(8), tokens(1), tokens(3)]
+    if name == "several_prompts":  # three prompts of different lengths sharing a first token, two rows each
+        prompts = [[5, *tokens(n)] for n in (2, 10, 6)]
+        return [p for p in prompts for _ in range(2)], [tokens(rng.randint(1, 8)) for _ in range(6)]
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["full_group", "partial_groups", "several_prompts"])
+def test_logprobs_and_entropies_match_trl(trainers, name):
+    """TRL runs rows in chunks of ``batch_size``; the tree packs all rows together (groups are never cut)."""
+    trl, tree, path = trainers
+    batch_size = 2
+    ids, mask, keep = padded_batch(*scenario(name))
+    with torch.no_grad(), float64_norms():
+        trl_logps, trl_entropy, _ = trl._get_per_token_logps_and_entropies(
+            trl.model, ids, mask, keep, batch_size=batch_size, compute_entropy=True
+        )
+        logps, entropy, _ = tree._get_per_token_logps_and_entropies(
+            tree.model, ids, mask, keep, batch_size=batch_size, compute_entropy=True
+        )
+        ref_trl, _, _ = trl._get_per_token_logps_and_entropies(trl.ref_model, ids, mask, keep, batch_size=batch_size)
+        ref_tree, _, _ = tree._get_per_token_logps_and_entropies(tree.ref_model, ids, mask, keep, batch_size=batch_size)
+    stats = tree.model.hf_tree_layout_stats
+    assert stats.num_tree_tokens < int(mask.sum()), "the tree pass did not share the prompts"
+    assert logps.shape == trl_logps.shape == (ids.shape[0], keep)
+    assert torch.equal(logps == 0, trl_logps == 0)  # padding scores exactly zero in both
+    pairs = [(logps, trl_logps), (entropy, trl_entropy), (ref_tree, ref_trl)]
+    if tree.model.dtype == torch.float64:
+        for ours, theirs in pairs:
+            assert relative_error(ours, theirs) <= TOLERANCE
+    else:  # float32: no worse than twice TRL's own float32 error against float64 (same weights)
+        twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
+        add_fused_lm_head(twin, outputs=("log_probs", "entropy"))
+        with torch.no_grad(), float64_norms():
+            truth, truth_entropy, _ = trl._get_per_token_logps_and_entropies(
+                twin, ids, mask, keep, compute_entropy=True
+            )
+        for (ours, theirs), exact in zip(pairs, (truth, truth_entropy, truth)):
+            assert relative_error(ours, exact) <= 2 * relative_error(theirs, exact) + 1e-7
+
+
+def test_split_trees_and_chunked_forwards_match_trl():
+    """Row capacity below one group (trees split by completions) and one packed row per backbone call."""
+    reference, model = tiny_model(attn="sdpa"), tiny_model()
+    add_fused_lm_head(reference, temperature=0.7, outputs=("log_probs", "entropy"))
+    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    add_tree_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"), max_packed_tokens=24)
+    ids, mask, keep = padded_batch(*scenario("several_prompts"))
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-keep] = -100
+    with torch.no_grad(), float64_norms():
+        theirs = reference(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        ours = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, tree_tokens_per_forward=24)
+    assert model.hf_tree_layout_stats.num_split_trees >= 1 and model.hf_tree_layout_stats.num_rows >= 2
+    for field in ("log_probs", "entropy", "loss"):
+        assert relative_error(getattr(ours, field), getattr(theirs, field)) <= TOLERANCE
+    assert torch.equal(ours.label_mask, theirs.label_mask)
+
+
+def test_generation_is_unchanged():
+    model, twin = tiny_model(), tiny_model(attn="sdpa")
+    add_fused_lm_head(model)
+    add_tree_fused_lm_head(model)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **kwargs), twin.generate(prompt, **kwargs))
+
+
+# prompt text -> its group's completions (token ids): unequal lengths, shared prefixes, a duplicate
+FIXED_COMPLETIONS = {
+    "w10 w11 w12 w13 w14": [[20, 21, 22], [20, 21, 1], [23, 24, 25, 26, 27, 28], [29]],
+    "w15 w16 w17": [[30, 31], [32, 33, 34, 35, 1], [30, 36], [30, 31]],
+}
+
+
+def fixed_rollout(prompts: list[str], trainer) -> dict:
+    """Generation replaced by a fixed list of completions (TRL's ``rollout_func`` hook), identical for both."""
+    seen: dict[str, int] = {}
+    output = {"prompt_ids": [], "completion_ids": [], "logprobs": None}
+    for prompt in prompts:
+        k = seen[prompt] = seen.get(prompt, -1) + 1
+        output["prompt_ids"].append(trainer.processing_class(prompt)["input_ids"])
+        output["completion_ids"].append(FIXED_COMPLETIONS[prompt][k % 4])
+    return output
+
+
+def varied_reward(completion_ids, **_) -> list[float]:
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def one_step(cls, config_cls, path: str, peft: bool):
+    """One optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per generation: old
+    policy, reference and policy passes all run), SGD without clipping so gradient errors stay visible."""
+    args = trainer_args(
+        config_cls,
+        path,
+        torch.float64,
+        gradient_accumulation_steps=2,
+        num_iterations=2,
+        max_steps=1,
+        optim="sgd",
+        learning_rate=1.0,
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        logging_steps=1,
+    )
+    trainer = cls(
+        path,
+        varied_reward,
+        args,
+        train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
+        processing_class=word_tokenizer(),
+        rollout_func=fixed_rollout,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
+    )
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    with float64_norms():
+        trainer.train()
+    updates = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return trainer, updates
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_one_step_matches_trl(tmp_path, monkeypatch, peft):
+    """Full fine-tuning (separate reference model) and LoRA (reference = the adapter disabled)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    path = saved_tiny_model(tmp_path, torch.float64)
+    trl, trl_updates = one_step(GRPOTrainer, GRPOConfig, path, peft)
+    tree, tree_updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, peft)
+    base = tree.model.get_base_model() if peft else tree.model
+    assert base.hf_tree_layout_stats.dedup_ratio > 1
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TOLERANCE)
+    assert trl_updates.keys() == tree_updates.keys()
+    for name, update in trl_updates.items():
+        assert relative_error(tree_updates[name], update) <= STEP_TOLERANCE, name
+    assert any(u.norm() > 0 for u in trl_updates.values())
+
+
+def test_unsupported_setups_raise(trainers, tmp_path):
+    _, tree, _ = trainers
+    ids, mask, keep = padded_batch(*scenario("full_group"))
+    with pytest.raises(ValueError, match="pixel_values"):
+        tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, pixel_values=torch.zeros(1, 3, 4, 4))
+    holed = mask.clone()
+    holed[0, -keep] = 0  # a hole between prompt and completion
+    holed[0, -keep + 1] = 1
+    with pytest.raises(ValueError, match="contiguous"):
+        tree._get_per_token_logps_and_entropies(tree.model, ids, holed, keep)
+    setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
+    sdpa_model = tiny_model(attn="sdpa")
+    with pytest.raises(ValueError, match="tree_flash"):  # a model instance loaded with sdpa
+        TreeGRPOTrainer(
+            sdpa_model, zero_reward, trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, beta=0.0), **setup
+        )
+    with pytest.raises(ValueError, match="TreeGRPOConfig"):
+        TreeGRPOTrainer(
+            sdpa_model, zero_reward, trainer_args(GRPOConfig, str(tmp_path), torch.float64, beta=0.0), **setup
+        )
+    with pytest.raises(ValueError, match="max_packed_tokens"):
+        trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, max_packed_tokens=1)
+    model = tiny_model()
+    model.config.logit_scale = 0.5
+    with pytest.raises(ValueError, match="logit_scale"):
+        add_tree_fused_lm_head(model)
+    small = tiny_model()
+    add_tree_fused_lm_head(small, max_packed_tokens=4)
+    labels = ids.masked_fill(mask == 0, -100)
+    with pytest.raises(ValueError, match="max_packed_tokens=4"):
+        small(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)

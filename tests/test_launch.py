@@ -1,0 +1,148 @@
+"""launch/train.py: config parsing, data loading, and short runs on a tiny model (in-process and under
+``accelerate launch`` with a YAML config). The no-argument default (SmolLM2 + LoRA, minutes) is the README's
+main job and is only parsed here."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from hf_tree.assets import load_smollm2_tokenizer
+from tests.helpers import tiny_model
+from tests.test_sft import QWEN3_TEMPLATE, VOCAB, prompt_completion_dataset
+
+REPO = Path(__file__).resolve().parents[1]
+spec = importlib.util.spec_from_file_location("launch_train", REPO / "launch" / "train.py")
+train = importlib.util.module_from_spec(spec)
+sys.modules[spec.name] = train  # dataclasses look their module up while the file executes
+spec.loader.exec_module(train)
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A tiny random Llama with SmolLM2's tokenizer, saved like a hub checkpoint."""
+    path = tmp_path_factory.mktemp("tiny-smollm2")
+    tiny_model(vocab_size=VOCAB, dtype=torch.float32, attn="sdpa").save_pretrained(path)
+    load_smollm2_tokenizer().save_pretrained(path)
+    return path
+
+
+def test_no_arguments_is_the_offline_lora_default():
+    model, data, lora, config = train.parse_arguments([])
+    assert model.model_name_or_path == train.OFFLINE_MODEL and data.dataset_name == train.SYNTHETIC_DATASET
+    peft_config = lora.to_peft_config(tiny_model())
+    assert lora.use_peft and peft_config.r == train.DEFAULT_RUN["lora_r"]
+    assert set(peft_config.target_modules) == {
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "gate_proj",
+        "up_proj",
+        "down_proj",
+    }
+    assert config.max_steps == train.DEFAULT_RUN["max_steps"] and config.output_dir == train.DEFAULT_RUN["output_dir"]
+
+
+def test_config_file_then_cli_flags(tmp_path):
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"lora_r": 4, "use_peft": True, "max_steps": 7, "normalization": "sequence"}))
+    _, _, lora, config = train.parse_arguments(["--config", str(path), "--max_steps", "3"])
+    assert (lora.lora_r, lora.use_peft, config.max_steps, config.normalization) == (4, True, 3, "sequence")
+    path.write_text(json.dumps({"lora_rank": 4}))
+    with pytest.raises(ValueError, match="lora_rank"):
+        train.parse_arguments(["--config", str(path)])
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".parquet", "folder"])
+def test_local_datasets_load(tmp_path, suffix):
+    dataset = prompt_completion_dataset()
+    path = tmp_path / f"data{suffix if suffix != 'folder' else ''}"
+    if suffix == ".jsonl":
+        dataset.to_json(path)
+    elif suffix == ".parquet":
+        dataset.to_parquet(path)
+    else:
+        dataset.save_to_disk(path)
+    loaded = train.load_split(train.DataArguments(dataset_name=str(path)), "train")
+    assert loaded.to_list() == dataset.to_list()
+
+
+def test_full_fine_tuning_run_in_process(tmp_path, tiny_model_dir):
+    data = tmp_path / "data.jsonl"
+    prompt_completion_dataset().to_json(data)
+    out = tmp_path / "out"
+    argv = [
+        "--model_name_or_path",
+        str(tiny_model_dir),
+        "--dataset_name",
+        str(data),
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--output_dir",
+        str(out),
+        "--report_to",
+        "none",
+        "--save_strategy",
+        "no",
+        "--logging_steps",
+        "1",
+        "--dataset_test_split",
+        "train",
+    ]
+    summary = train.main(argv)
+    assert summary["dedup_ratio"] > 1.0 and summary["tree_tokens_per_second"] > 0
+    assert torch.isfinite(torch.tensor([summary["train_loss"], summary["eval_loss"]])).all()
+    assert (out / "model.safetensors").exists() and not (out / "adapter_model.safetensors").exists()
+
+
+@pytest.mark.slow
+def test_lora_run_under_accelerate_launch_with_yaml_config(tmp_path, tiny_model_dir):
+    config = {
+        "model_name_or_path": str(tiny_model_dir),
+        "synthetic_num_conversations": 4,
+        "synthetic_max_user_turns": 2,
+        "synthetic_max_tool_steps": 1,
+        "use_peft": True,
+        "lora_r": 4,
+        "chat_template_path": QWEN3_TEMPLATE,
+        "max_length": None,
+        "max_steps": 5,
+        "report_to": "none",
+        "save_strategy": "no",
+        "logging_steps": 1,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(config))
+    out = tmp_path / "out"
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--num_processes",
+        "1",
+        "--mixed_precision",
+        "no",
+        str(REPO / "launch" / "train.py"),
+        "--config",
+        str(path),
+        "--max_steps",
+        "2",
+        "--output_dir",
+        str(out),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert "dedup ratio" in result.stdout and "trained 2 steps" in result.stdout  # the CLI flag beat the file
+    assert (out / "adapter_model.safetensors").exists()

@@ -1,0 +1,142 @@
+"""``hf_tree.stats`` on hand-built datasets: every expected number is derived in the test from the input branches
+(the set of their distinct prefixes is the trie), never hard-coded; packing plans are checked against the real
+``TreeDataCollator``."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from hf_tree import Tree, TreeDataCollator
+from hf_tree.stats import ModelShape, compute_stats, format_report, plan_rows, text_histogram
+
+
+def _random_groups(seed: int, num_trees: int) -> list[list[list[int]]]:
+    """Per tree, branches that fork from random points of earlier branches (duplicates and prefixes included)."""
+    rng = random.Random(seed)
+    trees = []
+    for _ in range(num_trees):
+        branches = [[rng.randrange(1, 50) for _ in range(rng.randint(2, 12))]]
+        for _ in range(rng.randint(0, 5)):
+            base = rng.choice(branches)
+            kind = rng.random()
+            if kind < 0.15:
+                branches.append(list(base))  # an identical branch
+            elif kind < 0.3:
+                branches.append(base[: rng.randint(2, len(base))])  # a prefix of another branch
+            else:
+                branches.append(
+                    base[: rng.randint(0, len(base))] + [rng.randrange(1, 50) for _ in range(rng.randint(1, 8))]
+                )
+        trees.append(branches)
+    return trees
+
+
+def _prefixes(branches: list[list[int]]) -> set[tuple[int, ...]]:
+    return {tuple(b[:k]) for b in branches for k in range(1, len(b) + 1)}
+
+
+def _expected_fan_outs(branches: list[list[int]]) -> list[int]:
+    """Children of every compressed-trie node with children: a node ends at a prefix with != 1 children or where a
+    branch ends, and its children are that prefix's one-token extensions; several roots count as one fan-out."""
+    prefixes = _prefixes(branches)
+    ends = {tuple(b) for b in branches}
+    children = {p: 0 for p in prefixes}
+    for p in prefixes:
+        if len(p) > 1:
+            children[p[:-1]] += 1
+    out = [c for p, c in children.items() if c > 0 and (c != 1 or p in ends)]
+    roots = len({b[0] for b in branches})
+    return out + [roots] if roots > 1 else out
+
+
+@pytest.fixture(scope="module")
+def dataset():
+    groups = _random_groups(seed=3, num_trees=25)
+    return groups, [Tree.from_sequences(g) for g in groups]
+
+
+def test_counts_match_the_prefix_sets(dataset):
+    groups, trees = dataset
+    stats = compute_stats(trees)
+    assert stats.num_trees == len(groups)
+    assert stats.num_branches == sum(len(g) for g in groups)
+    assert stats.num_branch_tokens == sum(len(b) for g in groups for b in g)
+    assert stats.num_tree_tokens == sum(len(_prefixes(g)) for g in groups)
+    assert stats.num_trained_tokens == sum(len(b) - 1 for g in groups for b in g)  # all but the first token
+    assert stats.dedup_ratio == pytest.approx(stats.num_branch_tokens / stats.num_tree_tokens)
+    assert sorted(stats.branch_lengths) == sorted(len(b) for g in groups for b in g)
+    assert sorted(stats.fan_outs) == sorted(f for g in groups for f in _expected_fan_outs(g))
+    assert stats.branches_per_tree == [len(g) for g in groups]
+
+
+def test_flop_savings_follow_the_stated_formulas(dataset):
+    groups, trees = dataset
+    shape = ModelShape(num_layers=3, hidden_size=16, intermediate_size=40, num_attention_heads=4, num_key_value_heads=2)
+    stats = compute_stats(trees, model_shape=shape)
+    # A branch of L tokens alone: L(L+1)/2 visible pairs; in the trie every token (prefix p) sees len(p) keys.
+    branch_pairs = sum(len(b) * (len(b) + 1) // 2 for g in groups for b in g)
+    tree_pairs = sum(len(p) for g in groups for p in _prefixes(g))
+    assert (stats.num_branch_attention_pairs, stats.num_tree_attention_pairs) == (branch_pairs, tree_pairs)
+    assert stats.linear_flop_saving == pytest.approx(1 - stats.num_tree_tokens / stats.num_branch_tokens)
+    assert stats.attention_flop_saving == pytest.approx(1 - tree_pairs / branch_pairs)
+    head_dim = 16 // 4
+    params = 3 * (16 * 16 * 2 + 2 * 16 * head_dim * 2 + 3 * 16 * 40)  # q, o; k, v; gate, up, down
+    flops = lambda tokens, pairs: 6 * params * tokens + 12 * 3 * 16 * pairs  # noqa: E731
+    expected = 1 - flops(stats.num_tree_tokens, tree_pairs) / flops(stats.num_branch_tokens, branch_pairs)
+    assert stats.total_flop_saving == pytest.approx(expected)
+
+
+def _collated_rows(collator: TreeDataCollator, trees: list[Tree]) -> list[list[int]]:
+    """The real collator's rows without their padding (pad id 0; the test's tokens are >= 1)."""
+    rows = collator([t.to_dict() for t in trees])["input_ids"].tolist()
+    return [[t for t in row if t != 0] for row in rows]
+
+
+@pytest.mark.parametrize("overlong", ["drop", "truncate"])
+@pytest.mark.parametrize("trees_per_batch", [None, 7])
+def test_packing_plan_reproduces_the_collator(dataset, overlong, trees_per_batch):
+    groups, trees = dataset
+    capacity, max_branch = 24, 10
+    plan = plan_rows(trees, capacity, max_branch_tokens=max_branch, overlong=overlong, trees_per_batch=trees_per_batch)
+    collator = TreeDataCollator(max_packed_tokens=capacity, max_branch_tokens=max_branch, overlong=overlong)
+    step = trees_per_batch or len(trees)
+    collated = [row for i in range(0, len(trees), step) for row in _collated_rows(collator, trees[i : i + step])]
+    planned = [[t for part in row for t in part.input_ids.tolist()] for row in plan.rows]
+    assert planned == collated
+    for name in ("num_rows", "num_split_trees", "num_tree_parts", "num_truncated_branches", "num_dropped_branches",
+                 "num_dropped_trees", "num_tree_tokens", "num_branch_tokens", "num_padding_tokens"):  # fmt: skip
+        assert getattr(plan.stats, name) == getattr(collator.stats, name), name
+    overlong_branches = sum(len(b) > max_branch for g in groups for b in g)
+    counted = plan.stats.num_dropped_branches if overlong == "drop" else plan.stats.num_truncated_branches
+    assert counted == overlong_branches > 0
+    assert all(sum(p.num_tokens for p in row) <= capacity for row in plan.rows)
+
+
+def test_report_and_histograms_show_the_numbers(dataset):
+    _, trees = dataset
+    stats = compute_stats(trees, 24, max_branch_tokens=10, overlong="drop", dropped={"rows dropped": {"empty": 2}})
+    report = format_report(stats)
+    expected = [
+        f"trees                  {stats.num_trees}",
+        f"dedup ratio            {stats.dedup_ratio:.3f}",
+        f"branches dropped     {stats.packing.num_dropped_branches}",
+        "rows dropped           2 {'empty': 2}",
+    ]
+    for text in expected:
+        assert text in report
+    histogram = text_histogram(stats.branch_lengths)
+    assert sum(int(line.split()[-2] if line.split()[-1].startswith("#") else line.split()[-1])
+               for line in histogram.splitlines()) == len(stats.branch_lengths)  # fmt: skip
+    assert stats.to_dict()["packing"]["num_rows"] == stats.packing.num_rows
+
+
+def test_bad_options_are_rejected(dataset):
+    _, trees = dataset
+    with pytest.raises(ValueError, match=r"trees_per_batch=0 must be a positive integer"):
+        plan_rows(trees, 24, trees_per_batch=0)
+    with pytest.raises(ValueError, match=r"max_branch_tokens=30 must be an integer in \[2, max_packed_tokens=24\]"):
+        plan_rows(trees, 24, max_branch_tokens=30)
+    with pytest.raises(ValueError, match=r"tree \d+: branch \d+ has \d+ tokens, more than max_branch_tokens=10"):
+        plan_rows(trees, 24, max_branch_tokens=10, overlong="error")

@@ -1,0 +1,306 @@
+"""TreeTrainer against the oracle: transformers.Trainer on the unrolled branches, float64 tiny models.
+
+Each dataset row is one group of branches: TreeTrainer sees it as one tree, the reference Trainer as the
+branches padded into a flat batch. Both use the same sampler seed and batch sizes, so each optimizer step
+sees the same branches. SGD without clipping keeps any error in the gradient scale visible (Adam would
+normalise it away).
+"""
+
+from __future__ import annotations
+
+import random
+
+import datasets
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import Trainer, TrainerCallback, TrainingArguments
+
+from hf_tree import Tree
+from hf_tree.trainer import STEP_SUM_KEYS, TreeTrainer, TreeTrainingArguments
+from tests.helpers import float64_norms, per_branch_loss, relative_error, tiny_model
+
+VOCAB = 97
+BRANCHES_PER_TREE = 3
+NUM_TREES = 12
+TOLERANCE = 1e-8
+
+
+def branch_groups(seed: int = 0, num_trees: int = NUM_TREES) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Groups of 3 branches sharing a prompt: distinct answers, a duplicate or a prefix branch, masked prompts."""
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(num_trees):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 12))]
+        answers = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 9))] for _ in range(2)]
+        answers.append(rng.choice([answers[0], answers[0][:1], [rng.randrange(3, VOCAB)]]))
+        sequences = [prompt + a for a in answers]
+        masks = [[0] * len(prompt) + [1] * len(a) for a in answers]
+        if rng.random() < 0.3:  # a fully trained branch: its prompt tokens are trained too
+            masks[1] = [0] + [1] * (len(sequences[1]) - 1)
+        groups.append((sequences, masks))
+    return groups
+
+
+def tree_dataset(groups) -> datasets.Dataset:
+    return datasets.Dataset.from_list([Tree.from_sequences(s, m).to_dict() for s, m in groups])
+
+
+def branch_dataset(groups) -> datasets.Dataset:
+    return datasets.Dataset.from_list([{"sequences": s, "masks": m} for s, m in groups])
+
+
+def collate_branches(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Reference collator: every branch of every row, right-padded; labels -100 where not trained."""
+    branches = [(seq, mask) for row in rows for seq, mask in zip(row["sequences"], row["masks"])]
+    length = max(len(seq) for seq, _ in branches)
+    input_ids = torch.zeros(len(branches), length, dtype=torch.long)
+    attention_mask = torch.zeros(len(branches), length, dtype=torch.long)
+    labels = torch.full((len(branches), length), -100, dtype=torch.long)
+    for i, (seq, mask) in enumerate(branches):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention_mask[i, : len(seq)] = 1
+        labels[i, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(seq), -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def branch_loss_func(normalization: str, branches_per_step: int):
+    """Reference ``compute_loss_func`` in float64: token = HF's sum / num_items_in_batch (counted by Trainer
+    over the accumulated batch); sequence = per-branch means summed / branches in the step."""
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        logits = outputs.logits[:, :-1].to(torch.float64)
+        targets = labels[:, 1:]
+        trained = targets != -100
+        ce = F.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none") * trained
+        if normalization == "token":
+            return ce.sum() / num_items_in_batch
+        return (ce.sum(1) / trained.sum(1)).sum() / branches_per_step
+
+    return loss_func
+
+
+def common_args(tmp_path, name: str, batch_size: int, accumulation: int, **overrides) -> dict:
+    defaults = dict(
+        output_dir=str(tmp_path / name),
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        max_steps=3,
+        learning_rate=0.5,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        seed=7,
+        report_to=[],
+        logging_steps=1,
+        save_strategy="no",
+        use_cpu=True,
+        dataloader_num_workers=0,
+        disable_tqdm=True,
+    )
+    return {**defaults, **overrides}
+
+
+def train_tree(tmp_path, groups, normalization, batch_size, accumulation, max_packed_tokens=24, **overrides):
+    model = tiny_model(vocab_size=VOCAB)
+    args = TreeTrainingArguments(
+        **common_args(
+            tmp_path, f"tree-{normalization}-{batch_size}-{accumulation}", batch_size, accumulation, **overrides
+        ),
+        max_packed_tokens=max_packed_tokens,
+        normalization=normalization,
+    )
+    trainer = TreeTrainer(model=model, args=args, train_dataset=tree_dataset(groups))
+    trainer.train()
+    return model, trainer
+
+
+def train_reference(tmp_path, groups, normalization, batch_size, accumulation):
+    model = tiny_model(vocab_size=VOCAB, attn="sdpa")
+    args = TrainingArguments(
+        **common_args(tmp_path, f"ref-{normalization}", batch_size, accumulation), remove_unused_columns=False
+    )
+    trainer = Trainer(
+        model=model,
+        args=args,
+        train_dataset=branch_dataset(groups),
+        data_collator=collate_branches,
+        compute_loss_func=branch_loss_func(normalization, BRANCHES_PER_TREE * batch_size * accumulation),
+    )
+    trainer.train()
+    return model, trainer
+
+
+def max_param_relative_error(model, reference) -> float:
+    ref = dict(reference.named_parameters())
+    return max(relative_error(p, ref[n]) for n, p in model.named_parameters())
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_three_sgd_steps_match_trainer_on_branches(tmp_path, normalization):
+    groups = branch_groups()
+    initial = tiny_model(vocab_size=VOCAB)
+    with float64_norms():
+        reference, ref_trainer = train_reference(tmp_path, groups, normalization, batch_size=2, accumulation=1)
+        one_batch, tree_trainer = train_tree(tmp_path, groups, normalization, batch_size=2, accumulation=1)
+        accumulated, _ = train_tree(tmp_path, groups, normalization, batch_size=1, accumulation=2)
+    # the parameters moved well beyond the tolerance, so a wrong divisor or data order cannot pass
+    assert max_param_relative_error(reference, initial) > 1e-3
+    assert max_param_relative_error(one_batch, reference) <= TOLERANCE
+    assert max_param_relative_error(accumulated, reference) <= TOLERANCE
+    # the logged per-step losses agree too
+    ref_losses = [h["loss"] for h in ref_trainer.state.log_history if "loss" in h]
+    tree_losses = [h["loss"] for h in tree_trainer.state.log_history if "loss" in h]
+    assert tree_losses == pytest.approx(ref_losses, rel=1e-9)
+
+
+def test_trees_are_split_across_rows_in_the_equivalence_setting():
+    """max_packed_tokens=24 in the equivalence test forces splitting of the larger trees and several rows."""
+    args = TreeTrainingArguments(output_dir="unused", max_packed_tokens=24, use_cpu=True, report_to=[])
+    batch = args.make_tree_collator()(tree_dataset(branch_groups()).to_list())
+    assert int(batch["num_split_trees"]) > 0 and batch["input_ids"].shape[0] > 1
+
+
+class RecordLogs(TrainerCallback):
+    def __init__(self):
+        self.logs = []
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        self.logs.append(dict(logs))
+
+
+def test_logs_packing_metrics_through_callbacks(tmp_path):
+    groups = branch_groups()
+    recorder = RecordLogs()
+    model = tiny_model(vocab_size=VOCAB, dtype=torch.float32)
+    args = TreeTrainingArguments(**common_args(tmp_path, "logs", 4, 1), max_packed_tokens=64)
+    trainer = TreeTrainer(model=model, args=args, train_dataset=tree_dataset(groups), callbacks=[recorder])
+    trainer.train()
+    train_logs = [log for log in recorder.logs if "loss" in log]
+    assert len(train_logs) == 3
+    for log in train_logs:
+        assert log["trees_per_step"] == 4
+        assert log["rows_per_step"] >= 1
+        assert log["dedup_ratio"] > 1.0  # every group shares its prompt
+        assert 0.0 <= log["padding_fraction"] < 1.0
+        assert log["branch_tokens_per_second"] == pytest.approx(log["tree_tokens_per_second"] * log["dedup_ratio"])
+    # whole-run dedup equals the trees' own figure on the same 12 trees (3 steps x 4 trees, one epoch)
+    trees = [Tree.from_sequences(s, m) for s, m in groups]
+    expected = sum(t.num_branch_tokens for t in trees) / sum(t.num_tokens for t in trees)
+    totals = dict(zip(STEP_SUM_KEYS, trainer._tree_total_sums.tolist()))
+    assert totals["num_branch_tokens"] / totals["num_tree_tokens"] == pytest.approx(expected)
+    assert totals["num_trees"] == NUM_TREES
+
+
+def test_eval_loss_is_the_tree_loss_over_the_whole_set(tmp_path):
+    groups = branch_groups(seed=3, num_trees=5)
+    with float64_norms():
+        model = tiny_model(vocab_size=VOCAB)
+        args = TreeTrainingArguments(
+            **common_args(tmp_path, "eval", 2, 1),
+            per_device_eval_batch_size=2,
+            max_packed_tokens=32,
+            normalization="sequence",
+        )
+        trainer = TreeTrainer(
+            model=model, args=args, train_dataset=tree_dataset(groups), eval_dataset=tree_dataset(groups)
+        )
+        metrics = trainer.evaluate()
+        sequences = [s for seqs, _ in groups for s in seqs]
+        masks = [m for _, ms in groups for m in ms]
+        with torch.no_grad():
+            total, divisor = per_branch_loss(model, sequences, masks, "sequence")
+    assert metrics["eval_loss"] == pytest.approx(float(total / divisor), rel=1e-9)
+
+
+def test_gradient_checkpointing_gives_the_same_update(tmp_path):
+    groups = branch_groups()
+    with float64_norms():
+        plain, _ = train_tree(tmp_path / "a", groups, "token", batch_size=2, accumulation=1)
+        checkpointed, _ = train_tree(
+            tmp_path / "b", groups, "token", batch_size=2, accumulation=1, activation_checkpointing=True
+        )
+    assert max_param_relative_error(checkpointed, plain) <= TOLERANCE
+
+
+def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
+    groups = branch_groups()
+    overrides = dict(save_strategy="steps", save_steps=2, max_steps=4)
+    full, _ = train_tree(tmp_path / "full", groups, "token", 2, 1, **overrides)
+    model = tiny_model(vocab_size=VOCAB)
+    args = TreeTrainingArguments(
+        **common_args(tmp_path / "full", "tree-token-2-1", 2, 1, **overrides), max_packed_tokens=24
+    )
+    resumed = TreeTrainer(model=model, args=args, train_dataset=tree_dataset(groups))
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "tree-token-2-1" / "checkpoint-2"))
+    assert resumed.state.global_step == 4
+    assert max_param_relative_error(model, full) <= 1e-12
+
+
+def test_bf16_autocast_update_error_is_no_worse_than_plain_trainer(tmp_path):
+    """One SGD step under bf16 autocast vs float32: the tree trainer's update error is at most 2x the reference's."""
+    groups = branch_groups()
+    initial = {n: p.detach().clone() for n, p in tiny_model(vocab_size=VOCAB, dtype=torch.float32).named_parameters()}
+
+    def update(tree: bool, bf16: bool) -> torch.Tensor:
+        args = common_args(tmp_path, f"{'tree' if tree else 'ref'}-{bf16}", 4, 1, bf16=bf16, max_steps=1)
+        model = tiny_model(vocab_size=VOCAB, dtype=torch.float32, attn="tree_flash" if tree else "sdpa")
+        if tree:
+            trainer = TreeTrainer(
+                model=model,
+                args=TreeTrainingArguments(**args, max_packed_tokens=64),
+                train_dataset=tree_dataset(groups),
+            )
+        else:
+            trainer = Trainer(
+                model=model,
+                args=TrainingArguments(**args, remove_unused_columns=False),
+                train_dataset=branch_dataset(groups),
+                data_collator=collate_branches,
+                compute_loss_func=branch_loss_func("token", 0),
+            )
+        trainer.train()
+        return torch.cat([(p.detach() - initial[n]).flatten() for n, p in model.named_parameters()])
+
+    ref32, tree32 = update(False, False), update(True, False)
+    assert relative_error(tree32, ref32) <= 1e-5
+    ref_error = relative_error(update(False, True), ref32)
+    tree_error = relative_error(update(True, True), ref32)
+    assert 0 < ref_error < 0.1  # autocast really ran in bf16
+    assert tree_error <= 2 * ref_error
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("max_packed_tokens", 1, "max_packed_tokens=1"),
+        ("max_branch_tokens", 100, "max_branch_tokens=100"),
+        ("overlong", "cut", "overlong='cut'"),
+        ("normalization", "mean", "normalization='mean'"),
+        ("pad_to_multiple_of", 0, "pad_to_multiple_of=0"),
+        ("remove_unused_columns", True, "remove_unused_columns=True"),
+    ],
+)
+def test_arguments_validation_names_the_field(field, value, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(")):
+        TreeTrainingArguments(output_dir="unused", use_cpu=True, **{"max_packed_tokens": 64, field: value})
+
+
+def test_plain_training_arguments_are_refused():
+    with pytest.raises(ValueError, match="TreeTrainingArguments"):
+        TreeTrainer(
+            model=tiny_model(vocab_size=VOCAB),
+            args=TrainingArguments(output_dir="unused", use_cpu=True),
+            train_dataset=tree_dataset(branch_groups(num_trees=2)),
+        )
+
+
+def test_model_is_switched_to_tree_attention(tmp_path):
+    model = tiny_model(vocab_size=VOCAB, attn="sdpa")
+    TreeTrainer(
+        model=model,
+        args=TreeTrainingArguments(**common_args(tmp_path, "switch", 2, 1)),
+        train_dataset=tree_dataset(branch_groups(num_trees=2)),
+    )
+    assert model.config._attn_implementation == "tree_flash"
