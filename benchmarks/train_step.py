@@ -311,6 +311,8 @@ HEADER = (
 
 def verdicts(work: Workload, results: dict[str, Result]) -> list[str]:
     """The issue's targets, each with its measured figure and PASS/MISS."""
+    if "hf_tree" not in results:
+        return []
     tree = results["hf_tree"]
     speedup = results["per_branch"].median / tree.median
     out = [
@@ -383,6 +385,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--smallest", action="store_true", help="take the smallest trees of the first ones read (slow models)"
     )
     parser.add_argument("--with-dense", action="store_true", help="also run hf_tree with the dense-mask engine")
+    parser.add_argument(
+        "--methods", default=None, help="comma list of methods to run (per_branch, the reference, always runs)"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", default=None, help="write all figures here")
     parser.add_argument("--plot", default=None, help="write a PNG of the speedups here")
@@ -413,6 +418,11 @@ def main(argv: list[str] | None = None) -> dict:
     tokenizer = load_smollm2_tokenizer()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     methods = list(METHODS) + (["hf_tree_dense"] if args.with_dense else [])
+    if args.methods:
+        unknown = set(args.methods.split(",")) - {*METHODS, "hf_tree_dense"}
+        if unknown:
+            raise SystemExit(f"--methods: unknown {sorted(unknown)}; choose from {[*METHODS, 'hf_tree_dense']}.")
+        methods = ["per_branch", *[m for m in args.methods.split(",") if m != "per_branch"]]
     print(
         f"threads={torch.get_num_threads()} torch={torch.__version__} transformers={transformers.__version__} "
         f"tree engine={select_backend(torch.device('cpu'))} repeats={args.repeats} step_tokens>={args.step_tokens} "
