@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 import transformers
-from torch.profiler import ProfilerActivity, profile
+from _profiling import cpu_peak_bytes
 from transformers import AutoModelForCausalLM
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
@@ -180,14 +180,7 @@ def peak_bytes(step) -> int:
         step().backward()
         torch.cuda.synchronize()
         return torch.cuda.max_memory_allocated() - before
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step().backward()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    current = peak = 0
-    for _, nbytes in events:
-        current += nbytes
-        peak = max(peak, current)
-    return peak
+    return cpu_peak_bytes(lambda: step().backward())
 
 
 def measure(rank: int, cp_size: int, tree: Tree, out: Path, port: int) -> None:

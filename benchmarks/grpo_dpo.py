@@ -42,6 +42,8 @@ from hf_tree.dpo import POLICY_OUTPUTS
 from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.logprobs import add_tree_fused_lm_head
 
+KINDS = ("trl", "tree")  # TRL's own passes and the tree trainers'
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -114,6 +116,28 @@ def median_times(calls: dict[str, Callable[[], None]], repeats: int) -> dict[str
             call()
             samples[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in samples.items()}
+
+
+def time_step_passes(
+    no_grad_pass: Callable[[str], Callable[[], None]],
+    policy_pass: Callable[[str], Callable[[], None]],
+    no_grad_name: str,
+    step_name: str,
+    no_grad_passes_per_step: int,
+    repeats: int,
+) -> dict[str, float]:
+    """Median seconds, per kind (``trl``, ``tree``), of the no-grad pass, of the policy pass (forward + backward)
+    and of the step they make up: ``no_grad_passes_per_step`` no-grad passes and one policy pass."""
+    no_grad, policy = f"{no_grad_name} (no grad)", "policy pass (fwd+bwd)"
+    calls = {}
+    for kind in KINDS:
+        calls[f"{no_grad}:{kind}"] = no_grad_pass(kind)
+        calls[f"{policy}:{kind}"] = policy_pass(kind)
+    results = median_times(calls, repeats)
+    for kind in KINDS:
+        no_grad_s, policy_s = results[f"{no_grad}:{kind}"], results[f"{policy}:{kind}"]
+        results[f"{step_name}:{kind}"] = no_grad_passes_per_step * no_grad_s + policy_s
+    return results
 
 
 @contextlib.contextmanager
@@ -206,15 +230,14 @@ def grpo(args: argparse.Namespace, trl_model: torch.nn.Module, tree_model: torch
 
         return call
 
-    times = {}
-    for kind in ("trl", "tree"):
-        times[f"old/ref pass (no grad):{kind}"] = no_grad_pass(kind)
-        times[f"policy pass (fwd+bwd):{kind}"] = policy_pass(kind)
-    results = median_times(times, args.repeats)
-    for kind in ("trl", "tree"):
-        results[f"step total (old+ref+policy):{kind}"] = (
-            2 * results[f"old/ref pass (no grad):{kind}"] + results[f"policy pass (fwd+bwd):{kind}"]
-        )
+    results = time_step_passes(
+        no_grad_pass,
+        policy_pass,
+        no_grad_name="old/ref pass",
+        step_name="step total (old+ref+policy)",
+        no_grad_passes_per_step=2,  # the old policy's and the reference's
+        repeats=args.repeats,
+    )
     stats = tree_model.hf_tree_layout_stats
     dedup = ids.numel() / stats.num_tree_tokens
     print(
@@ -223,7 +246,7 @@ def grpo(args: argparse.Namespace, trl_model: torch.nn.Module, tree_model: torch
         f"({stats.num_rows} packed row(s))"
     )
     report("GRPO log-prob passes", results, dedup)
-    attention_breakdown({kind: no_grad_pass(kind) for kind in ("trl", "tree")})
+    attention_breakdown({kind: no_grad_pass(kind) for kind in KINDS})
 
 
 def dpo(args: argparse.Namespace, trl_model: torch.nn.Module, tree_model: torch.nn.Module) -> None:
@@ -257,22 +280,21 @@ def dpo(args: argparse.Namespace, trl_model: torch.nn.Module, tree_model: torch.
 
         return call
 
-    calls = {}
-    for kind in ("trl", "tree"):
-        calls[f"reference pass (no grad):{kind}"] = ref_pass(kind)
-        calls[f"policy pass (fwd+bwd):{kind}"] = policy_pass(kind)
-    results = median_times(calls, args.repeats)
-    for kind in ("trl", "tree"):
-        results[f"step total (ref+policy):{kind}"] = (
-            results[f"reference pass (no grad):{kind}"] + results[f"policy pass (fwd+bwd):{kind}"]
-        )
+    results = time_step_passes(
+        ref_pass,
+        policy_pass,
+        no_grad_name="reference pass",
+        step_name="step total (ref+policy)",
+        no_grad_passes_per_step=1,
+        repeats=args.repeats,
+    )
     stats = tree_model.hf_tree_layout_stats
     print(
         f"\nDPO: {args.pairs} pair(s), prompt {args.prompt_len}, responses {args.completion_len}: TRL computes "
         f"{ids.numel()} tokens, the tree {stats.num_tree_tokens} ({stats.num_rows} packed row(s))"
     )
     report("DPO log-prob passes", results, ids.numel() / stats.num_tree_tokens)
-    attention_breakdown({kind: ref_pass(kind) for kind in ("trl", "tree")})
+    attention_breakdown({kind: ref_pass(kind) for kind in KINDS})
 
 
 def main() -> None:

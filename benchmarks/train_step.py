@@ -48,7 +48,7 @@ from pathlib import Path
 import datasets
 import torch
 import transformers
-from torch.profiler import ProfilerActivity, profile
+from _profiling import cpu_peak_bytes
 from trl import pack_dataset
 from trl.trainer.sft_trainer import DataCollatorForLanguageModeling
 
@@ -220,22 +220,6 @@ def training_step(
     return total
 
 
-def peak_memory(fn: Callable[[], None]) -> int:
-    """Peak bytes allocated through torch's CPU allocator during ``fn`` above what was allocated before it.
-
-    The torch profiler records every allocation and free (in order); their running sum's maximum is the peak.
-    Unlike the process's resident set, this is not hidden by malloc reusing memory freed earlier.
-    """
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]")
-    current = peak = 0
-    for _, nbytes in events:
-        current += nbytes
-        peak = max(peak, current)
-    return peak
-
-
 @dataclass
 class Result:
     seconds: list[float] = field(default_factory=list)
@@ -276,7 +260,7 @@ def run_workload(model: torch.nn.Module, work: Workload, methods: list[str], arg
         return run
 
     for m in methods:  # the first run of each method is the profiled one (memory), untimed
-        results[m].peak_bytes = peak_memory(step(m))
+        results[m].peak_bytes = cpu_peak_bytes(step(m))
         results[m].seconds.clear()
         print(f"  {m}: profiled run done (loss {results[m].losses[-1]:.6f})", flush=True)
     for _ in range(args.repeats):

@@ -9,34 +9,17 @@ the model with FSDP2 (on CPU too, see docs/training.md).
 
 from __future__ import annotations
 
-import argparse
-import importlib.resources
-
 import torch
+from _common import QWEN3_TEMPLATE, example_parser, load_model  # what the examples share (examples/_common.py)
 from peft import LoraConfig, PeftModel
-from transformers import AutoModelForCausalLM, LlamaConfig
 
-from hf_tree.assets import load_smollm2_model, load_smollm2_tokenizer
+from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.data.synthetic_agent import synthetic_agent_dataset
 from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
 
-QWEN3_TEMPLATE = str(importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja")
-
-
-def load_model(tiny: bool, vocab_size: int) -> torch.nn.Module:
-    if tiny:
-        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-        torch.manual_seed(0)
-        return AutoModelForCausalLM.from_config(
-            LlamaConfig(vocab_size=vocab_size, **shape), attn_implementation="tree_flash"
-        )
-    return load_smollm2_model(dtype=torch.float32)
-
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tiny random model instead of SmolLM2-135M")
-    parser.add_argument("--max_steps", type=int, default=4)
+    parser = example_parser(__doc__)
     parser.add_argument("--output_dir", default="outputs/example-lora")
     options = parser.parse_args()
 

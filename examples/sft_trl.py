@@ -10,13 +10,10 @@ turns of a conversation share their history, so they are computed once.
 
 from __future__ import annotations
 
-import argparse
-import importlib.resources
-
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from _common import QWEN3_TEMPLATE, example_parser, load_model  # what the examples share (examples/_common.py)
 
-from hf_tree.assets import load_smollm2_model, load_smollm2_tokenizer
+from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.data.synthetic_agent import synthetic_agent_dataset
 
 # from trl import SFTConfig, SFTTrainer                        # before
@@ -25,17 +22,9 @@ from hf_tree.sft import TreeSFTTrainer as SFTTrainer  # after
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tiny random model instead of SmolLM2-135M")
-    parser.add_argument("--max_steps", type=int, default=4)
-    options = parser.parse_args()
-
+    options = example_parser(__doc__).parse_args()
     tokenizer = load_smollm2_tokenizer()
-    if options.tiny:
-        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-        model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=len(tokenizer), **shape))
-    else:
-        model = load_smollm2_model(dtype=torch.float32)
+    model = load_model(options.tiny, len(tokenizer))
 
     # --- an ordinary TRL SFT script from here on ---
     dataset = synthetic_agent_dataset(num_conversations=8, seed=0, max_user_turns=2, max_tool_steps=1)
@@ -51,7 +40,7 @@ def main() -> None:
         gradient_checkpointing=False,
         max_length=None,
         # TRL's copy of Qwen3's template renders reasoning and tool calls (SmolLM2's own renders neither)
-        chat_template_path=str(importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja"),
+        chat_template_path=QWEN3_TEMPLATE,
     )
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()

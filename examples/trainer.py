@@ -7,13 +7,10 @@ sampling data, or a GRPO group) become one tree per prompt, trained and evaluate
 
 from __future__ import annotations
 
-import argparse
-
 import datasets
-import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from _common import example_parser, load_model  # what the examples share (examples/_common.py)
 
-from hf_tree.assets import load_smollm2_model, load_smollm2_tokenizer
+from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.builders import build_tree_dataset
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
 
@@ -26,17 +23,9 @@ QUESTIONS = {
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--tiny", action="store_true", help="tiny random model instead of SmolLM2-135M")
-    parser.add_argument("--max_steps", type=int, default=4)
-    options = parser.parse_args()
-
+    options = example_parser(__doc__).parse_args()
     tokenizer = load_smollm2_tokenizer()
-    if options.tiny:
-        shape = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4)
-        model = AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=len(tokenizer), **shape))
-    else:
-        model = load_smollm2_model(dtype=torch.float32)
+    model = load_model(options.tiny, len(tokenizer))
 
     # TRL's prompt/completions format; build_tree_dataset merges each prompt's completions into one tree
     rows = datasets.Dataset.from_list(

@@ -8,6 +8,7 @@ import json
 import random
 import sys
 from collections.abc import Sequence
+from typing import Any
 
 from hf_tree.attention import render_mask
 from hf_tree.collator import TreeDataCollator
@@ -78,19 +79,22 @@ def _load(args: argparse.Namespace):
     return trees, tree_rows_summary(loaded)
 
 
+def _packing_options(args: argparse.Namespace) -> dict[str, Any]:
+    """The packing flags of ``_add_data_arguments`` as ``plan_rows`` / ``compute_stats`` keywords."""
+    return dict(
+        max_packed_tokens=args.max_packed_tokens,
+        max_branch_tokens=args.max_branch_tokens,
+        overlong=args.overlong,
+        trees_per_batch=args.trees_per_batch,
+    )
+
+
 def _stats(args: argparse.Namespace) -> None:
     """Print what tree packing saves on DATA and what packing at --max-packed-tokens does."""
     from hf_tree.stats import compute_stats, format_report
 
     trees, dropped = _load(args)
-    stats = compute_stats(
-        trees,
-        args.max_packed_tokens,
-        max_branch_tokens=args.max_branch_tokens,
-        overlong=args.overlong,
-        trees_per_batch=args.trees_per_batch,
-        dropped=dropped,
-    )
+    stats = compute_stats(trees, **_packing_options(args), dropped=dropped)
     print(json.dumps(stats.to_dict(), indent=2, default=str) if args.json else format_report(stats))
     if args.plot:
         from hf_tree.plots import plot_stats
@@ -105,13 +109,7 @@ def _show(args: argparse.Namespace) -> None:
     from hf_tree.stats import plan_rows
 
     trees, _ = _load(args)
-    plan = plan_rows(
-        trees,
-        args.max_packed_tokens,
-        max_branch_tokens=args.max_branch_tokens,
-        overlong=args.overlong,
-        trees_per_batch=args.trees_per_batch,
-    )
+    plan = plan_rows(trees, **_packing_options(args))
     if not -len(plan.rows) <= args.index < len(plan.rows):
         raise SystemExit(f"--index {args.index} is out of range: DATA packs into {len(plan.rows)} rows.")
     parts = plan.rows[args.index]

@@ -10,7 +10,7 @@ row.
 
 1. strips each row's padding, merges the rows into tries (``Tree.from_sequences``: identical prompts, and any other
    shared prefix, become one node; rows are grouped by their tokens, never by their position in the batch),
-2. packs the tries into rows (``split_tree`` + ``pack_trees``) and runs the backbone once on them with the tree mask
+2. packs the tries into rows (``split_tree`` + ``pack_parts``) and runs the backbone once on them with the tree mask
    (``kv_end``) and depth positions,
 3. gathers the hidden state that predicts each scored token (the last prompt token predicts the first token of every
    completion), applies TRL's own chunked log-prob kernel to those states only (same temperature, softcapping and
@@ -41,7 +41,7 @@ from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
-from hf_tree.packing import PackingStats, pack_trees, split_tree
+from hf_tree.packing import PackingStats, pack_parts, split_tree
 from hf_tree.tree import Tree
 
 # Vocabulary tile of TRL's fused head (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``): the same tiling keeps the
@@ -59,7 +59,7 @@ class ScoredLayout:
     """Where each scored token of a padded ``[B, T]`` batch is computed in the packed tree rows.
 
     Attributes:
-        batch: ``input_ids``, ``position_ids`` ``[R, N]`` int64 and ``kv_end`` ``[R, N]`` int32 (``pack_trees``).
+        batch: ``input_ids``, ``position_ids`` ``[R, N]`` int64 and ``kv_end`` ``[R, N]`` int32 (``pack_parts``).
         predictor_index: ``[M]`` int64, flat index into ``R * N`` of the hidden state that predicts each scored
             token, ascending (so each chunk of rows owns one contiguous range of it).
         targets: ``[M]`` int64, the scored token ids (the labels).
@@ -79,36 +79,6 @@ class ScoredLayout:
     @property
     def num_scored(self) -> int:
         return int(self.targets.numel())
-
-
-def _layout_key(input_ids: np.ndarray, position_ids: np.ndarray, kv_end: np.ndarray) -> bytes:
-    arrays = (input_ids, position_ids, kv_end)
-    return b"|".join(np.ascontiguousarray(a, dtype=np.int64).tobytes() for a in arrays)
-
-
-def locate_parts(batch: dict[str, torch.Tensor], parts: Sequence[Tree]) -> list[tuple[int, int]]:
-    """``(row, offset)`` of each single-rooted tree in the output of ``pack_trees(parts, ...)``.
-
-    ``pack_trees`` lays each tree out as one contiguous span whose first token (its root) has ``kv_end`` at the
-    span's end; padding tokens see only themselves. Spans are matched to trees by their layout (tokens, depths,
-    relative ``kv_end``): two trees with the same layout compute the same values, so ties are interchangeable.
-    """
-    waiting: dict[bytes, list[int]] = defaultdict(list)
-    for index, part in enumerate(parts):
-        waiting[_layout_key(part.input_ids, part.position_ids, part.kv_end)].append(index)
-    input_ids, position_ids = batch["input_ids"].numpy(), batch["position_ids"].numpy()
-    kv_end = batch["kv_end"].numpy().astype(np.int64)
-    placements: list[tuple[int, int] | None] = [None] * len(parts)
-    for row in range(input_ids.shape[0]):
-        offset = 0
-        while offset < input_ids.shape[1] and kv_end[row, offset] - offset >= 2:  # every part has >= 2 tokens
-            end = int(kv_end[row, offset])
-            span = slice(offset, end)
-            key = _layout_key(input_ids[row, span], position_ids[row, span], kv_end[row, span] - offset)
-            placements[waiting[key].pop()] = (row, offset)
-            offset = end
-    assert all(p is not None for p in placements), "pack_trees placed a tree that was not found in its output"
-    return placements  # type: ignore[return-value]
 
 
 def layout_scored_rows(
@@ -169,15 +139,15 @@ def layout_scored_rows(
     num_split_trees = 0
     for rows in groups.values():
         tree = Tree.from_sequences([sequences[r] for r in rows], branch_fields={"row": rows})
-        split = split_tree(tree, max_packed_tokens)  # here, not in pack_trees: locate_parts needs the parts
+        split = split_tree(tree, max_packed_tokens)
         num_split_trees += len(split) > 1
         parts.extend(split)
-    batch, stats = pack_trees(parts, max_packed_tokens)
+    batch, stats, placements = pack_parts(parts, max_packed_tokens)
     stats.num_trees, stats.num_split_trees = len(groups), num_split_trees
     row_length = batch["input_ids"].shape[1]
 
     predictors, targets, outputs = [], [], []
-    for part, (packed_row, offset) in zip(parts, locate_parts(batch, parts)):
+    for part, (packed_row, offset) in zip(parts, placements):
         base = packed_row * row_length + offset
         for branch, row in enumerate(part.branch_fields["row"]):
             columns = scored_columns[row]

@@ -177,13 +177,31 @@ def pack_trees(
         ``loss_targets`` ``[M]`` int64; ``loss_weights`` ``[M]`` float64; ``num_loss_items`` 0-dim
         float64) and the packing statistics.
     """
-    stats = PackingStats(num_trees=len(trees))
     parts: list[Tree] = []
+    num_split_trees = 0
     for tree in trees:
         split = split_tree(tree, max_packed_tokens)
-        stats.num_split_trees += len(split) > 1
+        num_split_trees += len(split) > 1
         parts.extend(split)
-    stats.num_tree_parts = len(parts)
+    batch, stats, _ = pack_parts(parts, max_packed_tokens, normalization, pad_to_multiple_of, pad_token_id)
+    stats.num_trees, stats.num_split_trees = len(trees), num_split_trees
+    return batch, stats
+
+
+def pack_parts(
+    parts: Sequence[Tree],
+    max_packed_tokens: int,
+    normalization: Normalization = "token",
+    pad_to_multiple_of: int | None = None,
+    pad_token_id: int = 0,
+) -> tuple[dict[str, torch.Tensor], PackingStats, list[tuple[int, int]]]:
+    """Bin-pack and lay out trees that each fit in a row (``pack_trees`` after splitting).
+
+    Returns:
+        The batch and statistics of ``pack_trees`` (``num_trees``/``num_split_trees`` left for the caller), and
+        the ``(row, offset)`` where each part starts, for callers that map per-part values back to the rows.
+    """
+    stats = PackingStats(num_tree_parts=len(parts))
     rows = best_fit_decreasing([p.num_tokens for p in parts], max_packed_tokens) or [[]]
     longest = max(sum(parts[i].num_tokens for i in row) for row in rows) or 1
     if pad_to_multiple_of:
@@ -194,11 +212,13 @@ def pack_trees(
     position_ids = np.zeros((num_rows, longest), dtype=np.int64)
     kv_end = np.tile(np.arange(1, longest + 1, dtype=np.int64), (num_rows, 1))  # padding sees itself only
     loss_positions, loss_targets, loss_weights = [], [], []
+    placements: list[tuple[int, int]] = [(0, 0)] * len(parts)
     num_loss_items = 0.0
     for r, row in enumerate(rows):
         offset = 0
         for i in row:
             part = parts[i]
+            placements[i] = (r, offset)
             span = slice(offset, offset + part.num_tokens)
             input_ids[r, span] = part.input_ids
             position_ids[r, span] = part.position_ids
@@ -227,4 +247,4 @@ def pack_trees(
         "loss_weights": torch.from_numpy(cat(loss_weights, np.float64)),
         "num_loss_items": torch.tensor(num_loss_items, dtype=torch.float64),
     }
-    return batch, stats
+    return batch, stats, placements

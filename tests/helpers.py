@@ -1,4 +1,5 @@
-"""Shared test helpers: tiny HF models built from configs and the per-branch oracle.
+"""Shared test helpers: tiny HF models built from configs, the per-branch oracle, exact training runs and the
+pieces of the TRL-against-tree-trainer comparisons.
 
 The oracle for anything tree-shaped: run the same model on each branch as an ordinary sequence
 (``attn_implementation="sdpa"``, standard shifted cross-entropy) and combine with the same normalization.
@@ -10,10 +11,12 @@ import contextlib
 import copy
 from collections.abc import Iterator, Sequence
 
+import pytest
 import torch
 import torch.nn.functional as F
 import transformers
-from transformers import AutoModelForCausalLM
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
 
 import hf_tree  # noqa: F401  (registers tree_flash)
 
@@ -119,3 +122,90 @@ def max_grad_relative_error(model_grads: dict[str, torch.Tensor], ref_grads: dic
 
 def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+# ------------------------------------------------------------------------------- SmolLM2's real tokenizer
+def smollm2_tokenizer_or_skip() -> transformers.PreTrainedTokenizerBase:
+    """SmolLM2's tokenizer from the offline asset; skips the calling test (or fixture) when it is missing."""
+    from hf_tree.assets import load_smollm2_tokenizer, smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as error:
+        pytest.skip(f"offline SmolLM2 asset missing (CI installs it): {error}")
+    return load_smollm2_tokenizer()
+
+
+def rendered(tokenizer, messages, **kwargs) -> list[int]:
+    """The builders' oracle: the chat template's own tokenization of ``messages``."""
+    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+
+
+# ------------------------------------------------------------------------------------------- training runs
+def exact_sgd_args(output_dir: str, **settings) -> dict:
+    """Keyword arguments of ``TrainingArguments`` (or a TRL config) for runs compared against an oracle.
+
+    Constant-rate SGD without clipping or weight decay keeps a gradient error visible in the update (Adam would
+    normalise it away, clipping rescale it); the loss is logged every step; nothing is saved or reported, and data
+    loads in the main process. ``settings`` add to or override these.
+    """
+    defaults = dict(
+        output_dir=output_dir,
+        optim="sgd",
+        lr_scheduler_type="constant",
+        max_grad_norm=0.0,
+        weight_decay=0.0,
+        logging_steps=1,
+        save_strategy="no",
+        report_to=[],
+        disable_tqdm=True,
+        dataloader_num_workers=0,
+    )
+    return {**defaults, **settings}
+
+
+def train_and_measure_updates(trainer) -> dict[str, torch.Tensor]:
+    """Run ``trainer.train()`` with RMSNorm kept in float64; how far it moved each trainable parameter."""
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
+    with float64_norms():
+        trainer.train()
+    return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
+
+
+# ------------------------------------------------------------------------------- TRL trainers vs tree twins
+TRL_TOLERANCE = 1e-9
+# Parameter updates of one step: TRL's fused log-prob kernel computes its gradients in float32 even in a float64
+# model (hidden-state gradients and the LM head's weight gradient), rounding differently for a different number of
+# rows (TRL: every position of the padded batch; tree: the scored ones). TRL itself moves by ~3e-8 when only its
+# padding changes (pad_to_multiple_of); a missing, doubled or misplaced token changes updates by > 1e-3.
+TRL_STEP_TOLERANCE = 1e-6
+
+
+def word_tokenizer() -> PreTrainedTokenizerFast:
+    """A real (word-level) fast tokenizer over the tiny vocabulary: ids 0-2 special, ``w{i}`` -> id ``i``."""
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, **{f"w{i}": i for i in range(3, TINY["vocab_size"])}}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
+
+
+def saved_tiny_model(path, dtype: torch.dtype) -> str:
+    """Save the tiny Llama (``sdpa``) to ``path`` for trainers that load their models by path; returns the path."""
+    tiny_model(dtype=dtype, attn="sdpa").save_pretrained(path)
+    return str(path)
+
+
+def tiny_trl_config(cls, path: str, dtype: torch.dtype, **settings):
+    """A TRL config (``cls``) for a CPU run of the tiny model saved at ``path`` (batches of 4, exact SGD when
+    trained, see ``exact_sgd_args``); ``settings`` add to or override these."""
+    defaults = dict(use_cpu=True, bf16=False, model_init_kwargs={"dtype": dtype}, per_device_train_batch_size=4)
+    return cls(**exact_sgd_args(f"{path}/out", **{**defaults, **settings}))
+
+
+def assert_same_step_as_trl(trl, trl_updates: dict, tree, tree_updates: dict) -> None:
+    """The tree trainer logged TRL's loss and moved every parameter as TRL did (and TRL did move them)."""
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
+    assert trl_updates.keys() == tree_updates.keys()
+    for name, update in trl_updates.items():
+        assert relative_error(tree_updates[name], update) <= TRL_STEP_TOLERANCE, name
+    assert any(u.norm() > 0 for u in trl_updates.values())

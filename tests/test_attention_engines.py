@@ -32,15 +32,7 @@ from tests.test_loss_equivalence import random_tree_branches
 TOLERANCE = 1e-9
 HEAD_DIM = 8
 HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: intra-op threads only add synchronisation, which costs seconds on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 
 def packed_rows(seed: int, num_trees: int = 8, max_packed_tokens: int = 96, pad_to_multiple_of: int = 32):

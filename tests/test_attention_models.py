@@ -27,15 +27,7 @@ FAMILIES = [
     pytest.param("qwen3", {}, id="qwen3"),
     pytest.param("mistral", {"sliding_window": 4}, id="mistral-window4"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny models: intra-op threads only add synchronisation, which costs seconds on a shared 2-core box."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 
 @contextlib.contextmanager

@@ -22,6 +22,7 @@ from hf_tree.builders import (
     tree_from_completions,
     tree_from_conversation,
 )
+from tests.helpers import rendered, smollm2_tokenizer_or_skip
 
 QWEN3_TEMPLATE = (importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja").read_text()
 # Renders the generation prompt with an opened think block that the assistant turn itself does not render.
@@ -61,18 +62,7 @@ TOOL_CONVERSATION = [
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from hf_tree.assets import load_smollm2_tokenizer, smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except FileNotFoundError as error:
-        pytest.skip(f"offline SmolLM2 asset missing (CI installs it): {error}")
-    return load_smollm2_tokenizer()
-
-
-def rendered(tokenizer, messages, **kwargs) -> list[int]:
-    """The oracle: the chat template's own tokenization."""
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+    return smollm2_tokenizer_or_skip()
 
 
 def trained_tokens(sequence, mask) -> list[int]:

@@ -326,27 +326,20 @@ def train_tree_trainer(output_dir: str) -> dict:
     from torch.distributed.tensor import DTensor
 
     from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
-    from tests.helpers import float64_norms, tiny_model
+    from tests.helpers import exact_sgd_args, float64_norms, tiny_model
     from tests.test_trainer import branch_groups, tree_dataset
 
     args = TreeTrainingArguments(
-        output_dir=output_dir,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        max_steps=2,
-        learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
-        seed=3,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
-        train_sampling_strategy="sequential",
-        max_packed_tokens=48,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
+        **exact_sgd_args(
+            output_dir,
+            per_device_train_batch_size=2,
+            gradient_accumulation_steps=2,
+            max_steps=2,
+            learning_rate=0.5,
+            seed=3,
+            train_sampling_strategy="sequential",
+            max_packed_tokens=48,
+        )
     )
     model = tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB)
     trainer = TreeTrainer(model=model, args=args, train_dataset=tree_dataset(branch_groups(seed=5, num_trees=8)))

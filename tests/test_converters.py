@@ -20,6 +20,7 @@ from hf_tree.builders import build_tree_dataset
 from hf_tree.data import packages
 from hf_tree.data.formats import MESSAGE_KEYS, normalize_messages, read_records, to_builder_rows
 from hf_tree.data.sources import chat_template_text, load_tree_rows
+from tests.helpers import rendered, smollm2_tokenizer_or_skip
 
 QWEN3 = chat_template_text("qwen3")
 
@@ -31,17 +32,7 @@ def _require(package: str, requirement: str) -> None:
 
 @pytest.fixture(scope="module")
 def tokenizer():
-    from hf_tree.assets import load_smollm2_tokenizer, smollm2_gguf_path
-
-    try:
-        smollm2_gguf_path()
-    except FileNotFoundError as error:
-        pytest.skip(f"offline SmolLM2 asset missing (CI installs it): {error}")
-    return load_smollm2_tokenizer()
-
-
-def _render(tokenizer, messages, **kwargs) -> list[int]:
-    return list(tokenizer.apply_chat_template(messages, tokenize=True, return_dict=True, **kwargs)["input_ids"])
+    return smollm2_tokenizer_or_skip()
 
 
 def _branches(tree: Tree) -> list[list[int]]:
@@ -95,8 +86,8 @@ def test_champ_groups_become_one_tree_per_problem_with_each_answer_a_branch(cham
     assert len(trees) == len(problem_ids)
     for tree, problem_id in zip(trees, problem_ids):
         group = [r for r in rows if r["problem_id"] == problem_id]
-        prompt = _render(tokenizer, group[0]["prompt"], add_generation_prompt=True)
-        assert _branches(tree) == [_render(tokenizer, [*r["prompt"], r["completion"]]) for r in group]
+        prompt = rendered(tokenizer, group[0]["prompt"], add_generation_prompt=True)
+        assert _branches(tree) == [rendered(tokenizer, [*r["prompt"], r["completion"]]) for r in group]
         for b in range(tree.num_branches):  # the shared prompt is context, the answer is trained
             mask = tree.branch_loss_mask(b)
             assert mask[: len(prompt)] == [0] * len(prompt) and all(mask[len(prompt) :])
@@ -187,7 +178,7 @@ def test_bfcl_trajectories_become_trees_of_per_turn_samples(bfcl_rows, tokenizer
         messages, tools = row["messages"], json.loads(row["tools"])
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         assert tree.num_branches == len(turns)
-        expected = [_render(tokenizer, messages[: i + 1], tools=tools, chat_template=QWEN3) for i in turns]
+        expected = [rendered(tokenizer, messages[: i + 1], tools=tools, chat_template=QWEN3) for i in turns]
         assert _branches(tree) == expected
         assert tree.dedup_ratio > 2.0  # every turn repeats the tool schemas and the history
 

@@ -16,8 +16,17 @@ from trl import DPOConfig, DPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_tree.dpo import POLICY_OUTPUTS, TreeDPOConfig, TreeDPOTrainer
-from tests.helpers import float64_norms, relative_error, tiny_model
-from tests.test_grpo import STEP_TOLERANCE, TOLERANCE, saved_tiny_model, word_tokenizer
+from tests.helpers import (
+    TRL_TOLERANCE,
+    assert_same_step_as_trl,
+    float64_norms,
+    relative_error,
+    saved_tiny_model,
+    tiny_model,
+    tiny_trl_config,
+    train_and_measure_updates,
+    word_tokenizer,
+)
 
 # Two pairs share a prompt (and so does one chosen/rejected start), prompts and responses of unequal lengths.
 PAIRS = {
@@ -29,18 +38,7 @@ FIELDS = ("log_probs", "entropy", "mean_logits", "log_sum_sq_probs")
 
 
 def dpo_args(cls, path: str, dtype: torch.dtype, **overrides):
-    args = dict(
-        output_dir=f"{path}/out",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        model_init_kwargs={"dtype": dtype},
-        per_device_train_batch_size=4,
-        use_weighting=True,
-    )
-    return cls(**{**args, **overrides})
+    return tiny_trl_config(cls, path, dtype, **{"use_weighting": True, **overrides})
 
 
 def make_trainer(cls, config_cls, path: str, dtype: torch.dtype, peft: bool = False, **overrides):
@@ -76,7 +74,7 @@ def test_per_token_values_match_trl(tmp_path, dtype):
     pairs = [(getattr(ours, f), getattr(theirs, f)) for f in FIELDS] + [(ref_ours.log_probs, ref_theirs.log_probs)]
     if dtype == torch.float64:
         for ours_value, theirs_value in pairs:
-            assert relative_error(ours_value, theirs_value) <= TOLERANCE
+            assert relative_error(ours_value, theirs_value) <= TRL_TOLERANCE
         assert torch.equal(ours.is_top1, theirs.is_top1)
     else:  # no worse than twice TRL's own float32 error against its float64 twin (same weights)
         twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
@@ -90,23 +88,9 @@ def test_per_token_values_match_trl(tmp_path, dtype):
 def one_step(cls, config_cls, path: str, peft: bool, precompute: bool):
     """One SGD step without clipping (gradient errors stay visible) on 4 pairs, two of them sharing a prompt."""
     trainer = make_trainer(
-        cls,
-        config_cls,
-        path,
-        torch.float64,
-        peft,
-        max_steps=1,
-        optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        logging_steps=1,
-        precompute_ref_log_probs=precompute,
+        cls, config_cls, path, torch.float64, peft, max_steps=1, learning_rate=1.0, precompute_ref_log_probs=precompute
     )
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    with float64_norms():
-        trainer.train()
-    return trainer, {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
+    return trainer, train_and_measure_updates(trainer)
 
 
 @pytest.mark.parametrize(
@@ -114,7 +98,8 @@ def one_step(cls, config_cls, path: str, peft: bool, precompute: bool):
 )
 def test_one_step_matches_trl(tmp_path, peft, precompute):
     """A separate reference model, and LoRA with the reference (adapter disabled) precomputed in __init__. The
-    tolerance is float32-level: TRL's fused head computes its gradients in float32 (see tests/test_grpo.py)."""
+    tolerance is float32-level: TRL's fused head computes its gradients in float32 (see
+    TRL_STEP_TOLERANCE in tests/helpers.py)."""
     path = saved_tiny_model(tmp_path, torch.float64)
     with float64_norms():  # the precomputed reference runs inside __init__
         trl, trl_updates = one_step(DPOTrainer, DPOConfig, path, peft, precompute)
@@ -124,12 +109,8 @@ def test_one_step_matches_trl(tmp_path, peft, precompute):
     if precompute:
         for column in ("ref_chosen_logps", "ref_rejected_logps"):
             theirs, ours = torch.tensor(trl.train_dataset[column]), torch.tensor(tree.train_dataset[column])
-            assert relative_error(ours, theirs) <= TOLERANCE
-    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TOLERANCE)
-    assert trl_updates.keys() == tree_updates.keys()
-    for name, update in trl_updates.items():
-        assert relative_error(tree_updates[name], update) <= STEP_TOLERANCE, name
-    assert any(u.norm() > 0 for u in trl_updates.values())
+            assert relative_error(ours, theirs) <= TRL_TOLERANCE
+    assert_same_step_as_trl(trl, trl_updates, tree, tree_updates)
 
 
 def test_unsupported_setups_raise(tmp_path):

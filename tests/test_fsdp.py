@@ -47,27 +47,20 @@ def run(output_dir: str, lora: bool, per_device_batch: int) -> dict:
     from torch.distributed.tensor import DTensor
 
     from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
+    from tests.helpers import exact_sgd_args
     from tests.test_trainer import branch_groups, tree_dataset
 
     dataset = tree_dataset(branch_groups(seed=5, num_trees=2 * GLOBAL_BATCH))
-    args = dict(
-        output_dir=output_dir,
+    args = exact_sgd_args(
+        output_dir,
         per_device_train_batch_size=per_device_batch,
         max_steps=2,
         learning_rate=0.2,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
         seed=3,
-        report_to=[],
-        logging_steps=1,
         save_strategy="steps",
         save_steps=1,
         train_sampling_strategy="sequential",
         max_packed_tokens=64,
-        disable_tqdm=True,
-        dataloader_num_workers=0,
     )
 
     def train(resume: str | None):

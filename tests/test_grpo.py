@@ -13,52 +13,30 @@ import pytest
 import torch
 from datasets import Dataset
 from peft import LoraConfig
-from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.logprobs import add_tree_fused_lm_head
-from tests.helpers import float64_norms, relative_error, tiny_model
+from tests.helpers import (
+    TRL_TOLERANCE,
+    assert_same_step_as_trl,
+    float64_norms,
+    relative_error,
+    saved_tiny_model,
+    tiny_model,
+    tiny_trl_config,
+    train_and_measure_updates,
+    word_tokenizer,
+)
 
 VOCAB = 97
-TOLERANCE = 1e-9
-# Parameter updates of one step: TRL's fused log-prob kernel computes its gradients in float32 even in a float64
-# model (hidden-state gradients and the LM head's weight gradient), rounding differently for a different number of
-# rows (TRL: every position of the padded batch; tree: the scored ones). TRL itself moves by ~3e-8 when only its
-# padding changes (pad_to_multiple_of); a missing, doubled or misplaced token changes updates by > 1e-3.
-STEP_TOLERANCE = 1e-6
-
-
-def word_tokenizer() -> PreTrainedTokenizerFast:
-    """A real (word-level) fast tokenizer over the tiny vocabulary: ids 0-2 special, ``w{i}`` -> id ``i``."""
-    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, **{f"w{i}": i for i in range(3, VOCAB)}}
-    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
-
-
-def saved_tiny_model(path, dtype: torch.dtype) -> str:
-    tiny_model(dtype=dtype, attn="sdpa").save_pretrained(path)
-    return str(path)
 
 
 def trainer_args(cls, path: str, dtype: torch.dtype, **overrides):
-    args = dict(
-        output_dir=f"{path}/out",
-        report_to="none",
-        use_cpu=True,
-        bf16=False,
-        save_strategy="no",
-        disable_tqdm=True,
-        model_init_kwargs={"dtype": dtype},
-        per_device_train_batch_size=4,
-        num_generations=4,
-        max_completion_length=8,
-        beta=0.1,
-    )
-    return cls(**{**args, **overrides})
+    grpo_defaults = dict(num_generations=4, max_completion_length=8, beta=0.1)
+    return tiny_trl_config(cls, path, dtype, **{**grpo_defaults, **overrides})
 
 
 def zero_reward(completions, **_) -> list[float]:
@@ -126,7 +104,7 @@ def test_logprobs_and_entropies_match_trl(trainers, name):
     pairs = [(logps, trl_logps), (entropy, trl_entropy), (ref_tree, ref_trl)]
     if tree.model.dtype == torch.float64:
         for ours, theirs in pairs:
-            assert relative_error(ours, theirs) <= TOLERANCE
+            assert relative_error(ours, theirs) <= TRL_TOLERANCE
     else:  # float32: no worse than twice TRL's own float32 error against float64 (same weights)
         twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
         add_fused_lm_head(twin, outputs=("log_probs", "entropy"))
@@ -152,7 +130,7 @@ def test_split_trees_and_chunked_forwards_match_trl():
         ours = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, tree_tokens_per_forward=24)
     assert model.hf_tree_layout_stats.num_split_trees >= 1 and model.hf_tree_layout_stats.num_rows >= 2
     for field in ("log_probs", "entropy", "loss"):
-        assert relative_error(getattr(ours, field), getattr(theirs, field)) <= TOLERANCE
+        assert relative_error(getattr(ours, field), getattr(theirs, field)) <= TRL_TOLERANCE
     assert torch.equal(ours.label_mask, theirs.label_mask)
 
 
@@ -191,17 +169,7 @@ def one_step(cls, config_cls, path: str, peft: bool):
     """One optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per generation: old
     policy, reference and policy passes all run), SGD without clipping so gradient errors stay visible."""
     args = trainer_args(
-        config_cls,
-        path,
-        torch.float64,
-        gradient_accumulation_steps=2,
-        num_iterations=2,
-        max_steps=1,
-        optim="sgd",
-        learning_rate=1.0,
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        logging_steps=1,
+        config_cls, path, torch.float64, gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0
     )
     trainer = cls(
         path,
@@ -212,11 +180,7 @@ def one_step(cls, config_cls, path: str, peft: bool):
         rollout_func=fixed_rollout,
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
     )
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
-    with float64_norms():
-        trainer.train()
-    updates = {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
-    return trainer, updates
+    return trainer, train_and_measure_updates(trainer)
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
@@ -228,11 +192,7 @@ def test_one_step_matches_trl(tmp_path, monkeypatch, peft):
     tree, tree_updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, peft)
     base = tree.model.get_base_model() if peft else tree.model
     assert base.hf_tree_layout_stats.dedup_ratio > 1
-    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TOLERANCE)
-    assert trl_updates.keys() == tree_updates.keys()
-    for name, update in trl_updates.items():
-        assert relative_error(tree_updates[name], update) <= STEP_TOLERANCE, name
-    assert any(u.norm() > 0 for u in trl_updates.values())
+    assert_same_step_as_trl(trl, trl_updates, tree, tree_updates)
 
 
 def test_unsupported_setups_raise(trainers, tmp_path):

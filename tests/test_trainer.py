@@ -18,7 +18,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_tree import Tree
 from hf_tree.trainer import STEP_SUM_KEYS, TreeTrainer, TreeTrainingArguments
-from tests.helpers import float64_norms, per_branch_loss, relative_error, tiny_model
+from tests.helpers import exact_sgd_args, float64_norms, per_branch_loss, relative_error, tiny_model
 
 VOCAB = 97
 BRANCHES_PER_TREE = 3
@@ -82,24 +82,14 @@ def branch_loss_func(normalization: str, branches_per_step: int):
 
 def common_args(tmp_path, name: str, batch_size: int, accumulation: int, **overrides) -> dict:
     defaults = dict(
-        output_dir=str(tmp_path / name),
         per_device_train_batch_size=batch_size,
         gradient_accumulation_steps=accumulation,
         max_steps=3,
         learning_rate=0.5,
-        optim="sgd",
-        lr_scheduler_type="constant",
-        max_grad_norm=0.0,
-        weight_decay=0.0,
         seed=7,
-        report_to=[],
-        logging_steps=1,
-        save_strategy="no",
         use_cpu=True,
-        dataloader_num_workers=0,
-        disable_tqdm=True,
     )
-    return {**defaults, **overrides}
+    return exact_sgd_args(str(tmp_path / name), **{**defaults, **overrides})
 
 
 def train_tree(tmp_path, groups, normalization, batch_size, accumulation, max_packed_tokens=24, **overrides):

@@ -26,6 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_tree.attention.mask import check_window_depths
+
 # Default score-tile size: the live tiles of all workers (about two per block, in the compute dtype) take
 # as many bytes as one row of the query, so attention memory stays ~1.1x causal SDPA's
 # (benchmarks/attention.py) while matmuls stay large. Never below MIN_TILE_ELEMENTS (short rows: memory is
@@ -364,24 +366,15 @@ def blocked_tree_attention(
     softcap: float | None = None,
     tile_elements: int | None = None,
 ) -> torch.Tensor:
-    """Tree attention computed block by block over visible keys only (same contract as the reference).
+    """Tree attention computed block by block over visible keys only; arguments and result as
+    ``reference_tree_attention`` (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` never repeated in
+    memory, ``kv_end [B, N]`` with ``kv_end[j] > j`` -> ``[B, N, H, D]`` in ``query``'s dtype), plus:
 
     Args:
-        query: ``[B, H, N, D]``.
-        key, value: ``[B, Hkv, N, D]`` with ``H % Hkv == 0`` (GQA/MQA, never repeated in memory).
-        kv_end: ``[B, N]`` integer subtree ends (``kv_end[j] > j``).
-        scaling: multiplier of ``q @ k^T``.
-        position_ids: ``[B, N]`` depths (needed with ``sliding_window``).
-        sliding_window: window in depth positions, as each branch alone would see it.
-        softcap: ``softcap * tanh(scores / softcap)`` before masking, if set.
         tile_elements: target size of one score tile (heads x block rows x keys), which sets the block
             size; default: one query row's bytes over the tiles' bytes per element (``_tile_bytes``).
-
-    Returns:
-        ``[B, N, H, D]`` in ``query``'s dtype.
     """
-    if sliding_window is not None and position_ids is None:
-        raise ValueError("blocked_tree_attention: a sliding_window needs position_ids (depths) to measure distance.")
+    check_window_depths("blocked_tree_attention", position_ids, sliding_window)
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query has {query.shape[1]} heads, not a multiple of the {key.shape[1]} key/value heads.")
     if tile_elements is None:  # all workers' live tiles together: about one query row's bytes

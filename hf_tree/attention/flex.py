@@ -23,7 +23,7 @@ from collections import OrderedDict
 import torch
 from torch.nn.attention.flex_attention import BlockMask, flex_attention
 
-from hf_tree.attention.mask import tree_mask_mod
+from hf_tree.attention.mask import check_window_depths, tree_mask_mod
 
 # FlexAttention's default sparse block size (its kernels' tile size).
 BLOCK_SIZE = 128
@@ -63,8 +63,7 @@ def tree_block_mask(
         sliding_window: window in depth positions.
         block_size: query and key block size.
     """
-    if sliding_window is not None and position_ids is None:
-        raise ValueError("tree_block_mask: a sliding_window needs position_ids (depths) to measure distance.")
+    check_window_depths("tree_block_mask", position_ids, sliding_window)
     batch, n = kv_end.shape
     device = kv_end.device
     ends = kv_end.to(torch.int64)
@@ -145,22 +144,10 @@ def flex_tree_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """Tree attention with FlexAttention (same contract as ``reference_tree_attention``).
-
-    Args:
-        query: ``[B, H, N, D]``.
-        key, value: ``[B, Hkv, N, D]`` with ``H % Hkv == 0`` (GQA/MQA handled by Flex, not repeated).
-        kv_end: ``[B, N]`` integer subtree ends.
-        scaling: multiplier of ``q @ k^T``.
-        position_ids: ``[B, N]`` depths (needed with ``sliding_window``).
-        sliding_window: window in depth positions, as each branch alone would see it.
-        softcap: ``softcap * tanh(scores / softcap)`` before masking, if set.
-
-    Returns:
-        ``[B, N, H, D]`` in ``query``'s dtype.
-    """
-    if sliding_window is not None and position_ids is None:
-        raise ValueError("flex_tree_attention: a sliding_window needs position_ids (depths) to measure distance.")
+    """Tree attention with FlexAttention; arguments and result as ``reference_tree_attention`` (``query
+    [B, H, N, D]``, ``key/value [B, Hkv, N, D]``, ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype).
+    GQA/MQA is handled by Flex (K/V are not repeated)."""
+    check_window_depths("flex_tree_attention", position_ids, sliding_window)
     if not query.is_cuda:  # PyTorch's FlexAttention has no backward off CUDA: forward only
         if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
             raise ValueError(

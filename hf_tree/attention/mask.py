@@ -10,6 +10,12 @@ from __future__ import annotations
 import torch
 
 
+def check_window_depths(where: str, position_ids: torch.Tensor | None, sliding_window: int | None) -> None:
+    """Raise (naming ``where``) when a sliding window is asked for without the depths it measures."""
+    if sliding_window is not None and position_ids is None:
+        raise ValueError(f"{where}: a sliding_window needs position_ids (depths) to measure distance.")
+
+
 def tree_mask_mod(kv_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None):
     """A FlexAttention-style ``mask_mod(b, h, q, kv) -> bool`` for a batch of packed rows.
 
@@ -32,8 +38,7 @@ def dense_tree_mask(
     kv_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None
 ) -> torch.Tensor:
     """``[B, N, N]`` bool mask, ``True`` where query (dim 1) sees key (dim 2). For tests and the reference."""
-    if sliding_window is not None and position_ids is None:
-        raise ValueError("dense_tree_mask: a sliding_window needs position_ids (depths) to measure distance.")
+    check_window_depths("dense_tree_mask", position_ids, sliding_window)
     n = kv_end.shape[-1]
     q = torch.arange(n, device=kv_end.device)[None, :, None]
     kv = torch.arange(n, device=kv_end.device)[None, None, :]
