@@ -10,7 +10,7 @@ row.
 
 1. strips each row's padding, merges the rows into tries (``Tree.from_sequences``: identical prompts, and any other
    shared prefix, become one node; rows are grouped by their tokens, never by their position in the batch),
-2. packs the tries into rows (``split_tree`` + ``pack_parts``) and runs the backbone once on them with the tree mask
+2. packs the tries into rows (``pack_and_place``) and runs the backbone once on them with the tree mask
    (``kv_end``) and depth positions,
 3. gathers the hidden state that predicts each scored token (the last prompt token predicts the first token of every
    completion), applies TRL's own chunked log-prob kernel to those states only (same temperature, softcapping and
@@ -41,7 +41,7 @@ from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
-from hf_tree.packing import PackingStats, pack_parts, split_tree
+from hf_tree.packing import PackingStats, pack_and_place
 from hf_tree.tree import Tree
 
 # Vocabulary tile of TRL's fused head (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``): the same tiling keeps the
@@ -59,7 +59,7 @@ class ScoredLayout:
     """Where each scored token of a padded ``[B, T]`` batch is computed in the packed tree rows.
 
     Attributes:
-        batch: ``input_ids``, ``position_ids`` ``[R, N]`` int64 and ``kv_end`` ``[R, N]`` int32 (``pack_parts``).
+        batch: ``input_ids``, ``position_ids`` ``[R, N]`` int64 and ``kv_end`` ``[R, N]`` int32 (``pack_and_place``).
         predictor_index: ``[M]`` int64, flat index into ``R * N`` of the hidden state that predicts each scored
             token, ascending (so each chunk of rows owns one contiguous range of it).
         targets: ``[M]`` int64, the scored token ids (the labels).
@@ -135,15 +135,8 @@ def layout_scored_rows(
         starts[row], scored_columns[row] = start, columns
         groups[sequences[row][0]].append(row)
 
-    parts: list[Tree] = []
-    num_split_trees = 0
-    for rows in groups.values():
-        tree = Tree.from_sequences([sequences[r] for r in rows], branch_fields={"row": rows})
-        split = split_tree(tree, max_packed_tokens)
-        num_split_trees += len(split) > 1
-        parts.extend(split)
-    batch, stats, placements = pack_parts(parts, max_packed_tokens)
-    stats.num_trees, stats.num_split_trees = len(groups), num_split_trees
+    trees = [Tree.from_sequences([sequences[r] for r in rows], branch_fields={"row": rows}) for rows in groups.values()]
+    batch, stats, parts, placements = pack_and_place(trees, max_packed_tokens)
     row_length = batch["input_ids"].shape[1]
 
     predictors, targets, outputs = [], [], []

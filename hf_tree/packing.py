@@ -177,31 +177,26 @@ def pack_trees(
         ``loss_targets`` ``[M]`` int64; ``loss_weights`` ``[M]`` float64; ``num_loss_items`` 0-dim
         float64) and the packing statistics.
     """
-    parts: list[Tree] = []
-    num_split_trees = 0
-    for tree in trees:
-        split = split_tree(tree, max_packed_tokens)
-        num_split_trees += len(split) > 1
-        parts.extend(split)
-    batch, stats, _ = pack_parts(parts, max_packed_tokens, normalization, pad_to_multiple_of, pad_token_id)
-    stats.num_trees, stats.num_split_trees = len(trees), num_split_trees
+    batch, stats, _, _ = pack_and_place(trees, max_packed_tokens, normalization, pad_to_multiple_of, pad_token_id)
     return batch, stats
 
 
-def pack_parts(
-    parts: Sequence[Tree],
+def pack_and_place(
+    trees: Sequence[Tree],
     max_packed_tokens: int,
     normalization: Normalization = "token",
     pad_to_multiple_of: int | None = None,
     pad_token_id: int = 0,
-) -> tuple[dict[str, torch.Tensor], PackingStats, list[tuple[int, int]]]:
-    """Bin-pack and lay out trees that each fit in a row (``pack_trees`` after splitting).
-
-    Returns:
-        The batch and statistics of ``pack_trees`` (``num_trees``/``num_split_trees`` left for the caller), and
-        the ``(row, offset)`` where each part starts, for callers that map per-part values back to the rows.
-    """
-    stats = PackingStats(num_tree_parts=len(parts))
+) -> tuple[dict[str, torch.Tensor], PackingStats, list[Tree], list[tuple[int, int]]]:
+    """``pack_trees``, also returning the packed parts (trees after splitting) and the ``(row, offset)`` where each
+    part starts, for callers that map per-part values back to the rows."""
+    stats = PackingStats(num_trees=len(trees))
+    parts: list[Tree] = []
+    for tree in trees:
+        split = split_tree(tree, max_packed_tokens)
+        stats.num_split_trees += len(split) > 1
+        parts.extend(split)
+    stats.num_tree_parts = len(parts)
     rows = best_fit_decreasing([p.num_tokens for p in parts], max_packed_tokens) or [[]]
     longest = max(sum(parts[i].num_tokens for i in row) for row in rows) or 1
     if pad_to_multiple_of:
@@ -247,4 +242,4 @@ def pack_parts(
         "loss_weights": torch.from_numpy(cat(loss_weights, np.float64)),
         "num_loss_items": torch.tensor(num_loss_items, dtype=torch.float64),
     }
-    return batch, stats, placements
+    return batch, stats, parts, placements
