@@ -20,6 +20,7 @@ from trl.trainer.utils import add_fused_lm_head
 from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.logprobs import add_tree_fused_lm_head
 from tests.helpers import (
+    TINY,
     TRL_TOLERANCE,
     assert_same_step_as_trl,
     float64_norms,
@@ -31,7 +32,7 @@ from tests.helpers import (
     word_tokenizer,
 )
 
-VOCAB = 97
+VOCAB = TINY["vocab_size"]  # the word tokenizer's and the tiny model's
 
 
 def trainer_args(cls, path: str, dtype: torch.dtype, **overrides):
