@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import math
 import statistics
 import time
 from collections.abc import Callable
@@ -315,6 +316,11 @@ def verdicts(work: Workload, results: dict[str, Result]) -> list[str]:
     return out
 
 
+def median_seconds(figure: dict, method: str) -> float:
+    """Median step time of ``method`` in one (model, workload) figure."""
+    return statistics.median(figure["methods"][method]["seconds"])
+
+
 def plot_results(figures: list[dict], path: str) -> None:
     """Bars: each method's speedup over ``per_branch`` (median step time), per model and workload; a black tick
     marks the workload's dedup ratio."""
@@ -323,18 +329,19 @@ def plot_results(figures: list[dict], path: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    methods = [m for m in ("padded", "trl_packing", "hf_tree", "hf_tree_dense") if m in figures[0]["methods"]]
+    # Runs may differ in methods (--with-dense, --methods); a method a run lacks gets no bar there.
+    ran = {m for f in figures for m in f["methods"]}
+    methods = [m for m in ("padded", "trl_packing", "hf_tree", "hf_tree_dense") if m in ran]
     fig, ax = plt.subplots(figsize=(1.6 + 1.5 * len(figures), 4.2))
     width = 0.8 / len(methods)
     for k, method in enumerate(methods):
         speedups = [
-            statistics.median(f["methods"]["per_branch"]["seconds"])
-            / statistics.median(f["methods"][method]["seconds"])
+            median_seconds(f, "per_branch") / median_seconds(f, method) if method in f["methods"] else math.nan
             for f in figures
         ]
         xs = [i + (k - (len(methods) - 1) / 2) * width for i in range(len(figures))]
         bars = ax.bar(xs, speedups, width, label=method)
-        ax.bar_label(bars, labels=[f"{v:.1f}" for v in speedups], fontsize=7)
+        ax.bar_label(bars, labels=["" if math.isnan(v) else f"{v:.1f}" for v in speedups], fontsize=7)
     for i, f in enumerate(figures):
         ax.plot(
             [i - 0.45, i + 0.45], [f["dedup_ratio"]] * 2, color="black", lw=1.5, label="dedup ratio" if i == 0 else None

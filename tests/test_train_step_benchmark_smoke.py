@@ -37,3 +37,17 @@ def test_quick_benchmark_trains_the_same_loss_four_ways(tmp_path):
             assert all(abs(loss - reference) <= 1e-5 * abs(reference) for loss in method["losses"]), name
             assert method["peak_bytes"] > 0 and all(s > 0 for s in method["seconds"]), name
     assert "| tiny | groups |" in result.stdout and "faster than TRL packing" in result.stdout
+
+    # --plot-from combines runs whose methods differ (one ran without padded): a bar is left out, not a crash.
+    pytest.importorskip("matplotlib")
+    fewer = json.loads(out.read_text())
+    for workload in fewer["results"]:
+        del workload["methods"]["padded"]
+    (tmp_path / "fewer.json").write_text(json.dumps(fewer))
+    plot = tmp_path / "speedups.png"
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--plot-from", str(out), str(tmp_path / "fewer.json"), "--plot", str(plot)],
+        capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-4000:]
+    assert plot.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
