@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.loss import weighted_cross_entropy
 from tests.helpers import float64_norms, grads_of, max_grad_relative_error, per_branch_loss, relative_error, tiny_model
 
 VOCAB = 97
@@ -164,3 +165,25 @@ def test_peft_wrapped_model_with_lora_on_the_head_matches_per_branch():
         (total / divisor).backward()
     assert relative_error(loss, total / divisor) <= TOLERANCE
     assert max_grad_relative_error(tree_grads, grads_of(model)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+def test_weighted_cross_entropy_matches_torch_cross_entropy(softcap):
+    """The chunked CE's own backward against autograd through ``F.cross_entropy`` (float64; chunks of 3 rows)."""
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False, dtype=torch.float64)
+    hidden = torch.randn(7, 8, dtype=torch.float64, generator=generator, requires_grad=True)
+    targets = torch.tensor([3, 3, 0, 10, 5, 3, 1])  # the one-hot term is added to the softmax, not written
+    weights = torch.rand(7, dtype=torch.float64, generator=generator)
+
+    total = weighted_cross_entropy(head, hidden, targets, weights, softcap=softcap, chunk_size=3)
+    got = torch.autograd.grad(total, [hidden, head.weight])
+
+    logits = head(hidden)
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    expected_total = (torch.nn.functional.cross_entropy(logits, targets, reduction="none") * weights).sum()
+    expected = torch.autograd.grad(expected_total, [hidden, head.weight])
+    torch.testing.assert_close(total, expected_total, rtol=1e-12, atol=0)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
