@@ -18,13 +18,30 @@ from hf_tree.attention.registration import TREE_ATTENTION_NAME
 DEFAULT_LOSS_CHUNK_SIZE = 256
 
 
-class _WeightedCrossEntropy(torch.autograd.Function):
-    """``-sum_i weights[i] * log_softmax(logits[i])[targets[i]]`` with a one-pass backward.
+def _logit_grad(log_probs: torch.Tensor, targets: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
+    """``d/d logits`` of ``-sum_i scaled[i] * log_probs[i, targets[i]]``: ``softmax * scaled - onehot * scaled``,
+    written once (``F.cross_entropy``'s backward writes a zero-filled NLL gradient, then the log-softmax one)."""
+    grad = log_probs.exp().mul_(scaled[:, None])
+    rows = torch.arange(log_probs.shape[0], device=log_probs.device)
+    return grad.index_put_((rows, targets), -scaled, accumulate=True)
 
-    ``F.cross_entropy``'s backward writes two ``[M, vocab]`` buffers (a zero-filled NLL gradient, then the
-    log-softmax gradient, which rereads both); here backward writes ``softmax * w - onehot * w`` once, from the
-    saved log-softmax. Same value and gradient.
-    """
+
+def _float_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Half-precision logits in float32 (the log-softmax over a large vocabulary needs it); others unchanged."""
+    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+
+
+def _capped_log_probs(logits: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Log-softmax of the soft-capped (float) logits, and the capped logits' ``tanh`` (None without a cap)."""
+    logits = _float_logits(logits)
+    if softcap is None:
+        return torch.log_softmax(logits, dim=-1), None
+    capped_tanh = torch.tanh(logits / softcap)
+    return torch.log_softmax(capped_tanh * softcap, dim=-1), capped_tanh
+
+
+class _WeightedCrossEntropy(torch.autograd.Function):
+    """``-sum_i weights[i] * log_softmax(logits[i])[targets[i]]`` with a one-pass backward."""
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -35,11 +52,61 @@ class _WeightedCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
         log_probs, targets, weights = ctx.saved_tensors
-        scaled = weights * grad_total
-        grad = log_probs.exp().mul_(scaled[:, None])
-        rows = torch.arange(log_probs.shape[0], device=log_probs.device)
-        grad.index_put_((rows, targets), -scaled, accumulate=True)
-        return grad, None, None
+        return _logit_grad(log_probs, targets, weights * grad_total), None, None
+
+
+class _FusedLinearCrossEntropy(torch.autograd.Function):
+    """Weighted CE of ``hidden @ weight.T`` whose gradients are computed during forward, chunk by chunk.
+
+    The checkpointed path computes every logit chunk twice (forward, then again in backward) to bound memory;
+    with a plain linear head the chunk's gradients can be finished while its logits exist, so each chunk costs
+    three matmuls instead of four. Keeps ``[M, D]`` and ``[vocab, D]`` gradients until backward instead.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden, weight, targets, weights, softcap, chunk_size):
+        need_hidden, need_weight = ctx.needs_input_grad[:2]
+        accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        total = hidden.new_zeros((), dtype=accumulate)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
+        for start in range(0, hidden.shape[0], chunk_size):
+            chunk = hidden[start : start + chunk_size]
+            chunk_targets = targets[start : start + chunk_size]
+            chunk_weights = weights[start : start + chunk_size].to(accumulate)
+            log_probs, capped_tanh = _capped_log_probs(chunk @ weight.T, softcap)
+            total += -(log_probs.gather(1, chunk_targets[:, None]).squeeze(1) * chunk_weights).sum()
+            grad = _logit_grad(log_probs, chunk_targets, chunk_weights)
+            if capped_tanh is not None:
+                grad.mul_(1 - capped_tanh.square_())
+            grad = grad.to(weight.dtype)
+            if need_hidden:
+                grad_hidden[start : start + chunk_size] = grad @ weight
+            if need_weight:
+                grad_weight.add_((grad.T @ chunk).to(accumulate))
+        ctx.save_for_backward(grad_hidden, grad_weight)
+        ctx.weight_dtype = weight.dtype
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total: torch.Tensor):
+        grad_hidden, grad_weight = ctx.saved_tensors
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+        if grad_weight is not None:
+            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, None, None, None, None
+
+
+def _is_plain_linear(head: torch.nn.Module) -> bool:
+    """A bias-free ``nn.Linear`` running ``nn.Linear.forward`` (FSDP2's class swap keeps it; PEFT/LoRA heads,
+    quantized linears and accelerate hooks replace forward, so they take the generic path)."""
+    return (
+        isinstance(head, torch.nn.Linear)
+        and head.bias is None
+        and type(head).forward is torch.nn.Linear.forward
+        and "forward" not in vars(head)
+    )
 
 
 def _weighted_ce_chunk(
@@ -52,9 +119,7 @@ def _weighted_ce_chunk(
     # forward(), not __call__: under FSDP2 (accelerate 1.15, torch 2.13) the head is its own FSDP unit, kept
     # unsharded by the model forward until backward; running its FSDP hooks a second time here segfaulted in
     # backward. forward() skips those hooks and keeps PEFT/accelerate wrappers (they replace forward itself).
-    logits = head.forward(hidden)
-    if logits.dtype in (torch.float16, torch.bfloat16):
-        logits = logits.float()
+    logits = _float_logits(head.forward(hidden))
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return _WeightedCrossEntropy.apply(logits, targets, weights.to(logits.dtype))
@@ -76,6 +141,8 @@ def weighted_cross_entropy(
         targets: ``[M]`` int64 token ids.
         weights: ``[M]`` per-edge weights (any float dtype; cast to the logits' dtype).
     """
+    if _is_plain_linear(head):
+        return _FusedLinearCrossEntropy.apply(hidden, head.weight, targets, weights, softcap, chunk_size)
     total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size

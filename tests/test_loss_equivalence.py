@@ -6,6 +6,7 @@ combined with the same normalization. float64, RMSNorm kept in float64 (see test
 
 from __future__ import annotations
 
+import copy
 import random
 
 import pytest
@@ -167,23 +168,56 @@ def test_peft_wrapped_model_with_lora_on_the_head_matches_per_branch():
     assert max_grad_relative_error(tree_grads, grads_of(model)) <= TOLERANCE
 
 
-@pytest.mark.parametrize("softcap", [None, 5.0])
-def test_weighted_cross_entropy_matches_torch_cross_entropy(softcap):
-    """The chunked CE's own backward against autograd through ``F.cross_entropy`` (float64; chunks of 3 rows)."""
-    generator = torch.Generator().manual_seed(0)
-    head = torch.nn.Linear(8, 11, bias=False, dtype=torch.float64)
-    hidden = torch.randn(7, 8, dtype=torch.float64, generator=generator, requires_grad=True)
-    targets = torch.tensor([3, 3, 0, 10, 5, 3, 1])  # the one-hot term is added to the softmax, not written
-    weights = torch.rand(7, dtype=torch.float64, generator=generator)
-
-    total = weighted_cross_entropy(head, hidden, targets, weights, softcap=softcap, chunk_size=3)
-    got = torch.autograd.grad(total, [hidden, head.weight])
-
-    logits = head(hidden)
+def _reference_weighted_ce(head, hidden, targets, weights, softcap):
+    logits = head(hidden).float() if hidden.dtype == torch.bfloat16 else head(hidden)
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
-    expected_total = (torch.nn.functional.cross_entropy(logits, targets, reduction="none") * weights).sum()
+    return (torch.nn.functional.cross_entropy(logits, targets, reduction="none") * weights).sum()
+
+
+def _ce_problem(dtype: torch.dtype):
+    generator = torch.Generator().manual_seed(0)
+    head = torch.nn.Linear(8, 11, bias=False, dtype=dtype)
+    hidden = torch.randn(7, 8, dtype=dtype, generator=generator, requires_grad=True)
+    targets = torch.tensor([3, 3, 0, 10, 5, 3, 1])
+    weights = torch.rand(7, dtype=torch.float64, generator=generator)
+    return head, hidden, targets, weights
+
+
+@pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("head_kind", ["linear", "wrapped"])
+def test_weighted_cross_entropy_matches_torch_cross_entropy(softcap, head_kind):
+    """Both CE paths against autograd through ``F.cross_entropy`` (float64; chunks of 3 rows): a plain linear head
+    takes the fused path (gradients during forward), any other module the checkpointed one."""
+    head, hidden, targets, weights = _ce_problem(torch.float64)
+    module = head if head_kind == "linear" else torch.nn.Sequential(head)
+    total = weighted_cross_entropy(module, hidden, targets, weights, softcap=softcap, chunk_size=3)
+    got = torch.autograd.grad(total, [hidden, head.weight])
+    expected_total = _reference_weighted_ce(head, hidden, targets, weights, softcap)
     expected = torch.autograd.grad(expected_total, [hidden, head.weight])
     torch.testing.assert_close(total, expected_total, rtol=1e-12, atol=0)
     for g, e in zip(got, expected):
         torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
+
+
+def test_fused_cross_entropy_in_bfloat16_is_as_accurate_as_eager():
+    """bf16 head: the fused path's error against float64 is no worse than eager bf16 ``F.cross_entropy``'s."""
+    head64, hidden64, targets, weights = _ce_problem(torch.float64)
+    exact = torch.autograd.grad(_reference_weighted_ce(head64, hidden64, targets, weights, None), [hidden64])[0]
+    head = copy.deepcopy(head64).to(torch.bfloat16)
+    hidden = hidden64.detach().to(torch.bfloat16).requires_grad_()
+    fused = torch.autograd.grad(weighted_cross_entropy(head, hidden, targets, weights, chunk_size=3), [hidden])[0]
+    eager = torch.autograd.grad(_reference_weighted_ce(head, hidden, targets, weights.float(), None), [hidden])[0]
+    assert relative_error(fused.double(), exact) <= 1.5 * relative_error(eager.double(), exact)
+
+
+def test_fused_cross_entropy_without_gradients_matches():
+    """Under ``no_grad`` (evaluation) and with a frozen head (LoRA elsewhere) the fused path still scores."""
+    head, hidden, targets, weights = _ce_problem(torch.float64)
+    expected = _reference_weighted_ce(head, hidden, targets, weights, None).detach()
+    with torch.no_grad():
+        torch.testing.assert_close(weighted_cross_entropy(head, hidden, targets, weights, chunk_size=3), expected)
+    head.weight.requires_grad_(False)
+    total = weighted_cross_entropy(head, hidden, targets, weights, chunk_size=3)
+    torch.testing.assert_close(total.detach(), expected)
+    assert head.weight.grad is None and torch.autograd.grad(total, hidden)[0].abs().sum() > 0
