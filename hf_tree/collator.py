@@ -38,7 +38,7 @@ STATS_KEYS = (
 class TreeDataCollator:
     """Packs tree rows into ``[B, N]`` rows of at most ``max_packed_tokens`` tokens.
 
-    Output keys (DESIGN.md): ``input_ids``, ``position_ids``, ``kv_end`` (int32) ``[B, N]``;
+    Output keys (docs/design.md): ``input_ids``, ``position_ids``, ``kv_end`` (int32) ``[B, N]``;
     ``loss_positions``, ``loss_targets`` ``[M]``; ``loss_weights`` ``[M]`` float64; ``num_loss_items``
     (0-dim float64); plus the counters in ``STATS_KEYS`` (0-dim int64) for logging.
     """

@@ -1,6 +1,6 @@
 """Packing trees into rows: branch limits, splitting oversized trees, best-fit bin packing, DFS layout.
 
-The output of ``pack_trees`` is exactly the batch contract of DESIGN.md: ``input_ids``, depth
+The output of ``pack_trees`` is exactly the batch contract of docs/design.md: ``input_ids``, depth
 ``position_ids``, ``kv_end`` and the loss gather (``loss_positions``/``loss_targets``/``loss_weights``).
 """
 
@@ -173,7 +173,7 @@ def pack_trees(
     """Split, bin-pack and lay out trees (each already within the branch limit) into a batch.
 
     Returns:
-        The batch of DESIGN.md (``input_ids``/``position_ids``/``kv_end`` ``[B, N]``; ``loss_positions``,
+        The batch of docs/design.md (``input_ids``/``position_ids``/``kv_end`` ``[B, N]``; ``loss_positions``,
         ``loss_targets`` ``[M]`` int64; ``loss_weights`` ``[M]`` float64; ``num_loss_items`` 0-dim
         float64) and the packing statistics.
     """
