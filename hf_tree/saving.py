@@ -25,9 +25,8 @@ logger = logging.getLogger("hf_tree")
 
 
 def is_sharded_state_dict(accelerator: Accelerator) -> bool:
-    """Whether the run's FSDP plugin asks for ``SHARDED_STATE_DICT`` checkpoints."""
-    plugin = accelerator.state.fsdp_plugin
-    return plugin is not None and "SHARDED_STATE_DICT" in str(plugin.state_dict_type)
+    """Whether the run's FSDP2 plugin asks for ``SHARDED_STATE_DICT`` checkpoints."""
+    return accelerator.is_fsdp2 and "SHARDED_STATE_DICT" in str(accelerator.state.fsdp_plugin.state_dict_type)
 
 
 def retie_shared_parameters(model: torch.nn.Module, state_dict: dict[str, torch.Tensor]) -> None:

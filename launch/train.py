@@ -258,9 +258,10 @@ def save_settings(trainer: Trainer) -> str:
     """The settings that decide what ``save_model`` writes, for error messages."""
     state = trainer.accelerator.state
     settings = f"distributed_type={state.distributed_type.value}, num_processes={state.num_processes}"
-    if state.fsdp_plugin is not None:
-        state_dict_type = getattr(state.fsdp_plugin.state_dict_type, "name", state.fsdp_plugin.state_dict_type)
-        settings += f", fsdp_version={state.fsdp_plugin.fsdp_version}, fsdp_state_dict_type={state_dict_type}"
+    if trainer.is_fsdp_enabled:
+        plugin = state.fsdp_plugin
+        state_dict_type = getattr(plugin.state_dict_type, "name", plugin.state_dict_type)  # an enum or a string
+        settings += f", fsdp_version={plugin.fsdp_version}, fsdp_state_dict_type={state_dict_type}"
     return settings
 
 
