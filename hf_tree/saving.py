@@ -10,16 +10,26 @@ separate tensors, so ``save_pretrained`` cannot see the tie and writes an extra 
 re-ties shared parameters, and lets rank 0 write it through ``Trainer._save`` (``save_pretrained`` of the model or
 of the PEFT adapter). Intermediate checkpoints under ``SHARDED_STATE_DICT`` stay sharded (the
 ``torch.distributed.checkpoint`` folder that ``Trainer`` writes next to the optimizer for resuming).
+
+PEFT (0.21) selects an adapter's entries by the model's module names, which keep FSDP's activation-checkpoint wrapper
+(``_checkpoint_wrapped_module.``) that ``get_model_state_dict`` drops: without care a LoRA model under
+``fsdp_activation_checkpointing`` saves an adapter file with no tensors. The save hands PEFT the model's own names and
+drops the wrapper from the written adapter file.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import defaultdict
+from itertools import chain
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME
 
 logger = logging.getLogger("hf_tree")
 
@@ -57,6 +67,19 @@ def gather_full_state_dict(accelerator: Accelerator, model: torch.nn.Module) -> 
     return state_dict
 
 
+def checkpoint_wrapped_names(model: torch.nn.Module) -> dict[str, str]:
+    """``{name without the activation-checkpoint wrapper: the model's own name}`` for the parameters and buffers of
+    ``model`` inside an activation-checkpoint wrapper (``{}`` without FSDP activation checkpointing)."""
+    named = chain(model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False))
+    return {name.replace(_CHECKPOINT_PREFIX, ""): name for name, _ in named if _CHECKPOINT_PREFIX in name}
+
+
+def strip_checkpoint_prefix(adapter_file: Path) -> None:
+    """Rewrite a safetensors file whose keys carry the activation-checkpoint wrapper without it."""
+    tensors = load_file(adapter_file)
+    save_file({k.replace(_CHECKPOINT_PREFIX, ""): v for k, v in tensors.items()}, adapter_file, {"format": "pt"})
+
+
 class FSDPFullSaveMixin:
     """``save_model`` for ``Trainer`` subclasses that writes a complete model or adapter under FSDP2, whatever
     ``fsdp_state_dict_type`` says. Place it before the ``Trainer`` class in the bases."""
@@ -74,7 +97,13 @@ class FSDPFullSaveMixin:
         if _internal_call and sharded and not self.args.save_only_model:
             return super().save_model(output_dir, _internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
-        self._save(output_dir, state_dict=gather_full_state_dict(self.accelerator, self.model))
+        state_dict = gather_full_state_dict(self.accelerator, self.model)
+        wrapped = checkpoint_wrapped_names(self.model) if isinstance(self.model, PeftModel) else {}
+        if wrapped:  # PEFT finds its entries under the model's own names (see the module docstring)
+            state_dict = {wrapped.get(name, name): tensor for name, tensor in state_dict.items()}
+        self._save(output_dir, state_dict=state_dict)
+        if wrapped and self.args.should_save:
+            strip_checkpoint_prefix(Path(output_dir) / ADAPTER_SAFE_WEIGHTS_NAME)
         self.accelerator.wait_for_everyone()  # the files exist for every rank once save_model returns
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
