@@ -95,6 +95,13 @@ class FSDPFullSaveMixin:
             return super().save_model(output_dir, _internal_call)
         sharded = is_sharded_state_dict(self.accelerator)
         if _internal_call and sharded and not self.args.save_only_model:
+            if isinstance(self.model, PeftModel) and checkpoint_wrapped_names(self.model):
+                logger.warning(
+                    "hf_tree: this checkpoint holds no LoRA weights: under fsdp_activation_checkpointing with "
+                    "fsdp_state_dict_type SHARDED_STATE_DICT, PEFT finds no adapter in the wrapped modules' state "
+                    "dict, so resuming from it would restart the adapter (the final save is complete). For LoRA use "
+                    "fsdp2_lora.json (fsdp_activation_checkpointing false, --gradient_checkpointing instead)."
+                )
             return super().save_model(output_dir, _internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
         state_dict = gather_full_state_dict(self.accelerator, self.model)

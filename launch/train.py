@@ -31,6 +31,7 @@ import datasets
 import torch
 import yaml
 from peft import LoraConfig
+from safetensors import SafetensorError, safe_open
 from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer
 from transformers.utils import (
     ADAPTER_CONFIG_NAME,
@@ -236,22 +237,36 @@ def load_split(args: DataArguments, split: str) -> datasets.Dataset:
 
 
 def missing_saved_files(output_dir: str, peft: bool) -> list[str]:
-    """Files a loadable save must hold that are missing or empty in ``output_dir`` (``[]`` when complete).
+    """Files a loadable save must hold that are missing, empty, or (weights) hold no tensor in ``output_dir``
+    (``[]`` when complete).
 
     PEFT: ``adapter_config.json`` and ``adapter_model.safetensors``; a full model: ``config.json`` and
     ``model.safetensors`` or ``model.safetensors.index.json`` with every shard it lists.
     """
     root = Path(output_dir)
     if peft:
-        required = [ADAPTER_CONFIG_NAME, ADAPTER_SAFE_WEIGHTS_NAME]
+        required, weights = [ADAPTER_CONFIG_NAME], [ADAPTER_SAFE_WEIGHTS_NAME]
     else:
         index = root / SAFE_WEIGHTS_INDEX_NAME
         if index.is_file() and index.stat().st_size > 0:
-            weights = [SAFE_WEIGHTS_INDEX_NAME, *sorted(set(json.loads(index.read_text())["weight_map"].values()))]
+            required = [CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME]
+            weights = sorted(set(json.loads(index.read_text())["weight_map"].values()))
         else:
-            weights = [SAFE_WEIGHTS_NAME]
-        required = [CONFIG_NAME, *weights]
-    return [name for name in required if not (root / name).is_file() or (root / name).stat().st_size == 0]
+            required, weights = [CONFIG_NAME], [SAFE_WEIGHTS_NAME]
+
+    def complete(name: str) -> bool:
+        path = root / name
+        if not path.is_file() or path.stat().st_size == 0:
+            return False
+        if name not in weights:
+            return True
+        try:  # a safetensors file with no tensor is the trace of a save that found nothing to write
+            with safe_open(path, "pt") as handle:
+                return len(handle.keys()) > 0
+        except SafetensorError:  # not a safetensors file at all
+            return False
+
+    return [name for name in [*required, *weights] if not complete(name)]
 
 
 def save_settings(trainer: Trainer) -> str:
@@ -272,11 +287,11 @@ def check_saved(trainer: Trainer, output_dir: str, peft: bool) -> None:
     if missing:
         what = "LoRA adapter" if peft else "model"
         raise ValueError(
-            f"the final save wrote no complete {what}: {missing} missing or empty in {os.path.abspath(output_dir)} "
-            f"after save_model ({save_settings(trainer)}). Under FSDP, transformers.Trainer writes model files only "
-            "with fsdp_state_dict_type FULL_STATE_DICT; hf_tree's trainers gather the full state dict with any "
-            "setting (hf_tree.saving.FSDPFullSaveMixin): use them, or set fsdp_state_dict_type: FULL_STATE_DICT in "
-            "the accelerate config."
+            f"the final save wrote no complete {what}: {missing} missing, empty or without tensors in "
+            f"{os.path.abspath(output_dir)} after save_model ({save_settings(trainer)}). Under FSDP, "
+            "transformers.Trainer writes model files only with fsdp_state_dict_type FULL_STATE_DICT; hf_tree's "
+            "trainers gather the full state dict with any setting (hf_tree.saving.FSDPFullSaveMixin): use them, or "
+            "set fsdp_state_dict_type: FULL_STATE_DICT in the accelerate config."
         )
 
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 import yaml
 from peft import PeftModel
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hf_tree.assets import load_smollm2_tokenizer
@@ -117,10 +117,14 @@ def test_missing_saved_files_names_what_a_reload_needs(tmp_path):
     (tmp_path / "adapter_config.json").write_text("{}")
     (tmp_path / "adapter_model.safetensors").touch()  # empty: not a save
     assert train.missing_saved_files(str(tmp_path), peft=True) == ["adapter_model.safetensors"]
+    save_file({}, tmp_path / "adapter_model.safetensors")  # a valid file without tensors: not a save either
+    assert train.missing_saved_files(str(tmp_path), peft=True) == ["adapter_model.safetensors"]
+    save_file({"a": torch.ones(1)}, tmp_path / "adapter_model.safetensors")
+    assert train.missing_saved_files(str(tmp_path), peft=True) == []
     (tmp_path / "config.json").write_text("{}")
     index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    (tmp_path / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    save_file({"a": torch.ones(1)}, tmp_path / "model-00001-of-00002.safetensors")
     assert train.missing_saved_files(str(tmp_path), peft=False) == ["model-00002-of-00002.safetensors"]
 
 
