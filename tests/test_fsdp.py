@@ -6,6 +6,8 @@ parameters were sharded (DTensor), then resumes a fresh model from ``checkpoint-
 ``KILL_CONFIGS`` that checkpoint comes from an earlier launch whose processes were all SIGKILLed right after it was
 written (a preempted job). Oracle: the same run in one process on the same global batch (2 processes x 2 trees =
 1 process x 4 trees): same logged losses, same parameters, and the same saved files (tensor names and values).
+Under a config with FSDP activation checkpointing the launch also trains and saves a LoRA run (no checkpoints),
+whose adapter must equal the single-process one.
 """
 
 from __future__ import annotations
