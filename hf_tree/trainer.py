@@ -9,7 +9,9 @@ What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``t
 - evaluation uses the same loss, summed over the whole evaluation set before dividing;
 - with ``parallelism_config.cp_size > 1`` each training batch is sharded over the CP group by
   ``hf_tree.parallel.TreeContextParallel`` (tree-exact; accelerate's own causal-only context parallel is not used);
-- training logs add trees and rows per step, dedup ratio, padding fraction and tree/branch tokens per second.
+- training logs add trees and rows per step, dedup ratio, padding fraction and tree/branch tokens per second;
+- under FSDP2, ``save_model`` writes the complete model or adapter with any ``fsdp_state_dict_type``
+  (``hf_tree.saving.FSDPFullSaveMixin``).
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from hf_tree.config import TreeArguments
 from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
+from hf_tree.saving import FSDPFullSaveMixin
 
 logger = logging.getLogger("hf_tree")
 
@@ -76,8 +79,9 @@ def pad_token_id_of(processing_class: Any) -> int | None:
     return None
 
 
-class TreeTrainerMixin:
-    """Tree loss, exact step divisor, tree eval loss and packing logs, for ``Trainer`` subclasses.
+class TreeTrainerMixin(FSDPFullSaveMixin):
+    """Tree loss, exact step divisor, tree eval loss, packing logs and complete FSDP2 saves, for ``Trainer``
+    subclasses.
 
     Place it before the ``Trainer`` class in the bases; call ``_init_tree_training()`` at the end of ``__init__``.
     """

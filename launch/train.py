@@ -31,7 +31,15 @@ import datasets
 import torch
 import yaml
 from peft import LoraConfig
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser
+from safetensors import SafetensorError, safe_open
+from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer
+from transformers.utils import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+)
 
 from hf_tree import Tree
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
@@ -170,8 +178,12 @@ def parse_arguments(argv: list[str]) -> tuple[ModelArguments, DataArguments, Lor
             raise ValueError(f"--config {known.config}: expected a mapping of field names to values.")
     else:
         config = {}
-    # TRL defaults bf16 to True, which TrainingArguments rejects on a machine without a GPU
-    config = {"output_dir": "outputs/tree-sft", "bf16": torch.cuda.is_available(), **config}
+    # TRL defaults bf16 to True, which TrainingArguments rejects on a machine without a GPU, and
+    # gradient_checkpointing to True, which Trainer rejects beside FSDP's own activation checkpointing
+    defaults = {"output_dir": "outputs/tree-sft", "bf16": torch.cuda.is_available()}
+    if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true":  # set by accelerate launch
+        defaults["gradient_checkpointing"] = False
+    config = {**defaults, **config}
     known_fields = {action.dest for action in parser._actions}
     unknown = sorted(set(config) - known_fields)
     if unknown:
@@ -224,6 +236,65 @@ def load_split(args: DataArguments, split: str) -> datasets.Dataset:
     return datasets.load_dataset(name, args.dataset_config, split=split)
 
 
+def missing_saved_files(output_dir: str, peft: bool) -> list[str]:
+    """Files a loadable save must hold that are missing, empty, or (weights) hold no tensor in ``output_dir``
+    (``[]`` when complete).
+
+    PEFT: ``adapter_config.json`` and ``adapter_model.safetensors``; a full model: ``config.json`` and
+    ``model.safetensors`` or ``model.safetensors.index.json`` with every shard it lists.
+    """
+    root = Path(output_dir)
+    if peft:
+        required, weights = [ADAPTER_CONFIG_NAME], [ADAPTER_SAFE_WEIGHTS_NAME]
+    else:
+        index = root / SAFE_WEIGHTS_INDEX_NAME
+        if index.is_file() and index.stat().st_size > 0:
+            required = [CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME]
+            weights = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            required, weights = [CONFIG_NAME], [SAFE_WEIGHTS_NAME]
+
+    def complete(name: str) -> bool:
+        path = root / name
+        if not path.is_file() or path.stat().st_size == 0:
+            return False
+        if name not in weights:
+            return True
+        try:  # a safetensors file with no tensor is the trace of a save that found nothing to write
+            with safe_open(path, "pt") as handle:
+                return len(handle.keys()) > 0
+        except SafetensorError:  # not a safetensors file at all
+            return False
+
+    return [name for name in [*required, *weights] if not complete(name)]
+
+
+def save_settings(trainer: Trainer) -> str:
+    """The settings that decide what ``save_model`` writes, for error messages."""
+    state = trainer.accelerator.state
+    settings = f"distributed_type={state.distributed_type.value}, num_processes={state.num_processes}"
+    if trainer.is_fsdp_enabled:
+        plugin = state.fsdp_plugin
+        state_dict_type = getattr(plugin.state_dict_type, "name", plugin.state_dict_type)  # an enum or a string
+        settings += f", fsdp_version={plugin.fsdp_version}, fsdp_state_dict_type={state_dict_type}"
+    return settings
+
+
+def check_saved(trainer: Trainer, output_dir: str, peft: bool) -> None:
+    """Raise ``ValueError`` naming what is missing, and the settings that decided the save, unless ``output_dir``
+    holds a complete model (or adapter). Checked on the main process, which writes the files."""
+    missing = missing_saved_files(output_dir, peft)
+    if missing:
+        what = "LoRA adapter" if peft else "model"
+        raise ValueError(
+            f"the final save wrote no complete {what}: {missing} missing, empty or without tensors in "
+            f"{os.path.abspath(output_dir)} after save_model ({save_settings(trainer)}). Under FSDP, "
+            "transformers.Trainer writes model files only with fsdp_state_dict_type FULL_STATE_DICT; hf_tree's "
+            "trainers gather the full state dict with any setting (hf_tree.saving.FSDPFullSaveMixin): use them, or "
+            "set fsdp_state_dict_type: FULL_STATE_DICT in the accelerate config."
+        )
+
+
 def main(argv: list[str] | None = None) -> dict[str, float]:
     argv = sys.argv[1:] if argv is None else argv
     model_args, data_args, lora_args, config = parse_arguments(argv)
@@ -261,6 +332,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     train_seconds = time.perf_counter() - train_started
     trainer.save_model(config.output_dir)
+    if trainer.is_world_process_zero():
+        check_saved(trainer, config.output_dir, peft=lora_args.use_peft)
     tree_logs = [log for log in trainer.state.log_history if "tree_tokens_per_second" in log]
     summary = {
         "train_loss": result.training_loss,

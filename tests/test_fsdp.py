@@ -1,15 +1,20 @@
 """Each ``fsdp_configs/*.json`` under ``accelerate launch`` with 2 CPU processes (gloo), through ``TreeTrainer``.
 
 The file is also the launched worker (``__main__``). The worker trains 2 SGD steps on tree rows with a
-sequential sampler and a checkpoint every step, reports whether the parameters were sharded (DTensor),
-then resumes a fresh model from ``checkpoint-1`` and trains step 2 again. Oracle: the same run in one process
-on the same global batch (2 processes x 2 trees = 1 process x 4 trees): same logged losses, same parameters.
+sequential sampler and a checkpoint every step, saves the final model (``save_model``), reports whether the
+parameters were sharded (DTensor), then resumes a fresh model from ``checkpoint-1`` and trains step 2 again. For
+``KILL_CONFIGS`` that checkpoint comes from an earlier launch whose processes were all SIGKILLed right after it was
+written (a preempted job). Oracle: the same run in one process on the same global batch (2 processes x 2 trees =
+1 process x 4 trees): same logged losses, same parameters, and the same saved files (tensor names and values).
+Under a config with FSDP activation checkpointing the launch also trains and saves a LoRA run (no checkpoints),
+whose adapter must equal the single-process one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,30 +25,66 @@ if __name__ == "__main__":  # launched as a script: make `hf_tree` and `tests` i
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
 
 CONFIGS = sorted((REPO / "fsdp_configs").glob("*.json"))
+KILL_CONFIGS = {"fsdp2_lora", "fsdp2_full"}  # resumed from a checkpoint of a killed launch
+# Configs with FSDP activation checkpointing, which renames modules (PEFT's adapter selection trips over it): the launch
+# also saves a LoRA run without checkpoints (PEFT checkpoints there hold no adapter: docs/training.md)
+ACTIVATION_CHECKPOINTING_CONFIGS = {"fsdp2_context_parallel"}
 GLOBAL_BATCH = 4
 # float32 on gloo: reductions run in a different order than in one process
 TOLERANCE = 2e-5
 
 
 def make_model(lora: bool) -> torch.nn.Module:
-    """The tiny float32 model, identical on every rank (seeded); LoRA adapters start non-zero so that both
-    adapter matrices get gradients from step 1."""
+    """The tiny float32 model with tied embeddings (as SmolLM2), identical on every rank (seeded); LoRA adapters
+    start non-zero so that both adapter matrices get gradients from step 1."""
     from peft import LoraConfig, get_peft_model
 
     from tests.helpers import tiny_model
     from tests.test_trainer import VOCAB
 
-    model = tiny_model(vocab_size=VOCAB, dtype=torch.float32)
+    model = tiny_model(vocab_size=VOCAB, dtype=torch.float32, tie_word_embeddings=True)
     if lora:
         config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
         model = get_peft_model(model, config)
     return model
 
 
-def run(output_dir: str, lora: bool, per_device_batch: int) -> dict:
-    """Train, then resume from checkpoint-1; returns losses, sharding and final parameters (full tensors)."""
+def saved_weights(directory: Path, lora: bool) -> dict[str, torch.Tensor]:
+    """The tensors ``save_model`` wrote: the adapter file for LoRA, else the model file."""
+    return load_file(directory / ("adapter_model.safetensors" if lora else "model.safetensors"))
+
+
+def load_saved(directory: Path, lora: bool) -> torch.nn.Module:
+    """What a user reloads: ``PeftModel.from_pretrained`` on the same base, or ``from_pretrained`` of the model."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    if lora:
+        base = make_model(lora=False)
+        return PeftModel.from_pretrained(base, directory)
+    return AutoModelForCausalLM.from_pretrained(directory, dtype=torch.float32)
+
+
+class KillAfterCheckpoint(TrainerCallback):
+    """SIGKILL every rank once ``checkpoint-{step}`` is complete on all of them: a job preempted right after it."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            if torch.distributed.is_initialized():
+                torch.distributed.barrier()
+            os.kill(os.getpid(), signal.SIGKILL)
+
+
+def train_and_save(directory: str, lora: bool, per_device_batch: int, resume: str | None = None, callbacks=(), **args):
+    """Train 2 steps (checkpoint every step unless ``args`` say otherwise) and ``save_model`` to
+    ``directory/final``; returns the trainer, the final parameters (full tensors), their sharding and the losses."""
     from torch.distributed.tensor import DTensor
 
     from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
@@ -51,8 +92,7 @@ def run(output_dir: str, lora: bool, per_device_batch: int) -> dict:
     from tests.test_trainer import branch_groups, tree_dataset
 
     dataset = tree_dataset(branch_groups(seed=5, num_trees=2 * GLOBAL_BATCH))
-    args = exact_sgd_args(
-        output_dir,
+    settings = dict(
         per_device_train_batch_size=per_device_batch,
         max_steps=2,
         learning_rate=0.2,
@@ -62,19 +102,33 @@ def run(output_dir: str, lora: bool, per_device_batch: int) -> dict:
         train_sampling_strategy="sequential",
         max_packed_tokens=64,
     )
+    model = make_model(lora)
+    trainer = TreeTrainer(
+        model=model,
+        args=TreeTrainingArguments(**exact_sgd_args(directory, **{**settings, **args})),
+        train_dataset=dataset,
+        callbacks=list(callbacks),
+    )
+    trainer.train(resume_from_checkpoint=resume)
+    trainer.save_model(str(Path(directory) / "final"))
+    named = [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in model.named_parameters()]
+    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in named}
+    sharded = {n: isinstance(p, DTensor) for n, p in named}
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return trainer, params, sharded, losses
 
-    def train(resume: str | None):
-        model = make_model(lora)
-        trainer = TreeTrainer(model=model, args=TreeTrainingArguments(**args), train_dataset=dataset)
-        trainer.train(resume_from_checkpoint=resume)
-        named = [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in model.named_parameters()]
-        params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach() for n, p in named}
-        sharded = {n: isinstance(p, DTensor) for n, p in named}
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        return trainer, params, sharded, losses
 
-    trainer, params, sharded, losses = train(None)
-    _, resumed_params, _, resumed_losses = train(str(Path(output_dir) / "checkpoint-1"))
+def run(output_dir: str, lora: bool, per_device_batch: int, resume_dir: str | None = None, kill: bool = False):
+    """Train and save to ``output_dir/final``, then resume from ``checkpoint-1`` (of ``resume_dir``, default
+    ``output_dir``) and save to ``<resume_dir>/final``; returns losses, sharding and final parameters (full
+    tensors). ``kill``: train only until ``checkpoint-1`` is written, then SIGKILL (never returns)."""
+    if kill:
+        train_and_save(output_dir, lora, per_device_batch, callbacks=[KillAfterCheckpoint(step=1)])
+        raise AssertionError("KillAfterCheckpoint did not kill the run")
+    trainer, params, sharded, losses = train_and_save(output_dir, lora, per_device_batch)
+    resume_dir = resume_dir or output_dir
+    resume = str(Path(resume_dir) / "checkpoint-1")
+    _, resumed_params, _, resumed_losses = train_and_save(resume_dir, lora, per_device_batch, resume=resume)
     trainable = {n for n, p in make_model(lora).named_parameters() if p.requires_grad}
     return {
         "distributed_type": str(trainer.accelerator.distributed_type),
@@ -83,9 +137,14 @@ def run(output_dir: str, lora: bool, per_device_batch: int) -> dict:
         "trainable": sorted(trainable),
         "losses": losses,
         "resumed_losses": resumed_losses,
-        "params": {n: p.cpu() for n, p in params.items()},  # names as without FSDP activation checkpointing
-        "resumed_params": {n: p.cpu() for n, p in resumed_params.items()},
+        "params": params,  # names as without FSDP activation checkpointing
+        "resumed_params": resumed_params,
     }
+
+
+def lora_save_run(output_dir: str, per_device_batch: int) -> dict[str, torch.Tensor]:
+    """A LoRA run without checkpoints saved to ``output_dir/final``: its final parameters."""
+    return train_and_save(output_dir, True, per_device_batch, save_strategy="no")[1]
 
 
 def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
@@ -93,12 +152,9 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)) for n in a)
 
 
-@pytest.mark.distributed
-@pytest.mark.slow
-@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
-def test_fsdp2_config_on_two_cpu_processes(tmp_path, config):
-    lora = "lora" in config.stem
-    launch = [
+def launch_command(config: Path) -> list[str]:
+    """``accelerate launch`` of ``config`` on 2 CPU processes (CP configs: the 2 processes shard data only)."""
+    command = [
         sys.executable,
         "-m",
         "accelerate.commands.launch",
@@ -112,11 +168,29 @@ def test_fsdp2_config_on_two_cpu_processes(tmp_path, config):
         str(29500 + os.getpid() % 1000),
     ]
     if "parallelism_config" in json.loads(config.read_text()):
-        launch += ["--parallelism_config_dp_shard_size", "2", "--parallelism_config_cp_size", "1"]
+        command += ["--parallelism_config_dp_shard_size", "2", "--parallelism_config_cp_size", "1"]
+    return command
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
+def test_fsdp2_config_on_two_cpu_processes(tmp_path, config):
+    lora = "lora" in config.stem
+    also_lora = config.stem in ACTIVATION_CHECKPOINTING_CONFIGS
+    killed = tmp_path / "killed" if config.stem in KILL_CONFIGS else None
     report = tmp_path / "report.pt"
-    command = [*launch, __file__, "--output_dir", str(tmp_path / "run"), "--report", str(report)]
-    command += ["--lora"] if lora else []
+    worker = [*launch_command(config), __file__, "--report", str(report), *(["--lora"] if lora else [])]
+    worker += ["--lora_save_run"] if also_lora else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if killed is not None:
+        result = subprocess.run(
+            [*worker, "--output_dir", str(killed), "--kill"], capture_output=True, text=True, env=env, timeout=600
+        )
+        assert result.returncode != 0 and "SIGKILL" in result.stderr, result.stderr[-3000:]
+        assert (killed / "checkpoint-1" / "trainer_state.json").exists() and not (killed / "checkpoint-2").exists()
+    command = [*worker, "--output_dir", str(tmp_path / "run")]
+    command += ["--resume_dir", str(killed)] if killed is not None else []
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     assert "FSDP2 is enabled on CPU" in result.stderr  # the adjustment ran, with its warning
@@ -135,6 +209,28 @@ def test_fsdp2_config_on_two_cpu_processes(tmp_path, config):
     # training moved the trainable parameters, and only those (LoRA: the frozen base stays bit-identical)
     assert moved == set(distributed["trainable"])
 
+    # intermediate checkpoints stay sharded (torch.distributed.checkpoint folder), as the config asks
+    assert (tmp_path / "run" / "checkpoint-1" / "pytorch_model_fsdp_0").is_dir()
+    # the final saves hold what the single-process run wrote: same files, tensor names (no lm_head.weight beside
+    # the tied embeddings) and values; they reload to the trained parameters
+    single_final = tmp_path / "single" / "final"
+    for final in [tmp_path / "run" / "final", (killed or tmp_path / "run") / "final"]:
+        assert sorted(p.name for p in final.iterdir()) == sorted(p.name for p in single_final.iterdir())
+        saved, expected = saved_weights(final, lora), saved_weights(single_final, lora)
+        assert saved.keys() == expected.keys() and "lm_head.weight" not in saved
+        assert max_relative_error(saved, expected) <= TOLERANCE
+        reloaded = {n: p.detach() for n, p in load_saved(final, lora).named_parameters()}
+        assert max_relative_error(reloaded, distributed["params"]) <= TOLERANCE
+    if also_lora:  # the adapter of a LoRA run under FSDP activation checkpointing: complete, as in one process
+        single_lora = lora_save_run(str(tmp_path / "single_lora"), per_device_batch=GLOBAL_BATCH)
+        saved = saved_weights(tmp_path / "run" / "lora" / "final", lora=True)
+        expected = saved_weights(tmp_path / "single_lora" / "final", lora=True)
+        assert saved.keys() == expected.keys() and len(saved) > 0
+        assert max_relative_error(saved, expected) <= TOLERANCE
+        reloaded = {n: p.detach() for n, p in load_saved(tmp_path / "run" / "lora" / "final", True).named_parameters()}
+        assert max_relative_error(reloaded, distributed["lora_params"]) <= TOLERANCE
+        assert max_relative_error(distributed["lora_params"], single_lora) <= TOLERANCE
+
 
 if __name__ == "__main__":
     import argparse
@@ -143,7 +239,12 @@ if __name__ == "__main__":
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--report", required=True)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--resume_dir", default=None, help="resume from this run's checkpoint-1 (a killed launch)")
+    parser.add_argument("--kill", action="store_true", help="SIGKILL every process right after checkpoint-1")
+    parser.add_argument("--lora_save_run", action="store_true", help="also a LoRA run saved to <output_dir>/lora")
     options = parser.parse_args()
-    out = run(options.output_dir, options.lora, per_device_batch=GLOBAL_BATCH // 2)
+    out = run(options.output_dir, options.lora, GLOBAL_BATCH // 2, resume_dir=options.resume_dir, kill=options.kill)
+    if options.lora_save_run:
+        out["lora_params"] = lora_save_run(str(Path(options.output_dir) / "lora"), GLOBAL_BATCH // 2)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(out, options.report)

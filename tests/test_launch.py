@@ -1,6 +1,6 @@
-"""launch/train.py: config parsing, data loading, and short runs on a tiny model (in-process and under
-``accelerate launch`` with a YAML config). The no-argument default (SmolLM2 + LoRA, minutes) is the README's
-main job and is only parsed here."""
+"""launch/train.py: config parsing, data loading, the check of what the final save wrote, and short runs on a tiny
+model (in-process, and under ``accelerate launch`` with ``fsdp_configs/fsdp2_lora.json`` on 2 CPU processes and a
+YAML config). The no-argument default (SmolLM2 + LoRA, minutes) is the README's main job and is only parsed here."""
 
 from __future__ import annotations
 
@@ -14,9 +14,14 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from peft import PeftModel
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
 
 from hf_tree.assets import load_smollm2_tokenizer
+from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
 from tests.helpers import tiny_model
+from tests.test_fsdp import launch_command, max_relative_error
 from tests.test_sft import QWEN3_TEMPLATE, VOCAB, prompt_completion_dataset
 
 REPO = Path(__file__).resolve().parents[1]
@@ -28,9 +33,9 @@ spec.loader.exec_module(train)
 
 @pytest.fixture(scope="module")
 def tiny_model_dir(tmp_path_factory) -> Path:
-    """A tiny random Llama with SmolLM2's tokenizer, saved like a hub checkpoint."""
+    """A tiny random Llama with SmolLM2's tokenizer and tied embeddings (as SmolLM2), saved like a hub checkpoint."""
     path = tmp_path_factory.mktemp("tiny-smollm2")
-    tiny_model(vocab_size=VOCAB, dtype=torch.float32, attn="sdpa").save_pretrained(path)
+    tiny_model(vocab_size=VOCAB, dtype=torch.float32, attn="sdpa", tie_word_embeddings=True).save_pretrained(path)
     load_smollm2_tokenizer().save_pretrained(path)
     return path
 
@@ -106,8 +111,37 @@ def test_full_fine_tuning_run_in_process(tmp_path, tiny_model_dir):
     assert (out / "model.safetensors").exists() and not (out / "adapter_model.safetensors").exists()
 
 
+def test_missing_saved_files_names_what_a_reload_needs(tmp_path):
+    assert train.missing_saved_files(str(tmp_path), peft=True) == ["adapter_config.json", "adapter_model.safetensors"]
+    assert train.missing_saved_files(str(tmp_path), peft=False) == ["config.json", "model.safetensors"]
+    (tmp_path / "adapter_config.json").write_text("{}")
+    (tmp_path / "adapter_model.safetensors").touch()  # empty: not a save
+    assert train.missing_saved_files(str(tmp_path), peft=True) == ["adapter_model.safetensors"]
+    save_file({}, tmp_path / "adapter_model.safetensors")  # a valid file without tensors: not a save either
+    assert train.missing_saved_files(str(tmp_path), peft=True) == ["adapter_model.safetensors"]
+    save_file({"a": torch.ones(1)}, tmp_path / "adapter_model.safetensors")
+    assert train.missing_saved_files(str(tmp_path), peft=True) == []
+    (tmp_path / "config.json").write_text("{}")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    save_file({"a": torch.ones(1)}, tmp_path / "model-00001-of-00002.safetensors")
+    assert train.missing_saved_files(str(tmp_path), peft=False) == ["model-00002-of-00002.safetensors"]
+
+
+def test_check_saved_refuses_an_empty_output_dir(tmp_path):
+    args = TreeTrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    trainer = TreeTrainer(model=tiny_model(dtype=torch.float32), args=args)
+    with pytest.raises(ValueError, match=r"no complete LoRA adapter.*adapter_model\.safetensors.*distributed_type=NO"):
+        train.check_saved(trainer, str(tmp_path / "empty"), peft=True)
+    trainer.save_model(str(tmp_path / "saved"))
+    train.check_saved(trainer, str(tmp_path / "saved"), peft=False)
+
+
 @pytest.mark.slow
-def test_lora_run_under_accelerate_launch_with_yaml_config(tmp_path, tiny_model_dir):
+@pytest.mark.distributed
+def test_lora_run_under_fsdp2_launch_saves_the_single_process_adapter(tmp_path, tiny_model_dir):
+    """The documented FSDP2 LoRA command (its SHARDED_STATE_DICT config, 2 CPU processes, a YAML run config) leaves
+    an adapter that reloads and equals the adapter of the same global batch trained in one process."""
     config = {
         "model_name_or_path": str(tiny_model_dir),
         "synthetic_num_conversations": 4,
@@ -115,9 +149,12 @@ def test_lora_run_under_accelerate_launch_with_yaml_config(tmp_path, tiny_model_
         "synthetic_max_tool_steps": 1,
         "use_peft": True,
         "lora_r": 4,
+        "lora_dropout": 0.0,  # ranks would draw other dropout masks than one process
         "chat_template_path": QWEN3_TEMPLATE,
         "max_length": None,
         "max_steps": 5,
+        "learning_rate": 1e-3,
+        "train_sampling_strategy": "sequential",
         "report_to": "none",
         "save_strategy": "no",
         "logging_steps": 1,
@@ -126,23 +163,34 @@ def test_lora_run_under_accelerate_launch_with_yaml_config(tmp_path, tiny_model_
     path.write_text(yaml.safe_dump(config))
     out = tmp_path / "out"
     command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--num_processes",
-        "1",
-        "--mixed_precision",
-        "no",
+        *launch_command(REPO / "fsdp_configs" / "fsdp2_lora.json"),
         str(REPO / "launch" / "train.py"),
         "--config",
         str(path),
         "--max_steps",
         "2",
+        "--per_device_train_batch_size",
+        "1",
         "--output_dir",
         str(out),
     ]
-    env = {**os.environ, "PYTHONPATH": str(REPO), "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+    env = {**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"}
+    env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1")
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-4000:]
+    assert "FSDP2 is enabled on CPU" in result.stderr
     assert "dedup ratio" in result.stdout and "trained 2 steps" in result.stdout  # the CLI flag beat the file
-    assert (out / "adapter_model.safetensors").exists()
+    assert f"LoRA adapter saved to {out}" in result.stdout
+
+    single = tmp_path / "single"
+    train.main(
+        ["--config", str(path), "--max_steps", "2", "--per_device_train_batch_size", "2", "--output_dir", str(single)]
+    )
+    saved, expected = load_file(out / "adapter_model.safetensors"), load_file(single / "adapter_model.safetensors")
+    assert saved.keys() == expected.keys()
+    assert max_relative_error(saved, expected) <= 1e-4  # float32 AdamW on gloo vs one process
+    # it reloads onto the base as the trained adapter (lora_B starts at zero: training moved it)
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), out)
+    adapter = {n.replace(".default", ""): p.detach() for n, p in reloaded.named_parameters() if "lora_" in n}
+    assert max_relative_error(adapter, saved) == 0.0
+    assert all(p.abs().sum() > 0 for n, p in adapter.items() if "lora_B" in n)
