@@ -26,6 +26,7 @@ FAMILIES = [
     pytest.param("qwen2", {}, id="qwen2"),
     pytest.param("qwen3", {}, id="qwen3"),
     pytest.param("mistral", {"sliding_window": 4}, id="mistral-window4"),
+    pytest.param("gpt_oss", {}, id="gpt_oss-sinks-window4"),  # sinks in every layer, window 4 on half of them
 ]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
