@@ -2,10 +2,11 @@
 
 transformers builds each layer type's mask (causal, sliding window, chunked, padded, packed...) once per
 forward, through the mask function registered for the attention implementation, before any layer runs. That
-function cannot see ``kv_end``, so ``tree_mask_function`` returns ``None`` exactly where ``sdpa_mask`` would (a
-plain causal forward: SDPA's ``is_causal``) and otherwise a ``DeferredMask`` holding transformers' arguments.
-Packed-tree forwards never build it (``kv_end`` carries their mask: no ``N x N`` tensor); ordinary forwards
-build exactly the mask ``sdpa`` or ``eager`` would have received, once per layer type.
+function cannot see ``kv_end``, so ``tree_mask_function`` returns a ``DeferredMask`` holding transformers'
+arguments. Packed-tree forwards never build it (``kv_end`` carries their mask: no ``N x N`` tensor); ordinary
+forwards build exactly the mask ``sdpa`` or ``eager`` would have received (``None`` for a plain causal sdpa
+forward), once per layer type. It is never ``None`` itself: a model that computes with its mask outside the
+attention interface (Bloom, Falcon, GPT-J...) then fails loudly instead of reading ``None`` as "no mask".
 
 An ordinary forward then runs the model's own attention (``model_attention_forward``): ``sdpa`` when the model
 supports it and the layer asks for nothing SDPA cannot do (logit softcapping, attention sinks), else the
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import _ignore_causal_mask_sdpa, eager_mask, prepare_padding_mask, sdpa_mask
+from transformers.masking_utils import eager_mask, sdpa_mask
 
 # Keywords of transformers' attention calls that sdpa cannot honour (it raises on softcap, ignores sinks).
 EAGER_ONLY_KEYWORDS = ("softcap", "s_aux", "sinks")
@@ -77,17 +78,10 @@ def tree_mask_function(
     q_offset: int = 0,
     kv_offset: int = 0,
     attention_mask: torch.Tensor | None = None,
-    local_size: int | None = None,
-    allow_is_causal_skip: bool = True,
     **kwargs,
-) -> DeferredMask | None:
-    """Mask factory of ``tree_flash`` (``AttentionMaskInterface``; arguments as ``sdpa_mask``): ``None`` where
-    ``sdpa_mask`` returns ``None``, else a ``DeferredMask`` of the same arguments."""
-    padding_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    if allow_is_causal_skip and _ignore_causal_mask_sdpa(
-        padding_mask, q_length, kv_length, q_offset, kv_offset, local_size
-    ):
-        return None
+) -> DeferredMask:
+    """Mask factory of ``tree_flash`` (``AttentionMaskInterface``; arguments as ``sdpa_mask``): a
+    ``DeferredMask`` of the arguments."""
     return DeferredMask(
         dict(
             batch_size=batch_size,
@@ -96,8 +90,6 @@ def tree_mask_function(
             q_offset=q_offset,
             kv_offset=kv_offset,
             attention_mask=attention_mask,
-            local_size=local_size,
-            allow_is_causal_skip=allow_is_causal_skip,
             **kwargs,
         )
     )
@@ -137,8 +129,8 @@ def uses_eager(module: torch.nn.Module, kwargs: dict) -> bool:
 
 
 def _eager_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
-    """The additive mask eager attention expects: ``eager_mask``'s for a deferred mask; for ``None`` (what sdpa
-    runs with ``is_causal``) an explicit causal mask aligned top-left, as SDPA's ``is_causal`` is."""
+    """The additive mask eager attention expects: ``eager_mask``'s for a deferred mask; for ``None`` (a model
+    that passes none: sdpa would run ``is_causal``) an explicit causal mask aligned top-left, as SDPA's is."""
     if isinstance(attention_mask, DeferredMask):
         return attention_mask.build("eager")
     if attention_mask is None:
