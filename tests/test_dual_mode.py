@@ -14,8 +14,10 @@ import copy
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-from tests.helpers import own_attention, relative_error, tiny_config
+from hf_tree.attention import tree_attention_forward
+from tests.helpers import own_attention, relative_error, tiny_config, tiny_model
 
 VOCAB = 97
 TOLERANCE = 1e-12
@@ -87,3 +89,21 @@ def test_cached_greedy_generation_equals_the_models_own_attention(family, overri
         assert generated.sequences.shape == (inputs["input_ids"].shape[0], 16)
         assert torch.equal(generated.sequences, expected.sequences)
         assert relative_error(torch.stack(generated.logits), torch.stack(expected.logits)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_flash_varlen_packing_is_applied_as_a_mask(causal):
+    """Vision towers pass cu_seq_lens_q/k when the attention name contains "flash": without kv_end that packing
+    must hold (each sequence alone), as sdpa on each sequence would give."""
+    module = tiny_model("llama", vocab_size=VOCAB).model.layers[0].self_attn
+    generator = torch.Generator().manual_seed(3)
+    q = torch.randn(1, 4, 10, 8, generator=generator, dtype=torch.float64)
+    k, v = (torch.randn(1, 2, 10, 8, generator=generator, dtype=torch.float64) for _ in range(2))
+    cu = torch.tensor([0, 3, 10], dtype=torch.int32)
+    varlen = dict(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=7, max_length_k=7)
+    out, _ = tree_attention_forward(module, q, k, v, None, scaling=0.3, is_causal=causal, **varlen)
+    pieces = [
+        sdpa_attention_forward(module, q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], None, scaling=0.3, is_causal=causal)[0]
+        for a, b in ((0, 3), (3, 10))
+    ]
+    assert relative_error(out, torch.cat(pieces, dim=1)) <= TOLERANCE

@@ -146,6 +146,23 @@ def _eager_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch
     return torch.where(visible, zero, torch.finfo(query.dtype).min)
 
 
+def varlen_mask(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """``[1, 1, Q, KV]`` bool mask of flash-attention's varlen packing (``cu_seq_lens_q/k``: cumulative sequence
+    starts along the packed axis): each sequence attends within itself, causally (aligned bottom-right, as
+    flash-attention does) when the layer is causal. Vision towers pass these because "tree_flash" names flash."""
+    cu_q = kwargs["cu_seq_lens_q"].to(query.device, torch.int64)
+    cu_k = kwargs.get("cu_seq_lens_k", cu_q).to(query.device, torch.int64)
+    q_ids = torch.arange(query.shape[2], device=query.device)
+    k_ids = torch.arange(key.shape[2], device=query.device)
+    q_seq = torch.searchsorted(cu_q, q_ids, right=True) - 1
+    k_seq = torch.searchsorted(cu_k, k_ids, right=True) - 1
+    visible = q_seq[:, None] == k_seq[None, :]
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        # a key at most as far from its sequence's end as the query is from its own
+        visible &= (cu_k[k_seq + 1] - k_ids)[None, :] >= (cu_q[q_seq + 1] - q_ids)[:, None]
+    return visible[None, None]
+
+
 def model_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -156,6 +173,13 @@ def model_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's own attention (sdpa or its eager function) with the mask that implementation would get;
     ``kwargs`` (``scaling``, ``dropout``, ``sliding_window``, ``softcap``, ``s_aux``...) are passed unchanged."""
+    if kwargs.get("cu_seq_lens_q") is not None:  # flash-attention varlen packing: sdpa/eager need it as a mask
+        if attention_mask is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes both an attention mask and cu_seq_lens_q (flash-attention varlen "
+                "packing); tree_flash without kv_end supports one of them. Use attn_implementation='sdpa'."
+            )
+        attention_mask = varlen_mask(module, query, key, kwargs)
     if uses_eager(module, kwargs):
         if kwargs.get("scaling") is None:
             kwargs["scaling"] = query.shape[-1] ** -0.5
