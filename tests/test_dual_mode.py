@@ -107,3 +107,11 @@ def test_flash_varlen_packing_is_applied_as_a_mask(causal):
         for a, b in ((0, 3), (3, 10))
     ]
     assert relative_error(out, torch.cat(pieces, dim=1)) <= TOLERANCE
+
+
+def test_a_model_that_computes_with_its_mask_outside_attention_fails_loudly():
+    """Bloom adds ALiBi and its mask in its own attention code (no AttentionInterface): no attention function can
+    apply a tree or window there, and reading a missing mask as "no mask" would silently attend to the future."""
+    model = tiny_model("bloom", vocab_size=VOCAB, n_head=4, n_layer=2)
+    with pytest.raises(ValueError, match="outside the attention function"):
+        model(input_ids=torch.tensor([[5, 6, 7, 8]]))
