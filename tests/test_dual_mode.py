@@ -10,6 +10,7 @@ float32, because its own eager attention returns NaN on left-padded rows in floa
 from __future__ import annotations
 
 import copy
+import itertools
 
 import pytest
 import torch
@@ -78,14 +79,17 @@ def test_prefill_logits_equal_the_models_own_attention(family, overrides):
 @pytest.mark.parametrize("family, overrides", MODELS)
 def test_cached_greedy_generation_equals_the_models_own_attention(family, overrides):
     """generate() with a KV cache (prefill, then one token at a time past the window): a left-padded batch and an
-    unpadded prompt (whose prefill transformers would run maskless), tokens and every step's logits."""
+    unpadded prompt (whose prefill transformers would run maskless), dynamic and static caches (whose masks
+    generate() prepares in advance), tokens and every step's logits."""
     tree, own = twin_models(family, overrides)
     input_ids, attention_mask = prompts(seed=2, length=6)
     settings = dict(max_new_tokens=10, do_sample=False, pad_token_id=0)
     settings.update(output_logits=True, return_dict_in_generate=True)
-    for inputs in (dict(input_ids=input_ids, attention_mask=attention_mask), dict(input_ids=input_ids[:1])):
-        generated = tree.generate(**inputs, **settings)
-        expected = own.generate(**inputs, **settings)
+    for inputs, cache in itertools.product(
+        (dict(input_ids=input_ids, attention_mask=attention_mask), dict(input_ids=input_ids[:1])), ("dynamic", "static")
+    ):
+        generated = tree.generate(**inputs, **settings, cache_implementation=cache)
+        expected = own.generate(**inputs, **settings, cache_implementation=cache)
         assert generated.sequences.shape == (inputs["input_ids"].shape[0], 16)
         assert torch.equal(generated.sequences, expected.sequences)
         assert relative_error(torch.stack(generated.logits), torch.stack(expected.logits)) <= TOLERANCE

@@ -52,6 +52,19 @@ class DeferredMask:
             self._padded = padding is not None and not bool(padding.all())
         return self._padded
 
+    # Enough of a 4D mask's face for transformers to pass a prepared one through: generate() with a static cache
+    # prepares masks in advance (and makes them contiguous), and the model's mask creation then sees one again.
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``[B, 1, Q, KV]``, the shape of the mask it stands for."""
+        arguments = self.arguments
+        return arguments["batch_size"], 1, arguments["q_length"], arguments["kv_length"]
+
+    def contiguous(self) -> DeferredMask:
+        return self
+
     # Model code that computes with its mask instead of handing it to the attention function cannot work with
     # a deferred one: say so instead of failing inside torch.
     def _used_outside_attention(self, *args, **kwargs):
@@ -81,7 +94,9 @@ def tree_mask_function(
     **kwargs,
 ) -> DeferredMask:
     """Mask factory of ``tree_flash`` (``AttentionMaskInterface``; arguments as ``sdpa_mask``): a
-    ``DeferredMask`` of the arguments."""
+    ``DeferredMask`` of the arguments; a deferred mask prepared earlier (static-cache generation) as it is."""
+    if isinstance(attention_mask, DeferredMask):
+        return attention_mask
     return DeferredMask(
         dict(
             batch_size=batch_size,
