@@ -1,0 +1,175 @@
+"""Tree-aware chunked gated delta rule (GatedDeltaNet of Qwen3.5 / Qwen3-Next).
+
+The recurrence ``S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T``, ``o_t = S_t^T q_t`` must start
+each trie segment from its parent segment's final state (zero at a root). Segments run level by level
+(``TreeTopology.levels``): one batched call per level whose initial states are gathered from the previous level's
+final states. The gather is differentiable, so in backward the state gradients of siblings add up.
+
+The torch path is the models' own chunked algorithm (intra-chunk UT transform, then a scan over chunks), written for
+variable-length segments cut into chunks; it computes in ``float32`` or in ``float64`` for ``float64`` inputs. On
+CUDA with ``flash-linear-attention`` installed each level is one varlen FLA call with per-segment initial states.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from hf_tree.mixers.topology import LevelLayout, TreeTopology
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The models' (and FLA's) query/key normalisation."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _gather_chunks(tokens: torch.Tensor, layout: LevelLayout, chunk_size: int) -> torch.Tensor:
+    """``[T + 1, H, ...]`` token rows (last row zero) -> ``[num_chunks, H, chunk_size, ...]``."""
+    chunks = tokens[layout.token_index]
+    chunks = chunks.reshape(-1, chunk_size, *tokens.shape[1:])
+    return chunks.transpose(1, 2)
+
+
+def _level_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    layout: LevelLayout,
+    chunk_size: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One level. Token rows ``query/key [T+1, H, K]``, ``value [T+1, H, V]``, ``g/beta [T+1, H]`` (scaled,
+    normalised, compute dtype; row T zero); ``initial_state [S, H, K, V]`` in the level's segment order.
+
+    Returns ``([num_chunks * chunk_size, H, V]`` outputs in ``layout.token_index`` order, ``[S, H, K, V]`` final
+    states)."""
+    q, k, v = (_gather_chunks(x, layout, chunk_size) for x in (query, key, value))
+    g, beta = (_gather_chunks(x, layout, chunk_size) for x in (g, beta))  # [NC, H, C]
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    strictly_upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    cum_decay = g.cumsum(dim=-1)
+    pairwise = (cum_decay[..., :, None] - cum_decay[..., None, :]).masked_fill(strictly_upper, float("-inf")).exp()
+    ut_system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    decayed_k_beta = k_beta * cum_decay.exp()[..., None]
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    q = q * cum_decay.exp()[..., None]
+    k = k * (cum_decay[..., -1:] - cum_decay).exp()[..., None]
+    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
+
+    state, outputs, offset = initial_state, [], 0
+    for count in layout.step_counts:  # step s: chunk s of the `count` longest segments
+        block = slice(offset, offset + count)
+        running = state[:count]
+        v_new = new_values[block] - k_cumdecay[block] @ running
+        outputs.append(q[block] @ running + intra[block] @ v_new)
+        updated = running * chunk_decay[block] + k[block].transpose(-1, -2) @ v_new
+        state = torch.cat([updated, state[count:]]) if count < state.shape[0] else updated
+        offset += count
+    out = torch.cat(outputs)  # [NC, H, C, V]
+    return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1]), state
+
+
+def _fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def _level_delta_rule_fla(query, key, value, g, beta, initial_state, layout, topology):
+    """CUDA: one varlen ``fla`` call per level (per-segment initial states, final states returned).
+    Token rows unscaled and un-normalised (FLA does both); returns outputs in segment-concatenated order and the
+    token index of each output row."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    starts, lengths = layout.segment_start, layout.segment_length
+    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
+    within = torch.arange(int(cu_seqlens[-1]), device=starts.device) - torch.repeat_interleave(
+        cu_seqlens[:-1], lengths
+    )
+    index = torch.repeat_interleave(starts, lengths) + within
+    out, final = chunk_gated_delta_rule(
+        query[index][None],
+        key[index][None],
+        value[index][None],
+        g=g[index][None],
+        beta=beta[index][None],
+        initial_state=initial_state,
+        output_final_state=True,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out[0], final, index
+
+
+def tree_chunk_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    topology: TreeTopology,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``torch_chunk_gated_delta_rule`` over a packed tree.
+
+    Args:
+        query, key: ``[B, N, Hk, K]``; value: ``[B, N, Hv, V]``; g (log decay, <= 0), beta: ``[B, N, Hv]``.
+        topology: the batch's ``TreeTopology`` (``[B, N]``).
+
+    Returns:
+        ``([B, N, Hv, V]`` in ``query.dtype``, None); a tree batch has no single final state to cache.
+    """
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise ValueError(
+            "the tree-aware gated delta rule got initial_state/output_final_state/cu_seqlens together with kv_end: "
+            "packed trees carry their own sequence boundaries and cannot be cached; call the model with "
+            "use_cache=False and without cu_seq_lens when passing kv_end."
+        )
+    input_dtype = query.dtype
+    batch, length, num_k_heads, _ = key.shape
+    num_v_heads, v_dim = value.shape[-2:]
+    if topology.shape != (batch, length):
+        raise ValueError(f"kv_end has shape {list(topology.shape)}; the delta rule got [batch, seq] = {[batch, length]}.")
+    use_fla = query.is_cuda and use_qk_l2norm_in_kernel and _fla_available()
+    if num_k_heads != num_v_heads and not use_fla:  # grouped values: each q/k head serves several value heads
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    compute = torch.promote_types(query.dtype, torch.float32)
+
+    def rows(x: torch.Tensor) -> torch.Tensor:  # [B, N, ...] -> [B*N + 1, ...] with a zero row last
+        x = x.reshape(batch * length, *x.shape[2:]).to(compute)
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+    query, key, value, g, beta = (rows(x) for x in (query, key, value, g, beta))
+    if not use_fla:
+        if use_qk_l2norm_in_kernel:
+            query, key = _l2norm(query), _l2norm(key)
+        query = query * query.shape[-1] ** -0.5
+    state_shape = (num_v_heads, key.shape[-1], v_dim)
+    pieces, indices, final = [], [], None
+    for layout in topology.levels(chunk_size):
+        num_segments = layout.parent.shape[0]
+        initial = torch.zeros(num_segments, *state_shape, dtype=compute, device=query.device)
+        if final is not None:
+            has_parent = (layout.parent >= 0)[:, None, None, None]
+            initial = torch.where(has_parent, final[layout.parent.clamp_min(0)], initial)
+        if use_fla:
+            out, final, index = _level_delta_rule_fla(query, key, value, g, beta, initial, layout, topology)
+        else:
+            out, final = _level_delta_rule(query, key, value, g, beta, initial, layout, chunk_size)
+            valid = layout.token_index < topology.num_tokens
+            out, index = out[valid], layout.token_index[valid]
+        pieces.append(out)
+        indices.append(index)
+    out = torch.cat(pieces)
+    out = out.new_zeros(topology.num_tokens, *out.shape[1:]).index_copy(0, torch.cat(indices), out)
+    return out.reshape(batch, length, num_v_heads, v_dim).to(input_dtype), None
