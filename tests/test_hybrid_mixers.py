@@ -133,7 +133,8 @@ def _check_op(tree_fn, hf_fn, lone_fn, inputs, kv_end):
     lone_total = 0.0
     for path, mine in zip(paths, owned):
         got = _at_path(out, kv_end, path)
-        lone = _per_branch(lambda *t: lone_fn(_lone_topology(path), *t), inputs, kv_end, path)
+        lone_topology = _lone_topology(path)
+        lone = _per_branch(lambda *t, lone=lone_topology: lone_fn(lone, *t), inputs, kv_end, path)
         reference = _per_branch(hf_fn, inputs, kv_end, path)
         assert relative_error(got, lone) <= EXACT
         assert relative_error(got, reference) <= FLOAT32_FLOOR
@@ -333,3 +334,54 @@ def test_hybrid_model_tree_training_matches_per_branch(family):
     assert batch["input_ids"].shape[0] == 1 and (batch["kv_end"][0, -1] == batch["kv_end"].shape[1])  # forest+pad
     assert relative_error(loss, reference) <= FLOAT32_FLOOR
     assert float32_floor_grad_error(tree_grads, ref_grads) <= FLOAT32_FLOOR
+
+
+def test_without_tree_mixers_the_same_check_fails():
+    """The oracle has teeth: with the models' own mixers (the row seen as one sequence) siblings leak."""
+    model = hybrid_model("qwen3_5_text")
+    uninstall_tree_mixers()
+    try:
+        loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(model)
+    finally:
+        install_tree_mixers()
+    assert float32_floor_grad_error(tree_grads, ref_grads) > 1e-2
+
+
+def _generate_and_score(model, input_ids, attention_mask):
+    """Logits of a left-padded batch and a few greedy tokens (cached decoding): the paths without kv_end."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    generated = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0
+    )
+    return logits, generated
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+def test_install_is_idempotent_and_leaves_batches_without_kv_end_unchanged(family):
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    patched = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    install_tree_mixers()
+    assert modeling_qwen3_5.torch_chunk_gated_delta_rule is patched  # no double wrapping
+    model = hybrid_model(family).eval()
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    attention_mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
+    with torch.no_grad():
+        installed = _generate_and_score(model, input_ids, attention_mask)
+        uninstall_tree_mixers()
+        try:
+            assert modeling_qwen3_5.torch_chunk_gated_delta_rule is patched.__hf_tree_original__
+            original = _generate_and_score(model, input_ids, attention_mask)
+        finally:
+            install_tree_mixers()
+    torch.testing.assert_close(installed[0], original[0], rtol=0, atol=0)
+    assert torch.equal(installed[1], original[1])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+def test_tree_batches_refuse_a_cache(family):
+    """A recurrent state cached after a packed tree would mix the branches' states: refused, not guessed."""
+    model = hybrid_model(family)
+    batch, _ = packed_batch()
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"], use_cache=True)

@@ -87,9 +87,7 @@ def _level_delta_rule_fla(query, key, value, g, beta, initial_state, layout, top
 
     starts, lengths = layout.segment_start, layout.segment_length
     cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
-    within = torch.arange(int(cu_seqlens[-1]), device=starts.device) - torch.repeat_interleave(
-        cu_seqlens[:-1], lengths
-    )
+    within = torch.arange(int(cu_seqlens[-1]), device=starts.device) - torch.repeat_interleave(cu_seqlens[:-1], lengths)
     index = torch.repeat_interleave(starts, lengths) + within
     out, final = chunk_gated_delta_rule(
         query[index][None],
@@ -138,7 +136,9 @@ def tree_chunk_gated_delta_rule(
     batch, length, num_k_heads, _ = key.shape
     num_v_heads, v_dim = value.shape[-2:]
     if topology.shape != (batch, length):
-        raise ValueError(f"kv_end has shape {list(topology.shape)}; the delta rule got [batch, seq] = {[batch, length]}.")
+        raise ValueError(
+            f"kv_end has shape {list(topology.shape)}; the delta rule got [batch, seq] = {[batch, length]}."
+        )
     use_fla = query.is_cuda and use_qk_l2norm_in_kernel and _fla_available()
     if num_k_heads != num_v_heads and not use_fla:  # grouped values: each q/k head serves several value heads
         query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)

@@ -90,7 +90,9 @@ def tree_mamba2_chunk_scan(
         )
     batch, length, num_heads, head_dim = hidden_states.shape
     if topology.shape != (batch, length):
-        raise ValueError(f"kv_end has shape {list(topology.shape)}; the Mamba2 scan got [batch, seq] = {[batch, length]}.")
+        raise ValueError(
+            f"kv_end has shape {list(topology.shape)}; the Mamba2 scan got [batch, seq] = {[batch, length]}."
+        )
     # Token-local discretisation, in the order and dtypes of the models' torch path.
     if dt_bias is not None:
         dt = dt + dt_bias.to(dt.dtype)
