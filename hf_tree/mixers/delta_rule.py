@@ -79,10 +79,22 @@ def _fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
-def _level_delta_rule_fla(query, key, value, g, beta, initial_state, layout, topology):
-    """CUDA: one varlen ``fla`` call per level (per-segment initial states, final states returned).
-    Token rows unscaled and un-normalised (FLA does both); returns outputs in segment-concatenated order and the
-    token index of each output row."""
+def _level_delta_rule_fla(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    layout: LevelLayout,
+    use_qk_l2norm_in_kernel: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CUDA: one varlen ``fla`` call per level with per-segment initial states (FLA's ``dh0`` carries their
+    gradients back to the parents). Token rows in the model's dtype, unscaled and un-normalised (FLA does both;
+    ``[T+1, Hk, K]`` queries/keys, ``[T+1, Hv, V]`` values: FLA applies grouped values itself).
+
+    Returns outputs ``[level tokens, Hv, V]`` in segment-concatenated order, ``[S, Hv, K, V]`` float32 final states
+    and the token index of each output row."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     starts, lengths = layout.segment_start, layout.segment_length
@@ -98,7 +110,7 @@ def _level_delta_rule_fla(query, key, value, g, beta, initial_state, layout, top
         initial_state=initial_state,
         output_final_state=True,
         cu_seqlens=cu_seqlens,
-        use_qk_l2norm_in_kernel=True,
+        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
     )
     return out[0], final, index
 
@@ -139,17 +151,20 @@ def tree_chunk_gated_delta_rule(
         raise ValueError(
             f"kv_end has shape {list(topology.shape)}; the delta rule got [batch, seq] = {[batch, length]}."
         )
-    use_fla = query.is_cuda and use_qk_l2norm_in_kernel and _fla_available()
+    # FLA kernels take half precision only; float32/float64 models (and CPU) use the torch path.
+    use_fla = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _fla_available()
     if num_k_heads != num_v_heads and not use_fla:  # grouped values: each q/k head serves several value heads
         query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
         key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
-    compute = torch.promote_types(query.dtype, torch.float32)
+    compute = torch.promote_types(query.dtype, torch.float32)  # the state's dtype (float32, float64 for float64)
 
-    def rows(x: torch.Tensor) -> torch.Tensor:  # [B, N, ...] -> [B*N + 1, ...] with a zero row last
-        x = x.reshape(batch * length, *x.shape[2:]).to(compute)
+    def rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [B, N, ...] -> [B*N + 1, ...], zero row last
+        x = x.reshape(batch * length, *x.shape[2:]).to(dtype)
         return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
 
-    query, key, value, g, beta = (rows(x) for x in (query, key, value, g, beta))
+    token_dtype = input_dtype if use_fla else compute
+    query, key, value, beta = (rows(x, token_dtype) for x in (query, key, value, beta))
+    g = rows(g, compute)
     if not use_fla:
         if use_qk_l2norm_in_kernel:
             query, key = _l2norm(query), _l2norm(key)
@@ -163,7 +178,9 @@ def tree_chunk_gated_delta_rule(
             has_parent = (layout.parent >= 0)[:, None, None, None]
             initial = torch.where(has_parent, final[layout.parent.clamp_min(0)], initial)
         if use_fla:
-            out, final, index = _level_delta_rule_fla(query, key, value, g, beta, initial, layout, topology)
+            out, final, index = _level_delta_rule_fla(
+                query, key, value, g, beta, initial, layout, use_qk_l2norm_in_kernel
+            )
         else:
             out, final = _level_delta_rule(query, key, value, g, beta, initial, layout, chunk_size)
             valid = layout.token_index < topology.num_tokens
