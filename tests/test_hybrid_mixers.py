@@ -93,8 +93,12 @@ def test_topology_of_a_forest_row_with_padding():
     # Segments are cut at forks. Tree 1: [5] | [6 7 8], [50] | [9..12], [20 21], [51 52], [60] | [22], [30 31] |
     # [32], [40..43]; tree 2: [70] | [71 72], [90 91] | [73 74], [80]; level 0 also holds each padding token.
     assert topology.num_levels == 5
-    level_sizes = [len(layout.parent) for layout in topology.levels(4)]
-    assert level_sizes[1:] == [2 + 2, 4 + 2, 2, 2]
+    levels = topology.levels(4)
+    assert [sum(len(layout.parent) for layout in level) for level in levels][1:] == [2 + 2, 4 + 2, 2, 2]
+    # Buckets by chunk size: level 0 holds [5], [70] and 1-token padding (chunks of 1); level 2's [9..12] (chunks
+    # of 4) and its 2-token segments (chunks of 2) and [60] (chunks of 1).
+    assert [layout.chunk_size for layout in levels[0]] == [1]
+    assert [layout.chunk_size for layout in levels[2]] == [4, 2, 1]
 
 
 # ------------------------------------------------------------------------------------------------------ ops

@@ -12,24 +12,18 @@ CUDA with ``flash-linear-attention`` installed each level is one varlen FLA call
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import torch
 import torch.nn.functional as F
 
-from hf_tree.mixers.topology import LevelLayout, TreeTopology
+from hf_tree.mixers.topology import LevelLayout, TreeTopology, gather_chunks, scan_levels, scatter_index
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     """The models' (and FLA's) query/key normalisation."""
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
-
-
-def _gather_chunks(tokens: torch.Tensor, layout: LevelLayout, chunk_size: int) -> torch.Tensor:
-    """``[T + 1, H, ...]`` token rows (last row zero) -> ``[num_chunks, H, chunk_size, ...]``."""
-    chunks = tokens[layout.token_index]
-    chunks = chunks.reshape(-1, chunk_size, *tokens.shape[1:])
-    return chunks.transpose(1, 2)
 
 
 def _level_delta_rule(
@@ -40,15 +34,14 @@ def _level_delta_rule(
     beta: torch.Tensor,
     initial_state: torch.Tensor,
     layout: LevelLayout,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One level. Token rows ``query/key [T+1, H, K]``, ``value [T+1, H, V]``, ``g/beta [T+1, H]`` (scaled,
-    normalised, compute dtype; row T zero); ``initial_state [S, H, K, V]`` in the level's segment order.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One bucket of a level. Token rows ``query/key [T+1, H, K]``, ``value [T+1, H, V]``, ``g/beta [T+1, H]``
+    (scaled, normalised, compute dtype; row T zero); ``initial_state [S, H, K, V]`` in the layout's segment order.
 
-    Returns ``([num_chunks * chunk_size, H, V]`` outputs in ``layout.token_index`` order, ``[S, H, K, V]`` final
-    states)."""
-    q, k, v = (_gather_chunks(x, layout, chunk_size) for x in (query, key, value))
-    g, beta = (_gather_chunks(x, layout, chunk_size) for x in (g, beta))  # [NC, H, C]
+    Returns (``[M, H, V]`` outputs of the bucket's M tokens, their token indices, ``[S, H, K, V]`` final states)."""
+    chunk_size = layout.chunk_size
+    q, k, v = (gather_chunks(x, layout) for x in (query, key, value))
+    g, beta = (gather_chunks(x, layout) for x in (g, beta))  # [NC, H, C]
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
     strictly_upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
     cum_decay = g.cumsum(dim=-1)
@@ -71,8 +64,9 @@ def _level_delta_rule(
         updated = running * chunk_decay[block] + k[block].transpose(-1, -2) @ v_new
         state = torch.cat([updated, state[count:]]) if count < state.shape[0] else updated
         offset += count
-    out = torch.cat(outputs)  # [NC, H, C, V]
-    return out.transpose(1, 2).reshape(-1, *out.shape[1:2], out.shape[-1]), state
+    out = torch.cat(outputs).transpose(1, 2)  # [NC, C, H, V]
+    valid, index = scatter_index(layout, query.shape[0] - 1)
+    return out.reshape(-1, *out.shape[2:])[valid], index, state
 
 
 def _fla_available() -> bool:
@@ -87,14 +81,14 @@ def _level_delta_rule_fla(
     beta: torch.Tensor,
     initial_state: torch.Tensor,
     layout: LevelLayout,
-    use_qk_l2norm_in_kernel: bool,
+    use_qk: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CUDA: one varlen ``fla`` call per level with per-segment initial states (FLA's ``dh0`` carries their
     gradients back to the parents). Token rows in the model's dtype, unscaled and un-normalised (FLA does both;
     ``[T+1, Hk, K]`` queries/keys, ``[T+1, Hv, V]`` values: FLA applies grouped values itself).
 
-    Returns outputs ``[level tokens, Hv, V]`` in segment-concatenated order, ``[S, Hv, K, V]`` float32 final states
-    and the token index of each output row."""
+    Returns (``[M, Hv, V]`` outputs of the bucket's M tokens, their token indices, ``[S, Hv, K, V]`` float32 final
+    states)."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule
 
     starts, lengths = layout.segment_start, layout.segment_length
@@ -110,9 +104,9 @@ def _level_delta_rule_fla(
         initial_state=initial_state,
         output_final_state=True,
         cu_seqlens=cu_seqlens,
-        use_qk_l2norm_in_kernel=use_qk_l2norm_in_kernel,
+        use_qk_l2norm_in_kernel=use_qk,
     )
-    return out[0], final, index
+    return out[0], index, final
 
 
 def tree_chunk_gated_delta_rule(
@@ -169,24 +163,10 @@ def tree_chunk_gated_delta_rule(
         if use_qk_l2norm_in_kernel:
             query, key = _l2norm(query), _l2norm(key)
         query = query * query.shape[-1] ** -0.5
-    state_shape = (num_v_heads, key.shape[-1], v_dim)
-    pieces, indices, final = [], [], None
-    for layout in topology.levels(chunk_size):
-        num_segments = layout.parent.shape[0]
-        initial = torch.zeros(num_segments, *state_shape, dtype=compute, device=query.device)
-        if final is not None:
-            has_parent = (layout.parent >= 0)[:, None, None, None]
-            initial = torch.where(has_parent, final[layout.parent.clamp_min(0)], initial)
-        if use_fla:
-            out, final, index = _level_delta_rule_fla(
-                query, key, value, g, beta, initial, layout, use_qk_l2norm_in_kernel
-            )
-        else:
-            out, final = _level_delta_rule(query, key, value, g, beta, initial, layout, chunk_size)
-            valid = layout.token_index < topology.num_tokens
-            out, index = out[valid], layout.token_index[valid]
-        pieces.append(out)
-        indices.append(index)
-    out = torch.cat(pieces)
-    out = out.new_zeros(topology.num_tokens, *out.shape[1:]).index_copy(0, torch.cat(indices), out)
+    zeros = torch.zeros(num_v_heads, key.shape[-1], v_dim, dtype=compute, device=query.device)
+    if use_fla:
+        level_fn = functools.partial(_level_delta_rule_fla, query, key, value, g, beta, use_qk=use_qk_l2norm_in_kernel)
+    else:
+        level_fn = functools.partial(_level_delta_rule, query, key, value, g, beta)
+    out = scan_levels(topology, chunk_size, zeros, level_fn)
     return out.reshape(batch, length, num_v_heads, v_dim).to(input_dtype), None

@@ -16,8 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_tree.mixers.delta_rule import _gather_chunks
-from hf_tree.mixers.topology import LevelLayout, TreeTopology
+from hf_tree.mixers.topology import LevelLayout, TreeTopology, gather_chunks, scan_levels, scatter_index
 
 
 def _level_scan(
@@ -27,15 +26,15 @@ def _level_scan(
     c: torch.Tensor,
     initial_state: torch.Tensor,
     layout: LevelLayout,
-    chunk_size: int,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One level. Token rows ``x [T+1, H, P]`` (already times dt), ``a [T+1, H]`` (``A * dt``),
-    ``b/c [T+1, H, N]`` (row T zero); ``initial_state [S, H, P, N]`` in the level's segment order.
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One bucket of a level. Token rows ``x [T+1, H, P]`` (already times dt), ``a [T+1, H]`` (``A * dt``),
+    ``b/c [T+1, H, N]`` (row T zero); ``initial_state [S, H, P, N]`` in the layout's segment order.
 
-    Returns (``[num_chunks * chunk_size, H, P]`` outputs in ``layout.token_index`` order, ``[S, H, P, N]`` final
-    states)."""
-    x, b, c = (_gather_chunks(t, layout, chunk_size).transpose(1, 2) for t in (x, b, c))  # [NC, C, H, *]
-    a_cumsum = _gather_chunks(a, layout, chunk_size).cumsum(dim=-1)  # [NC, H, C]
+    Returns (``[M, H, P]`` outputs of the bucket's M tokens, their token indices, ``[S, H, P, N]`` final states)."""
+    chunk_size = layout.chunk_size
+    valid, index = scatter_index(layout, x.shape[0] - 1)
+    x, b, c = (gather_chunks(t, layout).transpose(1, 2) for t in (x, b, c))  # [NC, C, H, *]
+    a_cumsum = gather_chunks(a, layout).cumsum(dim=-1)  # [NC, H, C]
     strictly_upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=x.device).triu(1)
     decay = (a_cumsum[..., :, None] - a_cumsum[..., None, :]).masked_fill(strictly_upper, float("-inf")).exp()
     scores = torch.einsum("clhn,cshn->chls", c, b) * decay
@@ -54,7 +53,7 @@ def _level_scan(
         state = torch.cat([updated, state[count:]]) if count < state.shape[0] else updated
         offset += count
     out = y_diag + torch.cat(outputs)  # [NC, C, H, P]
-    return out.reshape(-1, *out.shape[2:]), state
+    return out.reshape(-1, *out.shape[2:])[valid], index, state
 
 
 def tree_mamba2_chunk_scan(
@@ -112,18 +111,7 @@ def tree_mamba2_chunk_scan(
         return torch.cat([t, t.new_zeros(1, *t.shape[1:])])
 
     x, a, b, c = (rows(t) for t in (x, a, b, c))
-    pieces, indices, final = [], [], None
-    for layout in topology.levels(chunk_size):
-        num_segments = layout.parent.shape[0]
-        initial = x.new_zeros(num_segments, num_heads, head_dim, b.shape[-1])
-        if final is not None:
-            has_parent = (layout.parent >= 0)[:, None, None, None]
-            initial = torch.where(has_parent, final[layout.parent.clamp_min(0)], initial)
-        out, final = _level_scan(x, a, b, c, initial, layout, chunk_size)
-        valid = layout.token_index < topology.num_tokens
-        pieces.append(out[valid])
-        indices.append(layout.token_index[valid])
-    out = torch.cat(pieces)
-    out = out.new_zeros(topology.num_tokens, *out.shape[1:]).index_copy(0, torch.cat(indices), out)
+    zeros = x.new_zeros(num_heads, head_dim, b.shape[-1])
+    out = scan_levels(topology, chunk_size, zeros, lambda initial, layout: _level_scan(x, a, b, c, initial, layout))
     out = out.reshape(batch, length, num_heads, head_dim)
     return out + residual if residual is not None else out

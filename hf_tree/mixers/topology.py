@@ -15,6 +15,7 @@ done run together: level by level, ``num_levels`` = node depth of the deepest tr
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -52,6 +53,7 @@ class LevelLayout:
 
     token_index: torch.Tensor
     """``[num_chunks * chunk_size]`` int64 flat token index; ``num_tokens`` (a zero row) where a chunk is padded."""
+    chunk_size: int
     step_counts: list[int]
     """Segments still running at each scan step."""
     parent: torch.Tensor
@@ -74,7 +76,7 @@ class TreeTopology:
     segment_parent: np.ndarray
     """Parent segment of each segment (row order), -1 at roots."""
     segment_level: np.ndarray
-    _layouts: dict[int, list[LevelLayout]] = field(default_factory=dict, repr=False)
+    _layouts: dict[int, list[list[LevelLayout]]] = field(default_factory=dict, repr=False)
     _windows: dict[int, torch.Tensor] = field(default_factory=dict, repr=False)
 
     @property
@@ -98,42 +100,100 @@ class TreeTopology:
             self._windows[width] = torch.stack(columns[::-1], dim=1)
         return self._windows[width]
 
-    def levels(self, chunk_size: int) -> list[LevelLayout]:
-        """Chunk layouts of every level (cached per chunk size)."""
+    def levels(self, chunk_size: int) -> list[list[LevelLayout]]:
+        """Chunk layouts of every level, each level split into buckets by chunk size (cached per chunk size).
+
+        A segment of ``L < chunk_size`` tokens is chunked by the power of two ``>= L`` and batched with segments of
+        its bucket: a row's padding tokens (one-token roots) or short completions beside a long prompt then cost
+        about their own size, not a full chunk each. Any chunk size gives the same result (up to rounding)."""
         if chunk_size not in self._layouts:
             self._layouts[chunk_size] = self._build_levels(chunk_size)
         return self._layouts[chunk_size]
 
-    def _build_levels(self, chunk_size: int) -> list[LevelLayout]:
-        device = self.pred.device
-        layouts: list[LevelLayout] = []
+    def _build_levels(self, chunk_size: int) -> list[list[LevelLayout]]:
+        lengths = self.segment_length
+        bucket = np.where(lengths >= chunk_size, chunk_size, 1 << np.ceil(np.log2(np.maximum(lengths, 1))).astype(int))
         position_in_level = np.full(len(self.segment_start), -1, dtype=np.int64)
+        levels: list[list[LevelLayout]] = []
         for level in range(self.num_levels):
-            members = np.nonzero(self.segment_level == level)[0]
-            chunks = -(-self.segment_length[members] // chunk_size)
-            order = members[np.argsort(-chunks, kind="stable")]
-            chunks = -(-self.segment_length[order] // chunk_size)
-            position_in_level[order] = np.arange(len(order))
-            step_counts = [int((chunks > s).sum()) for s in range(int(chunks.max()))]
-            offsets = np.arange(chunk_size)
-            blocks = []
-            for s, count in enumerate(step_counts):
-                starts = self.segment_start[order[:count]] + s * chunk_size
-                lengths = self.segment_length[order[:count]] - s * chunk_size
-                index = starts[:, None] + offsets[None, :]
-                blocks.append(np.where(offsets[None, :] < lengths[:, None], index, self.num_tokens).reshape(-1))
-            parents = self.segment_parent[order]
-            parent_local = np.where(parents >= 0, position_in_level[np.maximum(parents, 0)], -1)
-            layouts.append(
-                LevelLayout(
-                    token_index=torch.from_numpy(np.concatenate(blocks)).to(device),
-                    step_counts=step_counts,
-                    parent=torch.from_numpy(parent_local).to(device),
-                    segment_length=torch.from_numpy(self.segment_length[order]).to(device),
-                    segment_start=torch.from_numpy(self.segment_start[order]).to(device),
-                )
-            )
-        return layouts
+            layouts, placed = [], 0
+            for size in sorted(set(bucket[self.segment_level == level].tolist()), reverse=True):
+                members = np.nonzero((self.segment_level == level) & (bucket == size))[0]
+                chunks = -(-lengths[members] // size)
+                order = members[np.argsort(-chunks, kind="stable")]  # most chunks first: running ones are a prefix
+                position_in_level[order] = placed + np.arange(len(order))
+                placed += len(order)
+                layouts.append(self._layout(order, size, position_in_level))
+            levels.append(layouts)
+        return levels
+
+    def _layout(self, order: np.ndarray, chunk_size: int, position_in_level: np.ndarray) -> LevelLayout:
+        """The ``LevelLayout`` of segments ``order`` (sorted by chunk count, descending)."""
+        chunks = -(-self.segment_length[order] // chunk_size)
+        step_counts = [int((chunks > s).sum()) for s in range(int(chunks.max()))]
+        offsets = np.arange(chunk_size)
+        blocks = []
+        for s, count in enumerate(step_counts):
+            starts = self.segment_start[order[:count]] + s * chunk_size
+            remaining = self.segment_length[order[:count]] - s * chunk_size
+            index = starts[:, None] + offsets[None, :]
+            blocks.append(np.where(offsets[None, :] < remaining[:, None], index, self.num_tokens).reshape(-1))
+        parents = self.segment_parent[order]
+        parent_local = np.where(parents >= 0, position_in_level[np.maximum(parents, 0)], -1)
+        device = self.pred.device
+        return LevelLayout(
+            token_index=torch.from_numpy(np.concatenate(blocks)).to(device),
+            chunk_size=chunk_size,
+            step_counts=step_counts,
+            parent=torch.from_numpy(parent_local).to(device),
+            segment_length=torch.from_numpy(self.segment_length[order]).to(device),
+            segment_start=torch.from_numpy(self.segment_start[order]).to(device),
+        )
+
+
+LevelFn = Callable[[torch.Tensor, LevelLayout], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def scan_levels(
+    topology: TreeTopology, chunk_size: int, initial_zeros: torch.Tensor, level_fn: LevelFn
+) -> torch.Tensor:
+    """Run a recurrence level by level; the state entering a segment is its parent's final state (zero at a root).
+
+    Args:
+        initial_zeros: ``[*state]`` zeros in the state's dtype and device.
+        level_fn: ``(initial_states [S, *state], layout) -> (outputs [M, *out], token index [M], final states
+            [S, *state])`` for the segments of one bucket.
+
+    Returns:
+        ``[B * N, *out]`` outputs scattered back to their tokens (every token is in exactly one segment).
+    """
+    pieces, indices, previous = [], [], None
+    for level in topology.levels(chunk_size):
+        finals = []
+        for layout in level:
+            initial = initial_zeros.expand(layout.parent.shape[0], *initial_zeros.shape)
+            if previous is not None:  # a differentiable gather: siblings' state gradients add up in backward
+                has_parent = (layout.parent >= 0).reshape(-1, *[1] * initial_zeros.dim())
+                initial = torch.where(has_parent, previous[layout.parent.clamp_min(0)], initial)
+            out, index, final = level_fn(initial, layout)
+            pieces.append(out)
+            indices.append(index)
+            finals.append(final)
+        previous = torch.cat(finals)
+    out = torch.cat(pieces)
+    return out.new_zeros(topology.num_tokens, *out.shape[1:]).index_copy(0, torch.cat(indices), out)
+
+
+def gather_chunks(rows: torch.Tensor, layout: LevelLayout) -> torch.Tensor:
+    """``[T + 1, H, ...]`` token rows (last row zero) -> ``[num_chunks, H, chunk_size, ...]``."""
+    chunks = rows[layout.token_index].reshape(-1, layout.chunk_size, *rows.shape[1:])
+    return chunks.transpose(1, 2)
+
+
+def scatter_index(layout: LevelLayout, num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(mask of real tokens among the layout's chunk slots, their token indices)."""
+    valid = layout.token_index < num_tokens
+    return valid, layout.token_index[valid]
 
 
 def build_topology(kv_end: torch.Tensor) -> TreeTopology:
