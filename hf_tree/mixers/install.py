@@ -32,6 +32,9 @@ TREE_MIXER_MODULES = (
     "falcon_h1",
     "bamba",
     "granitemoehybrid",
+    "zamba2",
+    "olmo_hybrid",
+    "lfm3",
 )
 
 
