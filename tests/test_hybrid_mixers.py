@@ -101,6 +101,11 @@ def test_topology_of_a_forest_row_with_padding():
     assert [layout.chunk_size for layout in levels[2]] == [4, 2, 1]
 
 
+def test_topology_refuses_a_malformed_kv_end():
+    with pytest.raises(ValueError, match=r"kv_end\[0, 2\] = 2 must lie in \[3, 4\]"):
+        build_topology(torch.tensor([[4, 4, 2, 4]]))
+
+
 # ------------------------------------------------------------------------------------------------------ ops
 def _random_inputs(kv_end, *shapes, seed=0):
     generator = torch.Generator().manual_seed(seed)

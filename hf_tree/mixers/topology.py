@@ -91,9 +91,8 @@ class TreeTopology:
         """``[B * N, width]`` int64: column ``width - 1 - t`` holds the t-th ancestor of each token (column
         ``width - 1`` the token itself), ``num_tokens`` (a zero row) above a root: a causal conv's input window."""
         if width not in self._windows:
-            sentinel = self.num_tokens
-            pred = torch.cat([self.pred.clamp_min(-1), self.pred.new_tensor([-1])])
-            pred = torch.where(pred < 0, sentinel, pred)  # pred of the sentinel is the sentinel
+            pred = torch.cat([self.pred, self.pred.new_tensor([-1])])
+            pred = torch.where(pred < 0, self.num_tokens, pred)  # above a root: the sentinel, whose pred is itself
             columns = [torch.arange(self.num_tokens, device=self.pred.device)]
             for _ in range(width - 1):
                 columns.append(pred[columns[-1]])
@@ -202,6 +201,13 @@ def build_topology(kv_end: torch.Tensor) -> TreeTopology:
         raise ValueError(f"kv_end must have shape [batch, seq]; got {tuple(kv_end.shape)}.")
     ends = kv_end.detach().to("cpu", torch.int64).numpy()
     batch, length = ends.shape
+    bad = (ends <= np.arange(length)) | (ends > length)
+    if bad.any():
+        row, j = (int(x[0]) for x in np.nonzero(bad))
+        raise ValueError(
+            f"kv_end[{row}, {j}] = {int(ends[row, j])} must lie in [{j + 1}, {length}] (a token's subtree ends after "
+            "it and inside the row); build batches with hf_tree.TreeDataCollator."
+        )
     pred_local = predecessors(ends)
     flat_offsets = (np.arange(batch) * length)[:, None]
     pred = np.where(pred_local >= 0, pred_local + flat_offsets, -1).reshape(-1)
