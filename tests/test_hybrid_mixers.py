@@ -442,6 +442,16 @@ def test_hybrid_model_tree_training_matches_per_branch(family):
     assert float32_floor_grad_error(tree_grads, ref_grads) <= FLOAT32_FLOOR
 
 
+def test_gradient_checkpointing_recomputes_the_same_tree():
+    """Recomputed layers in backward see the same kv_end (and the cached topology): still per-branch exact."""
+    model = hybrid_model("qwen3_5_text")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(model)
+    assert relative_error(loss, reference) <= FLOAT32_FLOOR
+    assert float32_floor_grad_error(tree_grads, ref_grads) <= FLOAT32_FLOOR
+
+
 @pytest.mark.parametrize("family", [pytest.param("qwen3_5_text", marks=pytest.mark.slow), "bamba"])
 def test_bfloat16_tree_error_is_no_worse_than_per_branch(family):
     """In bfloat16 (float32 states) the tree's gradient error against float64 per-branch training is within 2x of
