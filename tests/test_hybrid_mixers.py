@@ -445,7 +445,7 @@ def test_hybrid_model_tree_training_matches_per_branch(family):
 def test_gradient_checkpointing_recomputes_the_same_tree():
     """Recomputed layers in backward see the same kv_end (and the cached topology): still per-branch exact."""
     model = hybrid_model("qwen3_5_text")
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(model)
     assert relative_error(loss, reference) <= FLOAT32_FLOOR
