@@ -101,7 +101,7 @@ def _level_delta_rule_fla(
         value[index][None],
         g=g[index][None],
         beta=beta[index][None],
-        initial_state=initial_state,
+        initial_state=initial_state.contiguous(),  # roots' zero states are a stride-0 view; kernels want memory
         output_final_state=True,
         cu_seqlens=cu_seqlens,
         use_qk_l2norm_in_kernel=use_qk,
