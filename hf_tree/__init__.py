@@ -10,10 +10,12 @@ from typing import Any
 from hf_tree.attention.registration import TREE_ATTENTION_NAME, register_tree_attention
 from hf_tree.collator import TreeDataCollator
 from hf_tree.loss import tree_causal_lm_loss
+from hf_tree.mixers import install_tree_mixers
 from hf_tree.packing import PackingStats, pack_trees, split_tree
 from hf_tree.tree import Tree
 
 register_tree_attention()
+install_tree_mixers()  # hybrid models' convolutions and scans read kv_end (hf_tree.mixers)
 
 _LAZY = {
     "TreeTrainer": "hf_tree.trainer",

@@ -1,0 +1,172 @@
+"""Tree-aware chunked gated delta rule (GatedDeltaNet of Qwen3.5 / Qwen3-Next).
+
+The recurrence ``S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T``, ``o_t = S_t^T q_t`` must start
+each trie segment from its parent segment's final state (zero at a root). Segments run level by level
+(``TreeTopology.levels``): one batched call per level whose initial states are gathered from the previous level's
+final states. The gather is differentiable, so in backward the state gradients of siblings add up.
+
+The torch path is the models' own chunked algorithm (intra-chunk UT transform, then a scan over chunks), written for
+variable-length segments cut into chunks; it computes in ``float32`` or in ``float64`` for ``float64`` inputs. On
+CUDA with ``flash-linear-attention`` installed each level is one varlen FLA call with per-segment initial states.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+
+import torch
+import torch.nn.functional as F
+
+from hf_tree.mixers.topology import LevelLayout, TreeTopology, gather_chunks, scan_levels, scatter_index
+
+
+def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The models' (and FLA's) query/key normalisation."""
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
+
+
+def _level_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    layout: LevelLayout,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One bucket of a level. Token rows ``query/key [T+1, H, K]``, ``value [T+1, H, V]``, ``g/beta [T+1, H]``
+    (scaled, normalised, compute dtype; row T zero); ``initial_state [S, H, K, V]`` in the layout's segment order.
+
+    Returns (``[M, H, V]`` outputs of the bucket's M tokens, their token indices, ``[S, H, K, V]`` final states)."""
+    chunk_size = layout.chunk_size
+    q, k, v = (gather_chunks(x, layout) for x in (query, key, value))
+    g, beta = (gather_chunks(x, layout) for x in (g, beta))  # [NC, H, C]
+    v_beta, k_beta = v * beta[..., None], k * beta[..., None]
+    strictly_upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
+    cum_decay = g.cumsum(dim=-1)
+    pairwise = (cum_decay[..., :, None] - cum_decay[..., None, :]).masked_fill(strictly_upper, float("-inf")).exp()
+    ut_system = (k_beta @ k.transpose(-1, -2)) * pairwise
+    intra = (q @ k.transpose(-1, -2)) * pairwise
+    decayed_k_beta = k_beta * cum_decay.exp()[..., None]
+    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
+    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    q = q * cum_decay.exp()[..., None]
+    k = k * (cum_decay[..., -1:] - cum_decay).exp()[..., None]
+    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
+
+    state, outputs, offset = initial_state, [], 0
+    for count in layout.step_counts:  # step s: chunk s of the `count` longest segments
+        block = slice(offset, offset + count)
+        running = state[:count]
+        v_new = new_values[block] - k_cumdecay[block] @ running
+        outputs.append(q[block] @ running + intra[block] @ v_new)
+        updated = running * chunk_decay[block] + k[block].transpose(-1, -2) @ v_new
+        state = torch.cat([updated, state[count:]]) if count < state.shape[0] else updated
+        offset += count
+    out = torch.cat(outputs).transpose(1, 2)  # [NC, C, H, V]
+    valid, index = scatter_index(layout, query.shape[0] - 1)
+    return out.reshape(-1, *out.shape[2:])[valid], index, state
+
+
+def _fla_available() -> bool:
+    return importlib.util.find_spec("fla") is not None
+
+
+def _level_delta_rule_fla(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    initial_state: torch.Tensor,
+    layout: LevelLayout,
+    use_qk: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """CUDA: one varlen ``fla`` call per level with per-segment initial states (FLA's ``dh0`` carries their
+    gradients back to the parents). Token rows in the model's dtype, unscaled and un-normalised (FLA does both;
+    ``[T+1, Hk, K]`` queries/keys, ``[T+1, Hv, V]`` values: FLA applies grouped values itself).
+
+    Returns (``[M, Hv, V]`` outputs of the bucket's M tokens, their token indices, ``[S, Hv, K, V]`` float32 final
+    states)."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    starts, lengths = layout.segment_start, layout.segment_length
+    cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
+    within = torch.arange(int(cu_seqlens[-1]), device=starts.device) - torch.repeat_interleave(cu_seqlens[:-1], lengths)
+    index = torch.repeat_interleave(starts, lengths) + within
+    out, final = chunk_gated_delta_rule(
+        query[index][None],
+        key[index][None],
+        value[index][None],
+        g=g[index][None],
+        beta=beta[index][None],
+        initial_state=initial_state.contiguous(),  # roots' zero states are a stride-0 view; kernels want memory
+        output_final_state=True,
+        cu_seqlens=cu_seqlens,
+        use_qk_l2norm_in_kernel=use_qk,
+    )
+    return out[0], index, final
+
+
+def tree_chunk_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    topology: TreeTopology,
+    chunk_size: int = 64,
+    initial_state: torch.Tensor | None = None,
+    output_final_state: bool = False,
+    use_qk_l2norm_in_kernel: bool = False,
+    cu_seqlens: torch.Tensor | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """``torch_chunk_gated_delta_rule`` over a packed tree.
+
+    Args:
+        query, key: ``[B, N, Hk, K]``; value: ``[B, N, Hv, V]``; g (log decay, <= 0), beta: ``[B, N, Hv]``.
+        topology: the batch's ``TreeTopology`` (``[B, N]``).
+
+    Returns:
+        ``([B, N, Hv, V]`` in ``query.dtype``, None); a tree batch has no single final state to cache.
+    """
+    if initial_state is not None or output_final_state or cu_seqlens is not None:
+        raise ValueError(
+            "the tree-aware gated delta rule got initial_state/output_final_state/cu_seqlens together with kv_end: "
+            "packed trees carry their own sequence boundaries and cannot be cached; call the model with "
+            "use_cache=False and without cu_seq_lens when passing kv_end."
+        )
+    input_dtype = query.dtype
+    batch, length, num_k_heads, _ = key.shape
+    num_v_heads, v_dim = value.shape[-2:]
+    if topology.shape != (batch, length):
+        raise ValueError(
+            f"kv_end has shape {list(topology.shape)}; the delta rule got [batch, seq] = {[batch, length]}."
+        )
+    # FLA kernels take half precision only; float32/float64 models (and CPU) use the torch path.
+    use_fla = query.is_cuda and query.dtype in (torch.float16, torch.bfloat16) and _fla_available()
+    if num_k_heads != num_v_heads and not use_fla:  # grouped values: each q/k head serves several value heads
+        query = query.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+        key = key.repeat_interleave(num_v_heads // num_k_heads, dim=2)
+    compute = torch.promote_types(query.dtype, torch.float32)  # the state's dtype (float32, float64 for float64)
+
+    def rows(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:  # [B, N, ...] -> [B*N + 1, ...], zero row last
+        x = x.reshape(batch * length, *x.shape[2:]).to(dtype)
+        return torch.cat([x, x.new_zeros(1, *x.shape[1:])])
+
+    token_dtype = input_dtype if use_fla else compute
+    query, key, value, beta = (rows(x, token_dtype) for x in (query, key, value, beta))
+    g = rows(g, compute)
+    if not use_fla:
+        if use_qk_l2norm_in_kernel:
+            query, key = _l2norm(query), _l2norm(key)
+        query = query * query.shape[-1] ** -0.5
+    zeros = torch.zeros(num_v_heads, key.shape[-1], v_dim, dtype=compute, device=query.device)
+    if use_fla:
+        level_fn = functools.partial(_level_delta_rule_fla, query, key, value, g, beta, use_qk=use_qk_l2norm_in_kernel)
+    else:
+        level_fn = functools.partial(_level_delta_rule, query, key, value, g, beta)
+    out = scan_levels(topology, chunk_size, zeros, level_fn)
+    return out.reshape(batch, length, num_v_heads, v_dim).to(input_dtype), None

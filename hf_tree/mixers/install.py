@@ -1,0 +1,115 @@
+"""Plug the tree-aware mixer ops into transformers' hybrid models (done on ``import hf_tree``; idempotent).
+
+The mixers of these models call module-level functions that transformers lets kernels replace
+(``use_kernel_func_from_hub_with_fallback``) and pass them the model's keyword arguments, ``kv_end`` included.
+Each such name in each modeling module is rebound to a dispatcher: with ``kv_end`` (a packed tree batch) it runs
+the tree-aware op, without it the original function, so generation and ordinary batches are unchanged.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+from collections.abc import Callable
+
+import torch
+
+from hf_tree.mixers.conv import tree_causal_conv1d
+from hf_tree.mixers.delta_rule import tree_chunk_gated_delta_rule
+from hf_tree.mixers.ssd import tree_mamba2_chunk_scan
+from hf_tree.mixers.topology import tree_topology
+from hf_tree.parallel.context import active_context_parallel
+
+# Modeling modules whose every sequence-mixing op below is covered (their models train exactly on trees).
+TREE_MIXER_MODULES = (
+    "qwen3_next",
+    "qwen3_5",
+    "qwen3_5_moe",
+    "lfm2",
+    "lfm2_moe",
+    "mamba2",
+    "nemotron_h",
+    "falcon_h1",
+    "bamba",
+    "granitemoehybrid",
+    "zamba2",
+    "olmo_hybrid",
+    "lfm3",
+)
+
+
+def _skip_fused(*args, **kwargs) -> None:
+    """Tree mode of ``mamba2_split_conv1d_scan_combined``: ``None`` makes the mixer take its unfused path, whose
+    convolution and scan are tree-aware."""
+    return None
+
+
+def _refuse_cached_step(name: str) -> Callable[..., None]:
+    def refuse(*args, **kwargs) -> None:
+        raise ValueError(
+            f"{name} (one cached decoding step) was called with kv_end: packed trees are trained without a cache; "
+            "call the model with use_cache=False when passing kv_end, and without kv_end when generating."
+        )
+
+    return refuse
+
+
+TREE_OPS: dict[str, Callable[..., object]] = {
+    "causal_conv1d_fn": tree_causal_conv1d,
+    "torch_chunk_gated_delta_rule": tree_chunk_gated_delta_rule,
+    "mamba2_chunk_scan": tree_mamba2_chunk_scan,
+    "mamba2_split_conv1d_scan_combined": _skip_fused,
+    "causal_conv1d_update": _refuse_cached_step("causal_conv1d_update"),
+    "torch_recurrent_gated_delta_rule": _refuse_cached_step("torch_recurrent_gated_delta_rule"),
+    "mamba2_selective_state_update": _refuse_cached_step("mamba2_selective_state_update"),
+}
+
+
+def tree_dispatch(original: Callable[..., object], tree_op: Callable[..., object]) -> Callable[..., object]:
+    """``original`` without ``kv_end`` (exactly as before), ``tree_op(..., topology=...)`` with it."""
+
+    @functools.wraps(original)
+    def dispatch(*args, kv_end: torch.Tensor | None = None, **kwargs):
+        if kv_end is None:
+            return original(*args, **kwargs)
+        if active_context_parallel() is not None:
+            raise ValueError(
+                f"{original.__name__}: hf_tree context parallelism shards the packed row, but this recurrent or "
+                "convolutional mixer needs every ancestor of a token on the same rank. Train hybrid models "
+                "(Qwen3.5, Qwen3-Next, LFM2, Mamba2 hybrids) without context parallelism."
+            )
+        return tree_op(*args, topology=tree_topology(kv_end), **kwargs)
+
+    dispatch.__hf_tree_original__ = original
+    return dispatch
+
+
+def install_tree_mixers(modules: tuple[str, ...] = TREE_MIXER_MODULES) -> list[str]:
+    """Rebind the mixer ops of ``transformers.models.<name>.modeling_<name>`` for each name; returns the modules
+    patched. Idempotent; a module missing from the installed transformers is skipped."""
+    patched = []
+    for name in modules:
+        try:
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:
+            continue
+        for op_name, tree_op in TREE_OPS.items():
+            original = getattr(module, op_name, None)
+            if original is None or hasattr(original, "__hf_tree_original__"):
+                continue
+            setattr(module, op_name, tree_dispatch(original, tree_op))
+        patched.append(name)
+    return patched
+
+
+def uninstall_tree_mixers(modules: tuple[str, ...] = TREE_MIXER_MODULES) -> None:
+    """Restore the original functions (tests use it to compare behaviour before and after installing)."""
+    for name in modules:
+        try:
+            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+        except ImportError:
+            continue
+        for op_name in TREE_OPS:
+            current = getattr(module, op_name, None)
+            if current is not None and hasattr(current, "__hf_tree_original__"):
+                setattr(module, op_name, current.__hf_tree_original__)

@@ -1,0 +1,563 @@
+"""Exact tree training on hybrid models: tree-aware causal convolutions, gated delta rule and Mamba2 scan.
+
+Oracles:
+- ops: each root-to-leaf branch gathered out of the packed row and run alone through the model's own torch function
+  (float64 inputs). Those functions compute in float32 inside (``.float()``), so they bound the tree op's error at
+  the float32 floor; the float64 exactness of the tree decomposition itself is checked against the same op run on
+  the lone branch with a different chunk size (other chunk boundaries, no tree), at 1e-12, values and gradients.
+- models: per-branch training with the model's own attention (tests/helpers.py), float64 weights. Their mixers and
+  norms compute in float32 inside, so the bound is the float32 floor (measured ~1e-7..1e-6); the bug this guards
+  against (siblings leaking into a branch's state) moves gradients by 1e-3..4e-1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from collections.abc import Iterator
+
+import pytest
+import torch
+import transformers
+from transformers import AutoModelForCausalLM
+
+from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.mixers import (
+    build_topology,
+    install_tree_mixers,
+    tree_causal_conv1d,
+    tree_chunk_gated_delta_rule,
+    tree_mamba2_chunk_scan,
+    uninstall_tree_mixers,
+)
+from tests.helpers import float64_norms, grads_of, max_grad_relative_error, per_branch_loss, relative_error
+
+VOCAB = 97
+# Exactness of the tree decomposition (same op, float64 compute, different chunking).
+EXACT = 1e-12
+# The models' torch functions and norms compute in float32 inside even in a float64 model.
+FLOAT32_FLOOR = 1e-4
+
+# A forest row with padding: a fork at position 1 (closer to the root than any conv width), a fork inside the
+# "prompt" and nested forks (node depth 4), a prefix branch, a duplicate branch, an untrained branch, and a second
+# tree with a single-token-longer sibling pair.
+SEQUENCES = [
+    [5, 6, 7, 8, 9, 10, 11, 12],
+    [5, 6, 7, 8, 20, 21, 22],
+    [5, 6, 7, 8, 20, 21, 30, 31, 32],
+    [5, 6, 7, 8, 20, 21, 30, 31, 40, 41, 42, 43],
+    [5, 6, 7, 8, 20, 21],  # prefix of the two above
+    [5, 6, 7, 8, 20, 21, 22],  # duplicate
+    [5, 50, 51, 52],  # fork at position 1
+    [5, 50, 60],
+]
+MASKS = [[0] + [1] * (len(s) - 1) for s in SEQUENCES]
+MASKS[7] = [0] * len(SEQUENCES[7])  # untrained branch: its tokens still feed the shared states
+SECOND_TREE = [[70, 71, 72, 73, 74], [70, 71, 72, 80], [70, 90, 91]]
+
+
+def packed_batch(max_packed_tokens: int = 64) -> tuple[dict[str, torch.Tensor], list[tuple[list, list]]]:
+    groups = [(SEQUENCES, MASKS), (SECOND_TREE, None)]
+    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=8)
+    batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in groups])
+    return batch, groups
+
+
+def branch_paths(kv_end: torch.Tensor) -> list[list[int]]:
+    """Flat packed indices of every root-to-leaf path (walking predecessors from each token nobody continues)."""
+    pred = build_topology(kv_end).pred.tolist()
+    continued = {p for p in pred if p >= 0}
+    paths = []
+    for leaf in range(len(pred)):
+        if leaf in continued:
+            continue
+        path = [leaf]
+        while pred[path[-1]] >= 0:
+            path.append(pred[path[-1]])
+        paths.append(path[::-1])
+    return paths
+
+
+# ------------------------------------------------------------------------------------------------- topology
+def test_topology_of_a_forest_row_with_padding():
+    batch, _ = packed_batch()
+    kv_end = batch["kv_end"]
+    topology = build_topology(kv_end)
+    pred = topology.pred.reshape(kv_end.shape)[0]
+    position_ids = batch["position_ids"][0]
+    real = kv_end[0] > torch.arange(kv_end.shape[1]) + 1  # padding: kv_end[j] == j + 1 (and single-token roots)
+    for i in torch.nonzero(pred >= 0).flatten().tolist():  # a predecessor is one position shallower and an ancestor
+        assert position_ids[i] == position_ids[pred[i]] + 1 and pred[i] < i < kv_end[0, pred[i]]
+    assert (pred[position_ids == 0] == -1).all()
+    assert not bool(torch.isin(torch.nonzero(~real).flatten(), pred).any())  # padding feeds nobody
+    # Segments are cut at forks. Tree 1: [5] | [6 7 8], [50] | [9..12], [20 21], [51 52], [60] | [22], [30 31] |
+    # [32], [40..43]; tree 2: [70] | [71 72], [90 91] | [73 74], [80]; level 0 also holds each padding token.
+    assert topology.num_levels == 5
+    levels = topology.levels(4)
+    assert [sum(len(layout.parent) for layout in level) for level in levels][1:] == [2 + 2, 4 + 2, 2, 2]
+    # Buckets by chunk size: level 0 holds [5], [70] and 1-token padding (chunks of 1); level 2's [9..12] (chunks
+    # of 4) and its 2-token segments (chunks of 2) and [60] (chunks of 1).
+    assert [layout.chunk_size for layout in levels[0]] == [1]
+    assert [layout.chunk_size for layout in levels[2]] == [4, 2, 1]
+
+
+def test_topology_refuses_a_malformed_kv_end():
+    with pytest.raises(ValueError, match=r"kv_end\[0, 2\] = 2 must lie in \[3, 4\]"):
+        build_topology(torch.tensor([[4, 4, 2, 4]]))
+
+
+# ------------------------------------------------------------------------------------------------------ ops
+def _random_inputs(kv_end, *shapes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    batch, length = kv_end.shape
+    return [torch.randn(batch, length, *s, dtype=torch.float64, generator=generator) for s in shapes]
+
+
+def _per_branch(fn, tensors, kv_end, path):
+    """``fn`` on one branch: every ``[B, N, ...]`` tensor gathered along ``path`` into ``[1, L, ...]``."""
+    batch, length = kv_end.shape
+    return fn(*(t.reshape(batch * length, *t.shape[2:])[path][None] for t in tensors))
+
+
+def _at_path(tensor, kv_end, path):
+    batch, length = kv_end.shape
+    return tensor.reshape(batch * length, *tensor.shape[2:])[path][None]
+
+
+def _lone_topology(path):
+    return build_topology(torch.full((1, len(path)), len(path)))
+
+
+def _check_op(tree_fn, hf_fn, lone_fn, inputs, kv_end):
+    """Values at every branch vs the model's own function on the branch (float32 floor) and vs the tree op on the
+    lone branch (exact); gradients of a random projection of the outputs vs the sum of per-branch ones."""
+    inputs = [t.clone().requires_grad_() for t in inputs]
+    out = tree_fn(*inputs)
+    projection = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    tree_grads = torch.autograd.grad((out * projection).sum(), inputs)
+    paths = branch_paths(kv_end)
+    # Each token's output once: a branch owns the tokens of its path not owned by an earlier branch.
+    owned, seen = [], set()
+    for path in paths:
+        owned.append([k for k, i in enumerate(path) if i not in seen])
+        seen.update(path)
+    lone_total = 0.0
+    for path, mine in zip(paths, owned):
+        got = _at_path(out, kv_end, path)
+        lone_topology = _lone_topology(path)
+        lone = _per_branch(lambda *t, lone=lone_topology: lone_fn(lone, *t), inputs, kv_end, path)
+        reference = _per_branch(hf_fn, inputs, kv_end, path)
+        assert relative_error(got, lone) <= EXACT
+        assert relative_error(got, reference) <= FLOAT32_FLOOR
+        lone_total = lone_total + (lone[0, mine] * _at_path(projection, kv_end, path)[0, mine]).sum()
+    lone_grads = torch.autograd.grad(lone_total, inputs)
+    for got, expected in zip(tree_grads, lone_grads):
+        assert relative_error(got, expected) <= EXACT
+        assert expected.norm() > 0
+
+
+@pytest.mark.parametrize("width", [2, 4])
+def test_tree_causal_conv1d_matches_each_branch(width):
+    from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
+
+    batch, _ = packed_batch()
+    kv_end = batch["kv_end"]
+    topology = build_topology(kv_end)
+    (x,) = _random_inputs(kv_end, (6,))
+    generator = torch.Generator().manual_seed(2)
+    weight = torch.randn(6, width, dtype=torch.float64, generator=generator)
+    bias = torch.randn(6, dtype=torch.float64, generator=generator)
+    original = causal_conv1d_fn.__hf_tree_original__
+
+    def channels_first(fn):
+        return lambda x: fn(x.transpose(1, 2)).transpose(1, 2)
+
+    _check_op(
+        channels_first(lambda x: tree_causal_conv1d(x, weight, bias, "silu", topology=topology)),
+        channels_first(lambda x: original(x, weight, bias, "silu")),
+        lambda lone, x: channels_first(lambda y: tree_causal_conv1d(y, weight, bias, "silu", topology=lone))(x),
+        [x],
+        kv_end,
+    )
+
+
+@pytest.mark.parametrize("chunk_size", [2, 64])
+def test_tree_gated_delta_rule_matches_each_branch(chunk_size):
+    from transformers.models.qwen3_next.modeling_qwen3_next import torch_chunk_gated_delta_rule
+
+    batch, _ = packed_batch()
+    kv_end = batch["kv_end"]
+    topology = build_topology(kv_end)
+    query, key, value, a, b = _random_inputs(kv_end, (1, 4), (1, 4), (2, 3), (2,), (2,))
+    original = torch_chunk_gated_delta_rule.__hf_tree_original__
+
+    def run(fn, size):
+        def call(q, k, v, a, b):
+            g, beta = -torch.nn.functional.softplus(a), b.sigmoid()  # decays <= 0, rates in (0, 1)
+            return fn(q, k, v, g=g, beta=beta, chunk_size=size, use_qk_l2norm_in_kernel=True)[0]
+
+        return call
+
+    _check_op(
+        run(lambda *t, **k: tree_chunk_gated_delta_rule(*t, topology=topology, **k), chunk_size),
+        run(original, chunk_size),
+        lambda lone, *t: run(lambda *u, **k: tree_chunk_gated_delta_rule(*u, topology=lone, **k), 3)(*t),
+        [query, key, value, a, b],
+        kv_end,
+    )
+
+
+@pytest.mark.parametrize("chunk_size", [2, 256])
+def test_tree_mamba2_scan_matches_each_branch(chunk_size):
+    from transformers.models.mamba2.modeling_mamba2 import mamba2_chunk_scan
+
+    batch, _ = packed_batch()
+    kv_end = batch["kv_end"]
+    topology = build_topology(kv_end)
+    x, dt, b, c = _random_inputs(kv_end, (4, 3), (4,), (2, 5), (2, 5))
+    generator = torch.Generator().manual_seed(3)
+    A = -torch.rand(4, dtype=torch.float64, generator=generator) - 0.1
+    D, dt_bias = torch.randn(2, 4, dtype=torch.float64, generator=generator)
+    options = dict(D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, float("inf")))
+    original = mamba2_chunk_scan.__hf_tree_original__
+
+    _check_op(
+        lambda *t: tree_mamba2_chunk_scan(t[0], t[1], A, t[2], t[3], chunk_size, topology=topology, **options),
+        lambda *t: original(t[0], t[1], A, t[2], t[3], chunk_size, **options),
+        lambda lone, *t: tree_mamba2_chunk_scan(t[0], t[1], A, t[2], t[3], 3, topology=lone, **options),
+        [x, dt, b, c],
+        kv_end,
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- models
+HYBRIDS = {
+    "qwen3_next": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    ),
+    "qwen3_5_text": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+    "lfm2": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+    ),
+    "nemotron_h": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        layers_block_type=["linear_attention", "full_attention", "mlp"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=8,
+        chunk_size=4,
+        conv_kernel=4,
+    ),
+    "bamba": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        attn_layer_indices=[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=4,
+        mamba_d_conv=4,
+    ),
+}
+
+
+# More hybrids with the same mixers (slow: ~10 s each on a shared CPU).
+SLOW_HYBRIDS = {
+    "qwen3_5_moe_text": dict(
+        HYBRIDS["qwen3_5_text"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    ),
+    "lfm2_moe": dict(
+        HYBRIDS["lfm2"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1
+    ),
+    "falcon_h1": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_ssm=64,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=4,
+        mamba_d_conv=4,
+    ),
+    "granitemoehybrid": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        layer_types=["mamba", "attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=4,
+        mamba_d_conv=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=16,
+    ),
+    "zamba2": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        layers_block_type=["mamba", "hybrid"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attention_head_dim=8,
+        n_mamba_heads=4,
+        mamba_ngroups=2,
+        mamba_d_state=8,
+        chunk_size=4,
+    ),
+    "olmo_hybrid": dict(
+        pad_token_id=0,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    ),
+    "lfm3": dict(
+        pad_token_id=0,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        conv_L_cache=3,
+    ),
+    "mamba2": dict(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_heads=4,
+        head_dim=8,
+        expand=2,
+        n_groups=2,
+        state_size=8,
+        chunk_size=4,
+        conv_kernel=4,
+    ),
+}
+
+
+def float32_floor_grad_error(model_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> float:
+    """``max_grad_relative_error`` with a floor for float32 internals: a parameter is measured against at least
+    1e-3 of the largest gradient norm (A_log / dt_bias gradients of ~1e-8 carry float32 rounding of ~1e-10)."""
+    largest = max(float(g.norm()) for g in ref_grads.values())
+    return max(
+        float((model_grads[name] - ref).norm()) / max(float(ref.norm()), 1e-3 * largest)
+        for name, ref in ref_grads.items()
+    )
+
+
+def hybrid_model(family: str, attn: str = "tree_flash") -> torch.nn.Module:
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, vocab_size=VOCAB, **{**HYBRIDS, **SLOW_HYBRIDS}[family])
+    return AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=attn, dtype=torch.float64, experts_implementation="eager"
+    )  # grouped_mm experts refuse float64
+
+
+def tree_and_branch_gradients(model, max_packed_tokens: int = 64):
+    batch, groups = packed_batch(max_packed_tokens)
+    loss = tree_causal_lm_loss(model, batch)
+    loss.backward()
+    tree_grads = grads_of(model)
+    model.zero_grad()
+    total, divisor = 0.0, 0.0
+    for sequences, masks in groups:
+        t, d = per_branch_loss(model, sequences, masks)
+        total, divisor = total + t, divisor + d
+    reference = total / divisor
+    reference.backward()
+    return loss, reference, tree_grads, grads_of(model), batch
+
+
+@pytest.mark.parametrize("family", list(HYBRIDS))
+def test_hybrid_model_tree_training_matches_per_branch(family):
+    model = hybrid_model(family)
+    loss, reference, tree_grads, ref_grads, batch = tree_and_branch_gradients(model)
+    assert batch["input_ids"].shape[0] == 1 and (batch["kv_end"][0, -1] == batch["kv_end"].shape[1])  # forest+pad
+    assert relative_error(loss, reference) <= FLOAT32_FLOOR
+    assert float32_floor_grad_error(tree_grads, ref_grads) <= FLOAT32_FLOOR
+
+
+def test_gradient_checkpointing_recomputes_the_same_tree():
+    """Recomputed layers in backward see the same kv_end (and the cached topology): still per-branch exact."""
+    model = hybrid_model("qwen3_5_text")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(model)
+    assert relative_error(loss, reference) <= FLOAT32_FLOOR
+    assert float32_floor_grad_error(tree_grads, ref_grads) <= FLOAT32_FLOOR
+
+
+@pytest.mark.parametrize("family", [pytest.param("qwen3_5_text", marks=pytest.mark.slow), "bamba"])
+def test_bfloat16_tree_error_is_no_worse_than_per_branch(family):
+    """In bfloat16 (float32 states) the tree's gradient error against float64 per-branch training is within 2x of
+    bfloat16 per-branch training's own error (measured ratios 0.7-1.4)."""
+    model = hybrid_model(family)
+    exact = tree_and_branch_gradients(model)[3]
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    low.zero_grad(set_to_none=True)
+    _, _, tree_grads, branch_grads, _ = tree_and_branch_gradients(low)
+    tree_error = float32_floor_grad_error({n: g.double() for n, g in tree_grads.items()}, exact)
+    branch_error = float32_floor_grad_error({n: g.double() for n, g in branch_grads.items()}, exact)
+    assert tree_error <= 2 * branch_error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", [f for f in SLOW_HYBRIDS if f != "mamba2"])
+def test_more_hybrid_models_match_per_branch(family):
+    test_hybrid_model_tree_training_matches_per_branch(family)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Mamba2ForCausalLM.forward (transformers 5.23) does not pass the model kwargs (kv_end) to its backbone, so "
+    "its mixers cannot see the tree: it trains wrong under tree_flash and must be refused.",
+)
+def test_pure_mamba2_model_drops_kv_end():
+    model = hybrid_model("mamba2")
+    sdpa_refused = type(model).set_attn_implementation  # no attention at all: the oracle's "sdpa" means "eager"
+    model.set_attn_implementation = lambda name: sdpa_refused(model, "eager" if name == "sdpa" else name)
+    loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(model)
+    assert float32_floor_grad_error(tree_grads, ref_grads) <= FLOAT32_FLOOR
+
+
+@contextlib.contextmanager
+def float64_lfm2_norms() -> Iterator[None]:
+    """``float64_norms`` (tests/helpers.py) also for LFM2's RMSNorm, which is the same math as Llama's."""
+    from transformers.models.lfm2.modeling_lfm2 import Lfm2RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    original = Lfm2RMSNorm.forward
+    with float64_norms():
+        Lfm2RMSNorm.forward = LlamaRMSNorm.forward  # the float64 forward while float64_norms is active
+        try:
+            yield
+        finally:
+            Lfm2RMSNorm.forward = original
+
+
+@pytest.mark.parametrize("max_packed_tokens", [64, 24])
+def test_lfm2_is_exact_in_float64(max_packed_tokens):
+    """LFM2's short convolution has no float32 inside: with its norms kept in float64, tree training equals
+    per-branch training at 1e-9, also with the tree split over several rows."""
+    with float64_lfm2_norms():
+        model = hybrid_model("lfm2")
+        loss, reference, tree_grads, ref_grads, batch = tree_and_branch_gradients(model, max_packed_tokens)
+    assert (batch["input_ids"].shape[0] > 1) == (max_packed_tokens == 24)
+    assert relative_error(loss, reference) <= 1e-9
+    assert max_grad_relative_error(tree_grads, ref_grads) <= 1e-9
+
+
+def test_without_tree_mixers_the_same_check_fails():
+    """The oracle has teeth: with the models' own mixers (the row seen as one sequence) siblings leak."""
+    model = hybrid_model("qwen3_5_text")
+    uninstall_tree_mixers()
+    try:
+        loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(model)
+    finally:
+        install_tree_mixers()
+    assert float32_floor_grad_error(tree_grads, ref_grads) > 1e-2
+
+
+def _generate_and_score(model, input_ids, attention_mask):
+    """Logits of a left-padded batch and a few greedy tokens (cached decoding): the paths without kv_end."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    generated = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0
+    )
+    return logits, generated
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+def test_install_is_idempotent_and_leaves_batches_without_kv_end_unchanged(family):
+    from transformers.models.qwen3_5 import modeling_qwen3_5
+
+    patched = modeling_qwen3_5.torch_chunk_gated_delta_rule
+    install_tree_mixers()
+    assert modeling_qwen3_5.torch_chunk_gated_delta_rule is patched  # no double wrapping
+    model = hybrid_model(family).eval()
+    input_ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
+    attention_mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
+    with torch.no_grad():
+        installed = _generate_and_score(model, input_ids, attention_mask)
+        uninstall_tree_mixers()
+        try:
+            assert modeling_qwen3_5.torch_chunk_gated_delta_rule is patched.__hf_tree_original__
+            original = _generate_and_score(model, input_ids, attention_mask)
+        finally:
+            install_tree_mixers()
+    torch.testing.assert_close(installed[0], original[0], rtol=0, atol=0)
+    assert torch.equal(installed[1], original[1])
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+def test_tree_batches_refuse_a_cache(family):
+    """A recurrent state cached after a packed tree would mix the branches' states: refused, not guessed."""
+    model = hybrid_model(family)
+    batch, _ = packed_batch()
+    with pytest.raises(ValueError, match="use_cache=False"):
+        model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"], use_cache=True)
