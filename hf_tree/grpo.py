@@ -34,9 +34,10 @@ class TreeGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is
-    refused: it lacks the tree fields). Raises ``ValueError`` for what the tree passes do not support: a model not
-    loaded with ``attn_implementation="tree_flash"``, vision-language models and image inputs, MoE router auxiliary
-    losses, and configs that rescale logits.
+    refused: it lacks the tree fields). The model is put on ``tree_flash`` as ``TreeSFTTrainer`` does (a name loads
+    with it, an instance on ``sdpa``/``eager`` is switched with a warning). Raises ``ValueError`` for what the tree
+    passes do not support: a model that cannot be switched, vision-language models and image inputs, MoE router
+    auxiliary losses, and configs that rescale logits.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: TreeGRPOConfig | None = None, **kwargs: Any) -> None:
@@ -114,6 +115,8 @@ class TreeGRPOTrainer(GRPOTrainer):
             )
         logps = outputs.log_probs[:, -logits_to_keep:]
         entropies = outputs.entropy[:, -logits_to_keep:] if compute_entropy else None
-        if compute_entropy:  # the policy pass: log how much the trees saved
+        # The policy pass: log how much the trees saved. A pass may score nothing (mask_truncated_completions masks
+        # every completion of a micro-batch that was cut at max_completion_length); it packs nothing then.
+        if compute_entropy and bool((labels != -100).any()):
             log_tree_stats(self, model)
         return logps, entropies, None
