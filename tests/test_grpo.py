@@ -208,10 +208,6 @@ def test_unsupported_setups_raise(trainers, tmp_path):
         tree._get_per_token_logps_and_entropies(tree.model, ids, holed, keep)
     setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
     sdpa_model = tiny_model(attn="sdpa")
-    with pytest.raises(ValueError, match="tree_flash"):  # a model instance loaded with sdpa
-        TreeGRPOTrainer(
-            sdpa_model, zero_reward, trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, beta=0.0), **setup
-        )
     with pytest.raises(ValueError, match="TreeGRPOConfig"):
         TreeGRPOTrainer(
             sdpa_model, zero_reward, trainer_args(GRPOConfig, str(tmp_path), torch.float64, beta=0.0), **setup
@@ -227,3 +223,32 @@ def test_unsupported_setups_raise(trainers, tmp_path):
     labels = ids.masked_fill(mask == 0, -100)
     with pytest.raises(ValueError, match="max_packed_tokens=4"):
         small(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+
+
+def test_model_instance_on_sdpa_is_switched(tmp_path, caplog):
+    """As TreeSFTTrainer does: an instance on sdpa is switched to tree_flash with one warning, not refused."""
+    setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
+    model = tiny_model(attn="sdpa")
+    with caplog.at_level("WARNING", logger="hf_tree"):
+        TreeGRPOTrainer(
+            model, zero_reward, trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, beta=0.0), **setup
+        )
+    assert model.config._attn_implementation == "tree_flash"
+    assert sum("switched model from attn_implementation='sdpa'" in r.getMessage() for r in caplog.records) == 1
+
+
+def test_a_pass_that_scores_nothing_works(tmp_path):
+    """mask_truncated_completions zeroes the completion mask of truncated rows; a micro-batch of only truncated rows
+    scores nothing. The first such policy pass raised AttributeError ('hf_tree_layout_stats') when logging."""
+    path = saved_tiny_model(tmp_path, torch.float64)
+    setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
+    trl = GRPOTrainer(path, zero_reward, trainer_args(GRPOConfig, path, torch.float64), **setup)
+    tree = TreeGRPOTrainer(path, zero_reward, trainer_args(TreeGRPOConfig, path, torch.float64), **setup)
+    ids, mask, keep = padded_batch(*scenario("full_group"))
+    mask[:, -keep:] = 0  # every completion truncated and masked, as TRL's mask_truncated_completions does
+    theirs, their_entropy, _ = trl._get_per_token_logps_and_entropies(trl.model, ids, mask, keep, compute_entropy=True)
+    ours, entropy, _ = tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, compute_entropy=True)
+    assert torch.equal(ours, theirs) and not ours.any()
+    assert torch.equal(entropy * 0, their_entropy * 0)
+    assert "tree/dedup_ratio" not in tree._metrics["train"]  # nothing packed, nothing (stale) logged
+    ours.sum().backward()  # the zero output stays connected to the model, as TRL's
