@@ -27,6 +27,7 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import logging
 import os
 import pathlib
 import re
@@ -44,6 +45,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: tests.helpers and the reward module import from the repository
     sys.path.insert(0, str(REPO))
 
+from hf_tree.dropout import DROPOUT_WARNING  # noqa: E402
 from tests.helpers import smollm2_tokenizer_or_skip, tiny_model  # noqa: E402
 
 SCRIPTS = pathlib.Path(importlib.util.find_spec("trl").origin).parent / "scripts"
@@ -74,6 +76,7 @@ class Row:
     script: str
     flags: tuple[str, ...] = ()
     fast: bool = False  # part of the unmarked test subset
+    dropout: bool = False  # LoRA dropout stays on: "warned" when the tree run said so (hf_tree.dropout)
     steps_only: bool = False  # batches cannot hold TRL's rows (random row order, groups larger than a batch): only
     # the optimizer step counts are compared ("same steps", or "rounded" when whole groups make fewer steps)
 
@@ -106,6 +109,7 @@ ROWS: tuple[Row, ...] = (
     # LoRA dropout draws one mask per packed token: a shared prompt token gets one draw instead of one per branch
     # (same expectation, different samples), so exact comparisons switch it off (GRPO/DPO disable dropout anyway).
     _sft("--use_peft --lora_dropout 0", "--use_peft", "true", "--lora_dropout", "0"),
+    Row("sft --use_peft (lora_dropout 0.05, TRL's default)", "sft", ("--use_peft", "true"), dropout=True),
     _sft("--completion_only_loss false", "--completion_only_loss", "false"),
     _sft("--loss_type dft", "--loss_type", "dft"),
     _sft("--label_smoothing_factor 0.1", "--label_smoothing_factor", "0.1"),
@@ -168,9 +172,14 @@ ROWS: tuple[Row, ...] = (
     ),
     _grpo("--top_entropy_quantile 0.8", "--top_entropy_quantile", "0.8"),
     _grpo("--top_entropy_quantile 0.5", "--top_entropy_quantile", "0.5", fast=True),
-    _grpo("--top_entropy_quantile 0.5 --use_peft", "--top_entropy_quantile", "0.5", "--use_peft", "true"),
+    _grpo(
+        "--top_entropy_quantile 0.5 --use_peft --lora_dropout 0",
+        *("--top_entropy_quantile", "0.5", "--use_peft", "true", "--lora_dropout", "0"),
+    ),
     _grpo("--mask_truncated_completions true", "--mask_truncated_completions", "true", fast=True),
-    _grpo("--use_peft", "--use_peft", "true"),
+    _grpo("--use_peft --lora_dropout 0", "--use_peft", "true", "--lora_dropout", "0"),
+    Row("grpo --use_peft (lora_dropout 0.05, TRL's default)", "grpo", ("--use_peft", "true"), dropout=True),
+    _grpo("--use_peft --disable_dropout true", "--use_peft", "true", "--disable_dropout", "true"),
 )
 
 COMMON = (
@@ -305,6 +314,8 @@ def run_script(row: Row, swapped: bool, paths: dict[str, str], folder: pathlib.P
         *COMMON, *BASE[row.script], *row.flags,
     ]  # fmt: skip
     records: list[dict] = []
+    warnings = _WarningLog()
+    logging.getLogger("hf_tree").addHandler(warnings)
     transformers.set_seed(0)  # LoRA initialisation and sampling draw from the global generators
     try:
         module = load_script(row.script, swapped, folder)
@@ -314,7 +325,20 @@ def run_script(row: Row, swapped: bool, paths: dict[str, str], folder: pathlib.P
             module.main(*arguments)
     except Exception as error:  # noqa: BLE001 -- every outcome is reported, a crash included
         return {"error": error, "trained": bool(records), "traceback": traceback.format_exc()}
-    return records[0]
+    finally:
+        logging.getLogger("hf_tree").removeHandler(warnings)
+    return {**records[0], "warnings": warnings.messages}
+
+
+class _WarningLog(logging.Handler):
+    """Collects the hf_tree warnings of one run."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
 
 
 def run_row(row: Row, paths: dict[str, str]) -> Outcome:
@@ -346,6 +370,8 @@ def run_row(row: Row, paths: dict[str, str]) -> Outcome:
     error = update_difference(ours, theirs)
     extra = {"rows_per_step": _last_log(tree["trainer"], "rows_per_step")}
     state = "exact" if steps[0] == steps[1] and error <= EXACT_TOLERANCE else "MISMATCH"
+    if state == "MISMATCH" and row.dropout and any(DROPOUT_WARNING in m for m in tree["warnings"]):
+        return Outcome(row, "warned", "dropout: one mask per shared token (hf_tree.dropout)", steps, error, seconds)
     return Outcome(row, state, "", steps, error, seconds, extra)
 
 
@@ -395,7 +421,7 @@ def main() -> int:
                 flush=True,
             )
     print(format_table(outcomes))
-    failures = [o for o in outcomes if o.state not in ("exact", "refused", "same steps", "rounded")]
+    failures = [o for o in outcomes if o.state not in ("exact", "refused", "same steps", "rounded", "warned")]
     print(
         f"\n{len(outcomes)} rows: {sum(o.state == 'exact' for o in outcomes)} exact, "
         f"{sum(o.state == 'refused' for o in outcomes)} refused, {len(failures)} failures"

@@ -20,6 +20,7 @@ from accelerate.utils import is_peft_model
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
+from hf_tree.dropout import warn_if_dropout
 from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
 from hf_tree.trainer import use_tree_attention
 
@@ -49,6 +50,8 @@ class TreeDPOTrainer(DPOTrainer):
         self._tree_heads_ready = False
         super().__init__(model, ref_model, args, **kwargs)
         self._install_tree_heads()
+        if self.args.tree_logprobs:
+            warn_if_dropout(self.model, "keep disable_dropout=True (DPOConfig's default)")
 
     def _install_tree_heads(self) -> None:
         """Put the tree fused head on the policy (and reference); runs before the first log-prob pass, which may

@@ -22,6 +22,7 @@ from accelerate.utils import is_peft_model
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 
+from hf_tree.dropout import warn_if_dropout
 from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
 
 
@@ -51,6 +52,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                 "log-prob passes do not compute (packed rows change which tokens the routers see). Set "
                 "router_aux_loss_coef=0.0 or tree_logprobs=False."
             )
+        warn_if_dropout(self.model, "set disable_dropout=True (it also zeroes LoRA's dropout)")
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
         add_tree_fused_lm_head(
             policy,

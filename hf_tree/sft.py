@@ -27,6 +27,7 @@ from hf_tree.builders import TRAIN_ON, build_tree_dataset
 from hf_tree.builders.dataset import detect_format
 from hf_tree.config import TreeArguments
 from hf_tree.distributed import enable_fsdp2_on_cpu
+from hf_tree.dropout import warn_if_dropout
 from hf_tree.row_batching import BATCH_UNITS, TreePartDataset, TreeRowBatchSampler
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.trainer import TreeTrainerMixin, pad_token_id_of, tree_model_init_kwargs, use_tree_attention
@@ -162,6 +163,7 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
         if pad_token_id is not None and hasattr(self.data_collator, "pad_token_id"):
             self.data_collator.pad_token_id = pad_token_id  # cosmetic: padding is never attended to nor scored
         self.tree_token_loss = sft_token_loss(self.args.loss_type, self.args.label_smoothing_factor)
+        warn_if_dropout(self.model, "set lora_dropout=0 (LoRA) and the model's dropout probabilities to 0")
         self._init_tree_training()
 
     def get_train_dataloader(self) -> DataLoader:
