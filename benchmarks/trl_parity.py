@@ -402,11 +402,79 @@ def format_table(outcomes: list[Outcome]) -> str:
     return "\n".join(lines)
 
 
+def entropy_threshold_flips(num_batches: int = 300, quantiles: tuple[float, ...] = (0.3, 0.5, 0.8)) -> dict:
+    """How often GRPO's high-entropy mask (``top_entropy_quantile``) changes under float32 rounding alone.
+
+    On random GRPO micro-batches (one prompt, G = 8 completions of 1-16 tokens, the tiny float32 model of the tests),
+    compares TRL's mask with (a) TRL's own mask when only 3 columns of left padding are added and (b) the tree
+    trainer's mask. Returns ``{"batches": n, "trl_with_more_padding": flips, "tree": flips}``.
+    """
+    import random
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
+    from tests.helpers import TINY, saved_tiny_model, tiny_trl_config, word_tokenizer
+
+    def reward(completions, **_):
+        return [0.0] * len(completions)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = saved_tiny_model(tmp, torch.float32)
+        setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
+        trl, tree = (
+            trainer(path, reward, tiny_trl_config(config, path, torch.float32, num_generations=4), **setup)
+            for trainer, config in ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig))
+        )
+        rng, flips, total = random.Random(0), {"trl_with_more_padding": 0, "tree": 0}, 0
+        for _ in range(num_batches):
+            prompt = [rng.randrange(3, TINY["vocab_size"]) for _ in range(rng.randint(3, 12))]
+            completions = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(rng.randint(1, 16))] for _ in range(8)]
+            keep = max(map(len, completions))
+            ids = torch.zeros(8, len(prompt) + keep, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, completion in enumerate(completions):
+                ids[row, : len(prompt)], ids[row, len(prompt) : len(prompt) + len(completion)] = (
+                    torch.tensor(prompt),
+                    torch.tensor(completion),
+                )
+                mask[row, : len(prompt) + len(completion)] = 1
+            padded_ids, padded_mask = (torch.cat([torch.zeros_like(t[:, :3]), t], 1) for t in (ids, mask))
+            runs = {
+                "trl": (trl, ids, mask),
+                "trl_with_more_padding": (trl, padded_ids, padded_mask),
+                "tree": (tree, ids, mask),
+            }
+            with torch.no_grad():
+                entropies = {
+                    name: trainer._get_per_token_logps_and_entropies(
+                        trainer.model, run_ids, run_mask, keep, compute_entropy=True
+                    )[1]
+                    for name, (trainer, run_ids, run_mask) in runs.items()
+                }
+            completion_mask = mask[:, -keep:]
+            for quantile in quantiles:
+                masks = {k: trl.get_high_entropy_mask(e, completion_mask, 1 - quantile) for k, e in entropies.items()}
+                for name in flips:
+                    flips[name] += int(bool((masks[name] ^ masks["trl"]).any()))
+                total += 1
+    return {"batches": total, **flips}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--only", default=None, help="run the rows whose name starts with this")
     parser.add_argument("--fast", action="store_true", help="only the rows of the unmarked test subset")
+    parser.add_argument(
+        "--entropy-threshold-flips",
+        action="store_true",
+        help="instead of the table: how often float32 rounding alone changes GRPO's top_entropy_quantile mask",
+    )
     args = parser.parse_args()
+    if args.entropy_threshold_flips:
+        print(entropy_threshold_flips())
+        return 0
     rows = [r for r in ROWS if (args.only is None or r.name.startswith(args.only)) and (r.fast or not args.fast)]
     outcomes = []
     with tempfile.TemporaryDirectory() as tmp:
