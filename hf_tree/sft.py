@@ -179,6 +179,22 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             shuffle=self.args.train_sampling_strategy == "random",
             seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
         )
+        num_rows, num_batches = int(sampler.num_rows.sum()), len(sampler)
+        trl_batches = -(-num_rows // self.args.per_device_train_batch_size)  # ceil: TRL's micro-batches per epoch
+        (logger.warning if num_batches != trl_batches else logger.info)(
+            "hf_tree: batch_unit='rows': %d rows in %d trees -> %d micro-batches per epoch (TRL: %d for %d rows at "
+            "per_device_train_batch_size=%d)%s",
+            num_rows,
+            len(sampler.num_rows),
+            num_batches,
+            trl_batches,
+            num_rows,
+            self.args.per_device_train_batch_size,
+            ""
+            if num_batches == trl_batches
+            else "; groups are never cut across optimizer steps, so groups larger "
+            "than a step's rows make fewer, larger steps (batch_unit='trees' counts trees instead).",
+        )
         loader = DataLoader(
             TreePartDataset(self._remove_unused_columns(self.train_dataset, description="Training")),
             batch_sampler=sampler,
