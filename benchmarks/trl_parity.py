@@ -8,6 +8,11 @@ once from a temporary copy whose ``from trl import ...`` lines import hf_tree's 
 - ``exact``: both trained the same number of optimizer steps and every trainable parameter moved the same way (the
   largest per-parameter relative difference of the updates is at most ``EXACT_TOLERANCE``, float32 rounding);
 - ``refused``: the swapped script raised ``ValueError`` before training (the message is shown);
+- ``same steps`` / ``rounded`` (rows marked ``steps_only``): only the optimizer step counts are comparable (TRL
+  shuffles rows, the tree trainer whole trees; whole groups cannot fill a smaller batch) and are equal / differ by
+  the documented group rounding (``hf_tree.row_batching``);
+- ``warned`` (rows marked ``dropout``): LoRA dropout stays on, the updates differ by their noise, and the swapped
+  run logged ``hf_tree.dropout``'s warning;
 - ``MISMATCH`` (a silent difference) or ``CRASH`` (any other error): failures.
 
 Setup: a tiny Llama (2 layers, hidden 32) with SmolLM2's real tokenizer (vocab 49152, from the offline asset), saved
@@ -17,7 +22,8 @@ tokens per prompt; the model's end-of-sequence token is made likely (``eos_bias`
 others are truncated, and rewards come from ``benchmarks/trl_parity_rewards.py`` through the script's
 ``--reward_funcs`` dotted paths.
 
-    python benchmarks/trl_parity.py                 # every row (~10 min on a 2-core CPU)
+    python benchmarks/trl_parity.py                 # every row (~15 min on a 2-core CPU)
+    python benchmarks/trl_parity.py --entropy-threshold-flips   # float32 ties of top_entropy_quantile
     python benchmarks/trl_parity.py --only grpo     # rows whose name starts with "grpo"
 """
 
@@ -66,6 +72,8 @@ EXACT_TOLERANCE = 1e-4
 # otherwise read as a large relative error.
 UPDATE_FLOOR = 1e-3
 REWARDS = "benchmarks.trl_parity_rewards"
+# Row outcomes that are not failures (MISMATCH and CRASH are).
+STATES = ("exact", "refused", "same steps", "rounded", "warned")
 
 
 @dataclass(frozen=True)
@@ -489,11 +497,9 @@ def main() -> int:
                 flush=True,
             )
     print(format_table(outcomes))
-    failures = [o for o in outcomes if o.state not in ("exact", "refused", "same steps", "rounded", "warned")]
-    print(
-        f"\n{len(outcomes)} rows: {sum(o.state == 'exact' for o in outcomes)} exact, "
-        f"{sum(o.state == 'refused' for o in outcomes)} refused, {len(failures)} failures"
-    )
+    failures = [o for o in outcomes if o.state not in STATES]
+    counts = ", ".join(f"{sum(o.state == s for o in outcomes)} {s}" for s in STATES)
+    print(f"\n{len(outcomes)} rows: {counts}; {len(failures)} failures (MISMATCH or CRASH)")
     return 1 if failures else 0
 
 
