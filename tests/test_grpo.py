@@ -117,6 +117,26 @@ def test_logprobs_and_entropies_match_trl(trainers, name):
             assert relative_error(ours, exact) <= 2 * relative_error(theirs, exact) + 1e-7
 
 
+@pytest.mark.parametrize("name", ["full_group", "partial_groups", "several_prompts"])
+def test_high_entropy_mask_is_taken_over_trls_tokens(trainers, name):
+    """(Runs before the tests that build new configs: those reset the shared accelerator state.)
+    ``top_entropy_quantile``: the quantile runs over the per-row completion tokens, each row's copy of a shared
+    or duplicated token counted once, as in TRL. In float64 (no threshold flip from rounding) the selected tokens
+    must be TRL's for every quantile. (In float32, a token within one ulp of the threshold can flip, and does for
+    TRL itself when only the padding changes: 6 of 900 random batches, vs 5 of 900 tree vs TRL.)"""
+    trl, tree, _ = trainers
+    if tree.model.dtype != torch.float64:
+        pytest.skip("float64 only: in float32 a tie within one ulp of the threshold decides (see docstring)")
+    ids, mask, keep = padded_batch(*scenario(name))
+    with torch.no_grad(), float64_norms():
+        _, theirs, _ = trl._get_per_token_logps_and_entropies(trl.model, ids, mask, keep, compute_entropy=True)
+        _, ours, _ = tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, compute_entropy=True)
+    completion_mask = mask[:, -keep:]
+    for quantile in (0.2, 0.5, 0.8):
+        expected = trl.get_high_entropy_mask(theirs, completion_mask, 1 - quantile)
+        assert torch.equal(tree.get_high_entropy_mask(ours, completion_mask, 1 - quantile), expected), quantile
+
+
 def test_split_trees_and_chunked_forwards_match_trl():
     """Row capacity below one group (trees split by completions) and one packed row per backbone call."""
     reference, model = tiny_model(attn="sdpa"), tiny_model()
@@ -252,22 +272,3 @@ def test_a_pass_that_scores_nothing_works(tmp_path):
     assert torch.equal(entropy * 0, their_entropy * 0)
     assert "tree/dedup_ratio" not in tree._metrics["train"]  # nothing packed, nothing (stale) logged
     ours.sum().backward()  # the zero output stays connected to the model, as TRL's
-
-
-@pytest.mark.parametrize("name", ["full_group", "partial_groups", "several_prompts"])
-def test_high_entropy_mask_is_taken_over_trls_tokens(trainers, name):
-    """``top_entropy_quantile``: the quantile runs over the per-row completion tokens, each row's copy of a shared
-    or duplicated token counted once, as in TRL. In float64 (no threshold flip from rounding) the selected tokens
-    must be TRL's for every quantile. (In float32, a token within one ulp of the threshold can flip, and does for
-    TRL itself when only the padding changes: 6 of 900 random batches, vs 5 of 900 tree vs TRL.)"""
-    trl, tree, _ = trainers
-    if tree.model.dtype != torch.float64:
-        pytest.skip("float64 only: in float32 a tie within one ulp of the threshold decides (see docstring)")
-    ids, mask, keep = padded_batch(*scenario(name))
-    with torch.no_grad(), float64_norms():
-        _, theirs, _ = trl._get_per_token_logps_and_entropies(trl.model, ids, mask, keep, compute_entropy=True)
-        _, ours, _ = tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, compute_entropy=True)
-    completion_mask = mask[:, -keep:]
-    for quantile in (0.2, 0.5, 0.8):
-        expected = trl.get_high_entropy_mask(theirs, completion_mask, 1 - quantile)
-        assert torch.equal(tree.get_high_entropy_mask(ours, completion_mask, 1 - quantile), expected), quantile
