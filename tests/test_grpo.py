@@ -119,11 +119,11 @@ def test_logprobs_and_entropies_match_trl(trainers, name):
 
 @pytest.mark.parametrize("name", ["full_group", "partial_groups", "several_prompts"])
 def test_high_entropy_mask_is_taken_over_trls_tokens(trainers, name):
-    """(Runs before the tests that build new configs: those reset the shared accelerator state.)
-    ``top_entropy_quantile``: the quantile runs over the per-row completion tokens, each row's copy of a shared
+    """``top_entropy_quantile``: the quantile runs over the per-row completion tokens, each row's copy of a shared
     or duplicated token counted once, as in TRL. In float64 (no threshold flip from rounding) the selected tokens
     must be TRL's for every quantile. (In float32, a token within one ulp of the threshold can flip, and does for
-    TRL itself when only the padding changes: 6 of 900 random batches, vs 5 of 900 tree vs TRL.)"""
+    TRL itself when only the padding changes: 6 of 900 random batches, vs 5 of 900 tree vs TRL.) Placed before the
+    tests that build new configs: those reset the accelerator state the module's trainers share."""
     trl, tree, _ = trainers
     if tree.model.dtype != torch.float64:
         pytest.skip("float64 only: in float32 a tie within one ulp of the threshold decides (see docstring)")
