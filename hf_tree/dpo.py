@@ -20,7 +20,9 @@ from accelerate.utils import is_peft_model
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
+from hf_tree.dropout import warn_if_dropout
 from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
+from hf_tree.trainer import use_tree_attention
 
 # Per-token fields TRL's DPO reads from the policy's fused head (``DPOTrainer.__init__``); the reference needs only
 # ``log_probs``.
@@ -36,15 +38,20 @@ class TreeDPOTrainer(DPOTrainer):
     """``DPOTrainer`` whose policy and reference log-probs come from packed prompt trees.
 
     Accepts exactly ``DPOTrainer``'s arguments with ``args`` a ``TreeDPOConfig``. Raises ``ValueError`` for what
-    the tree passes do not support: a model (or ``ref_model``) not loaded with ``attn_implementation="tree_flash"``,
+    the tree passes do not support: a model (or ``ref_model``) that cannot be switched to ``tree_flash`` (an
+    instance on ``sdpa``/``eager`` is switched with a warning, a name is loaded with it),
     vision datasets and vision-language models, MoE router auxiliary losses, and configs that rescale logits.
     """
 
     def __init__(self, model: Any, ref_model: Any = None, args: TreeDPOConfig | None = None, **kwargs: Any) -> None:
         args = prepare_trl_args(args, TreeDPOConfig, model, "DPO")
+        if args.tree_logprobs and ref_model is not None and not isinstance(ref_model, str):
+            use_tree_attention(ref_model, "ref_model")
         self._tree_heads_ready = False
         super().__init__(model, ref_model, args, **kwargs)
         self._install_tree_heads()
+        if self.args.tree_logprobs:
+            warn_if_dropout(self.model, "keep disable_dropout=True (DPOConfig's default)")
 
     def _install_tree_heads(self) -> None:
         """Put the tree fused head on the policy (and reference); runs before the first log-prob pass, which may

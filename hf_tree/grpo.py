@@ -22,6 +22,7 @@ from accelerate.utils import is_peft_model
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 
+from hf_tree.dropout import warn_if_dropout
 from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
 
 
@@ -34,9 +35,10 @@ class TreeGRPOTrainer(GRPOTrainer):
     """``GRPOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is
-    refused: it lacks the tree fields). Raises ``ValueError`` for what the tree passes do not support: a model not
-    loaded with ``attn_implementation="tree_flash"``, vision-language models and image inputs, MoE router auxiliary
-    losses, and configs that rescale logits.
+    refused: it lacks the tree fields). The model is put on ``tree_flash`` as ``TreeSFTTrainer`` does (a name loads
+    with it, an instance on ``sdpa``/``eager`` is switched with a warning). Raises ``ValueError`` for what the tree
+    passes do not support: a model that cannot be switched, vision-language models and image inputs, MoE router
+    auxiliary losses, and configs that rescale logits.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: TreeGRPOConfig | None = None, **kwargs: Any) -> None:
@@ -50,6 +52,7 @@ class TreeGRPOTrainer(GRPOTrainer):
                 "log-prob passes do not compute (packed rows change which tokens the routers see). Set "
                 "router_aux_loss_coef=0.0 or tree_logprobs=False."
             )
+        warn_if_dropout(self.model, "set disable_dropout=True (it also zeroes LoRA's dropout)")
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
         add_tree_fused_lm_head(
             policy,
@@ -114,6 +117,8 @@ class TreeGRPOTrainer(GRPOTrainer):
             )
         logps = outputs.log_probs[:, -logits_to_keep:]
         entropies = outputs.entropy[:, -logits_to_keep:] if compute_entropy else None
-        if compute_entropy:  # the policy pass: log how much the trees saved
+        # The policy pass: log how much the trees saved. A pass may score nothing (mask_truncated_completions masks
+        # every completion of a micro-batch that was cut at max_completion_length); it packs nothing then.
+        if compute_entropy and bool((labels != -100).any()):
             log_tree_stats(self, model)
         return logps, entropies, None

@@ -42,6 +42,7 @@ from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
 from hf_tree.packing import PackingStats, pack_and_place
+from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
 from hf_tree.tree import Tree
 
 # Vocabulary tile of TRL's fused head (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``): the same tiling keeps the
@@ -403,11 +404,13 @@ class TreeLogProbArguments:
 
 
 def prepare_trl_args(args: Any, config_class: type, model: Any, trainer_name: str) -> Any:
-    """The tree trainer's arguments: ``args`` (TRL's default naming when ``None``), and for a model given by name
-    with ``tree_logprobs``, ``model_init_kwargs`` defaulting to ``attn_implementation="tree_flash"``.
+    """The tree trainer's arguments: ``args`` (TRL's default naming when ``None``); with ``tree_logprobs``, the
+    model on ``tree_flash`` as ``TreeSFTTrainer`` does it: by name, ``model_init_kwargs["attn_implementation"]``
+    becomes ``tree_flash`` (``None``/unset silently, another name with a warning); an instance is switched
+    (``hf_tree.trainer.use_tree_attention``).
 
     Raises:
-        ValueError: for a plain TRL config, which lacks the tree fields.
+        ValueError: for a plain TRL config, which lacks the tree fields, or a model that cannot be switched.
     """
     if args is None:
         name = model if isinstance(model, str) else get_config_model_id(model.config)
@@ -418,7 +421,9 @@ def prepare_trl_args(args: Any, config_class: type, model: Any, trainer_name: st
             "the tree ones): swap the config class too."
         )
     if args.tree_logprobs and isinstance(model, str):
-        args.model_init_kwargs = {"attn_implementation": TREE_ATTENTION_NAME, **(args.model_init_kwargs or {})}
+        args.model_init_kwargs = tree_model_init_kwargs(args.model_init_kwargs)
+    elif args.tree_logprobs:
+        use_tree_attention(model)
     return args
 
 

@@ -6,6 +6,8 @@ HF's shifted causal-LM loss cannot score several children of one position, so th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from accelerate.utils import extract_model_from_parallel
 from torch.utils.checkpoint import checkpoint
@@ -163,6 +165,7 @@ def tree_causal_lm_loss(
     batch: dict[str, torch.Tensor],
     num_items_in_batch: torch.Tensor | float | None = None,
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    token_loss: Callable[..., torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """Weighted CE of a packed tree batch (from ``TreeDataCollator``), as a 0-dim tensor.
 
@@ -173,6 +176,8 @@ def tree_causal_lm_loss(
         num_items_in_batch: the divisor for the whole optimizer step (sum of weights, or trained
             branches for ``"sequence"``) across accumulation steps and ranks; defaults to the batch's
             own ``num_loss_items``.
+        token_loss: replaces ``weighted_cross_entropy`` (same arguments), e.g. the DFT or label-smoothed losses
+            of ``hf_tree.sft_losses``.
     """
     config = extract_model_from_parallel(model).config
     if config._attn_implementation != TREE_ATTENTION_NAME:
@@ -192,7 +197,7 @@ def tree_causal_lm_loss(
     hidden = outputs.hidden_states[-1]  # final-norm output: what the LM head sees
     gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
     head = extract_model_from_parallel(model).get_output_embeddings()
-    total = weighted_cross_entropy(
+    total = (token_loss or weighted_cross_entropy)(
         head,
         gathered,
         batch["loss_targets"],

@@ -12,21 +12,26 @@ evaluation and logs are those of ``TreeTrainer`` (``TreeTrainerMixin``). Setting
 
 from __future__ import annotations
 
+import functools
 import logging
 from dataclasses import dataclass, field
 
 import datasets
+from torch.utils.data import DataLoader
 from transformers import ProcessorMixin
+from transformers.trainer_utils import seed_worker
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import maybe_convert_to_chatml
 
-from hf_tree.attention.registration import TREE_ATTENTION_NAME
 from hf_tree.builders import TRAIN_ON, build_tree_dataset
 from hf_tree.builders.dataset import detect_format
 from hf_tree.config import TreeArguments
 from hf_tree.distributed import enable_fsdp2_on_cpu
-from hf_tree.trainer import TreeTrainerMixin, pad_token_id_of, use_tree_attention
-from hf_tree.tree import TREE_KEYS
+from hf_tree.dropout import warn_if_dropout
+from hf_tree.row_batching import BATCH_UNITS, TreePartDataset, TreeRowBatchSampler
+from hf_tree.sft_losses import sft_token_loss
+from hf_tree.trainer import TreeTrainerMixin, pad_token_id_of, tree_model_init_kwargs, use_tree_attention
+from hf_tree.tree import TREE_KEYS, Tree
 
 logger = logging.getLogger("hf_tree")
 
@@ -57,6 +62,17 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
         },
     )
 
+    batch_unit: str = field(
+        default="rows",
+        metadata={
+            "help": "What per_device_train_batch_size counts. 'rows' (default, TRL's unit): dataset rows (samples, "
+            "i.e. branches); each batch holds whole trees adding up to about that many rows, so an epoch has TRL's "
+            "number of optimizer steps (hf_tree.row_batching). 'trees': trees per batch (one tree = all rows merged "
+            "into it, e.g. a whole GRPO-style group), so a batch holds ~group-size times more rows than TRL's.",
+            "choices": list(BATCH_UNITS),
+        },
+    )
+
     def check_tree_arguments(self) -> None:
         why = "trees are packed by hf_tree (best-fit rows with a tree attention mask), which replaces TRL's"
         if self.packing:
@@ -68,20 +84,14 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
                 f"padding_free=True cannot apply: {why} padding-free batches (whose flattened sequences cannot "
                 "share prefixes); set padding_free=False."
             )
-        if self.loss_type != "nll":
+        sft_token_loss(self.loss_type, self.label_smoothing_factor)  # validates both
+        if self.batch_unit not in BATCH_UNITS:
+            raise ValueError(f"batch_unit={self.batch_unit!r} must be one of {BATCH_UNITS}.")
+        if self.batch_unit == "rows" and self.train_sampling_strategy not in ("random", "sequential"):
             raise ValueError(
-                f"loss_type={self.loss_type!r} cannot apply: tree trainers compute the exact negative log-likelihood "
-                "of every branch (hf_tree.tree_causal_lm_loss); set loss_type='nll'."
-            )
-        if self.label_smoothing_factor:
-            raise ValueError(
-                f"label_smoothing_factor={self.label_smoothing_factor} cannot apply: the tree loss is plain "
-                "cross-entropy; set label_smoothing_factor=0.0."
-            )
-        if self.completion_only_loss is False:
-            raise ValueError(
-                "completion_only_loss=False cannot apply: tree builders train completions (and assistant turns) "
-                "only, the shared prompt is context; set completion_only_loss=None or True."
+                f"train_sampling_strategy={self.train_sampling_strategy!r} cannot apply with batch_unit='rows': "
+                "batches are whole trees filled up to per_device_train_batch_size rows, in random or sequential "
+                "order. Set train_sampling_strategy='random' or 'sequential', or batch_unit='trees'."
             )
         if self.train_on not in TRAIN_ON:
             raise ValueError(f"train_on={self.train_on!r} must be one of {TRAIN_ON}.")
@@ -93,6 +103,14 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
 def is_tree_dataset(dataset: datasets.Dataset | datasets.IterableDataset) -> bool:
     """Whether the rows are already ``Tree.to_dict()`` rows."""
     return set(TREE_KEYS) <= set(dataset.column_names or ())
+
+
+def train_every_token(row: dict) -> dict:
+    """A tree row whose branches train every token after their first (TRL's ``completion_only_loss=False``): a
+    shared prompt token is then trained with the weight of the branches that contain it."""
+    tree = Tree.from_dict(dict(row))
+    sequences = [tree.branch_tokens(b) for b in range(tree.num_branches)]
+    return Tree.from_sequences(sequences, None, tree.branch_fields or None).to_dict()
 
 
 class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
@@ -126,14 +144,7 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 "map your dataset into one of those formats first."
             )
         if isinstance(model, str):
-            init_kwargs = dict(args.model_init_kwargs or {})
-            if init_kwargs.get("attn_implementation", TREE_ATTENTION_NAME) != TREE_ATTENTION_NAME:
-                logger.warning(
-                    "hf_tree: model_init_kwargs attn_implementation=%r replaced by %r (trees need it).",
-                    init_kwargs["attn_implementation"],
-                    TREE_ATTENTION_NAME,
-                )
-            args.model_init_kwargs = {**init_kwargs, "attn_implementation": TREE_ATTENTION_NAME}
+            args.model_init_kwargs = tree_model_init_kwargs(args.model_init_kwargs)
         else:
             use_tree_attention(model)
         if data_collator is None:
@@ -151,7 +162,52 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
         pad_token_id = pad_token_id_of(self.processing_class)
         if pad_token_id is not None and hasattr(self.data_collator, "pad_token_id"):
             self.data_collator.pad_token_id = pad_token_id  # cosmetic: padding is never attended to nor scored
+        self.tree_token_loss = sft_token_loss(self.args.loss_type, self.args.label_smoothing_factor)
+        warn_if_dropout(self.model, "set lora_dropout=0 (LoRA) and the model's dropout probabilities to 0")
         self._init_tree_training()
+
+    def get_train_dataloader(self) -> DataLoader:
+        """Trainer's loader; with ``batch_unit="rows"`` each optimizer step holds whole trees adding up to about
+        ``per_device_train_batch_size x gradient_accumulation_steps x ranks`` rows (``TreeRowBatchSampler``):
+        TRL's batch and step count."""
+        if self.args.batch_unit == "trees" or not isinstance(self.train_dataset, datasets.Dataset):
+            return super().get_train_dataloader()
+        sampler = TreeRowBatchSampler(
+            [len(ends) for ends in self.train_dataset["branch_end_nodes"]],
+            rows_per_batch=self.args.per_device_train_batch_size,
+            batches_per_step=self.args.gradient_accumulation_steps * self.args.world_size,
+            shuffle=self.args.train_sampling_strategy == "random",
+            seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+        )
+        num_rows, num_batches = int(sampler.num_rows.sum()), len(sampler)
+        trl_batches = -(-num_rows // self.args.per_device_train_batch_size)  # ceil: TRL's micro-batches per epoch
+        (logger.warning if num_batches != trl_batches else logger.info)(
+            "hf_tree: batch_unit='rows': %d rows in %d trees -> %d micro-batches per epoch (TRL: %d for %d rows at "
+            "per_device_train_batch_size=%d)%s",
+            num_rows,
+            len(sampler.num_rows),
+            num_batches,
+            trl_batches,
+            num_rows,
+            self.args.per_device_train_batch_size,
+            ""
+            if num_batches == trl_batches
+            else "; groups are never cut across optimizer steps, so groups larger "
+            "than a step's rows make fewer, larger steps (batch_unit='trees' counts trees instead).",
+        )
+        loader = DataLoader(
+            TreePartDataset(self._remove_unused_columns(self.train_dataset, description="Training")),
+            batch_sampler=sampler,
+            collate_fn=self.data_collator,
+            num_workers=self.args.dataloader_num_workers,
+            pin_memory=self.args.dataloader_pin_memory,
+            persistent_workers=self.args.dataloader_persistent_workers,
+            prefetch_factor=self.args.dataloader_prefetch_factor,
+            worker_init_fn=functools.partial(
+                seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
+            ),
+        )
+        return self.accelerator.prepare(loader)
 
     def _prepare_dataset(self, dataset, processing_class, args, packing, formatting_func, dataset_name):
         """TRL rows -> tree rows (``hf_tree.builders.build_tree_dataset``); tree rows pass through unchanged."""
@@ -178,4 +234,11 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 chat_template=self.chat_template,
                 train_on=args.train_on,
             )
+        if args.completion_only_loss is False:
+            if data_format == "messages":
+                raise ValueError(
+                    "completion_only_loss=False cannot apply to 'messages' rows (TRL ignores it there too): tree "
+                    "builders train assistant turns of each per-turn branch. Leave completion_only_loss unset."
+                )
+            trees = trees.map(train_every_token, desc=f"training the prompts of the {dataset_name} dataset")
         return trees.shuffle(seed=args.seed) if args.shuffle_dataset else trees

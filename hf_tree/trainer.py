@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -48,25 +49,58 @@ class TreeTrainingArguments(TreeArguments, TrainingArguments):
     """``TrainingArguments`` plus the tree fields of ``hf_tree.config.TreeArguments``."""
 
 
-def use_tree_attention(model: torch.nn.Module) -> None:
+def use_tree_attention(model: torch.nn.Module, name: str = "model") -> None:
     """Switch a causal LM (or the base model of a PEFT model) to ``attn_implementation="tree_flash"``.
 
-    Without ``kv_end`` the tree attention is exactly SDPA, so generation and plain batches are unchanged.
+    Without ``kv_end`` the tree attention is exactly SDPA, so generation and plain batches are unchanged. A model on
+    another implementation (``sdpa``, ``eager``, ...) is switched with one warning.
+
+    Raises:
+        ValueError: when ``model`` is not a transformers ``PreTrainedModel`` (optionally PEFT-wrapped), or when
+            transformers refuses the switch for this model class.
     """
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     if not isinstance(base, PreTrainedModel):
         raise ValueError(
-            f"the model is a {type(base).__name__}; tree training needs a transformers PreTrainedModel (causal LM), "
+            f"{name} is a {type(base).__name__}; tree training needs a transformers PreTrainedModel (causal LM), "
             "optionally wrapped by PEFT."
         )
-    if base.config._attn_implementation != TREE_ATTENTION_NAME:
+    current = base.config._attn_implementation
+    if current == TREE_ATTENTION_NAME:
+        return
+    try:
+        base.set_attn_implementation(TREE_ATTENTION_NAME)
+    except (ValueError, ImportError, NotImplementedError) as error:
+        raise ValueError(
+            f"{name} ({type(base).__name__}) uses attn_implementation={current!r} and cannot be switched to "
+            f"{TREE_ATTENTION_NAME!r}: {error}. Tree training needs a model whose attention transformers can swap."
+        ) from error
+    logger.warning(
+        "hf_tree: switched %s from attn_implementation=%r to %r (packed trees need it; without kv_end it is exactly "
+        "SDPA).",
+        name,
+        current,
+        TREE_ATTENTION_NAME,
+    )
+
+
+def tree_model_init_kwargs(model_init_kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """``model_init_kwargs`` for a model loaded by name, with ``attn_implementation="tree_flash"``.
+
+    ``None`` or unset (TRL's scripts pass ``None`` unless ``--attn_implementation`` is given) becomes
+    ``tree_flash`` silently; any other name is replaced with one warning, as ``use_tree_attention`` switches a model
+    instance.
+    """
+    init_kwargs = dict(model_init_kwargs or {})
+    requested = init_kwargs.get("attn_implementation")
+    if requested not in (None, TREE_ATTENTION_NAME):
         logger.warning(
-            "hf_tree: switching the model from attn_implementation=%r to %r (packed trees need it; without kv_end "
+            "hf_tree: model_init_kwargs attn_implementation=%r replaced by %r (packed trees need it; without kv_end "
             "it is exactly SDPA).",
-            base.config._attn_implementation,
+            requested,
             TREE_ATTENTION_NAME,
         )
-        base.set_attn_implementation(TREE_ATTENTION_NAME)
+    return {**init_kwargs, "attn_implementation": TREE_ATTENTION_NAME}
 
 
 def pad_token_id_of(processing_class: Any) -> int | None:
@@ -89,6 +123,8 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     # compute_loss divides by the whole optimizer step's divisor, so Trainer must not divide by the
     # number of accumulation steps again.
     loss_is_scaled_for_ga = True
+    # Per-token loss replacing the weighted cross-entropy (``tree_causal_lm_loss``'s ``token_loss``); None: plain CE.
+    tree_token_loss: Callable[..., torch.Tensor] | None = None
 
     def _init_tree_training(self) -> None:
         if self.args.n_gpu > 1:
@@ -157,7 +193,9 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         DDP/FSDP average gradients over ranks (under context parallel the CP ranks' shares add up the same way)."""
         for name in STATS_KEYS:
             inputs.pop(name, None)
-        loss = tree_causal_lm_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        loss = tree_causal_lm_loss(
+            model, inputs, num_items_in_batch=num_items_in_batch, token_loss=self.tree_token_loss
+        )
         if num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
         return (loss, None) if return_outputs else loss
@@ -169,7 +207,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         for name in STATS_KEYS:
             inputs.pop(name, None)
         with torch.no_grad(), self.compute_loss_context_manager():
-            total = tree_causal_lm_loss(model, inputs, num_items_in_batch=1.0)  # the weighted sum
+            total = tree_causal_lm_loss(model, inputs, num_items_in_batch=1.0, token_loss=self.tree_token_loss)
         items = inputs["num_loss_items"].to(total.device, torch.float64)
         if self._tree_eval_sums is not None:
             self._tree_eval_sums += torch.stack([total.detach().to(torch.float64), items])

@@ -122,11 +122,12 @@ def test_unsupported_setups_raise(tmp_path):
             train_dataset=Dataset.from_dict(PAIRS),
             processing_class=word_tokenizer(),
         )
-    with pytest.raises(ValueError, match="ref_model uses attn_implementation='sdpa'"):
-        TreeDPOTrainer(
-            path,
-            ref_model=tiny_model(attn="sdpa"),
-            args=dpo_args(TreeDPOConfig, path, torch.float64),
-            train_dataset=Dataset.from_dict(PAIRS),
-            processing_class=word_tokenizer(),
-        )
+    ref_model = tiny_model(attn="sdpa")  # an instance on sdpa is switched (as TreeSFTTrainer does), not refused
+    TreeDPOTrainer(
+        path,
+        ref_model=ref_model,
+        args=dpo_args(TreeDPOConfig, path, torch.float64),
+        train_dataset=Dataset.from_dict(PAIRS),
+        processing_class=word_tokenizer(),
+    )
+    assert ref_model.config._attn_implementation == "tree_flash"

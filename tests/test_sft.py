@@ -13,13 +13,19 @@ import json
 import datasets
 import pytest
 import torch
+import torch.nn.functional as F
 from trl import SFTConfig, SFTTrainer
 
 from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.builders import GROUP_BY_ROW
+from hf_tree.collator import TreeDataCollator
 from hf_tree.data.synthetic_agent import synthetic_agent_dataset
-from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
-from tests.helpers import tiny_model
+from hf_tree.loss import tree_causal_lm_loss
+from hf_tree.row_batching import TreePart, plan_row_batches
+from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer, train_every_token
+from hf_tree.sft_losses import sft_token_loss
+from hf_tree.tree import Tree
+from tests.helpers import float64_norms, grads_of, max_grad_relative_error, tiny_model
 
 QWEN3_TEMPLATE = str(importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja")
 VOCAB = 49152  # SmolLM2's tokenizer
@@ -112,8 +118,9 @@ def test_agent_conversations_with_reasoning_and_tools_train(tmp_path, tokenizer)
         ("packing", True),
         ("padding_free", True),
         ("eval_packing", True),
-        ("loss_type", "dft"),
-        ("completion_only_loss", False),
+        ("loss_type", "dpo"),
+        ("batch_unit", "samples"),
+        ("train_sampling_strategy", "group_by_length"),
     ],
 )
 def test_settings_that_cannot_apply_to_trees_are_refused(field, value):
@@ -146,3 +153,112 @@ def test_tree_rows_pass_through_unchanged(tmp_path, tokenizer):
     trees = build_tree_dataset(prompt_completion_dataset(), tokenizer)
     trainer = trl_script(TreeSFTConfig, TreeSFTTrainer, tokenizer, trees, str(tmp_path))
     assert trainer.train_dataset.to_list() == trees.to_list()
+
+
+# ------------------------------------------------------------------ TRL's other objectives, exact on trees
+def per_branch_sft_loss(model, sequences, masks, loss_type: str, smoothing: float) -> torch.Tensor:
+    """The oracle: each branch alone through ``model`` (sdpa), TRL's per-token DFT / label-smoothed loss, summed over
+    trained tokens and divided by their count (``torch``'s label smoothing is transformers' ``LabelSmoother``)."""
+    model.set_attn_implementation("sdpa")
+    total, count = 0.0, 0
+    for sequence, mask in zip(sequences, masks):
+        ids = torch.tensor([sequence])
+        logits = model(input_ids=ids).logits[0, :-1]
+        trained = torch.tensor(mask[1:], dtype=torch.bool)
+        targets = ids[0, 1:]
+        if loss_type == "dft":
+            log_p = torch.log_softmax(logits, -1).gather(1, targets[:, None]).squeeze(1)
+            per_token = -log_p * log_p.detach().exp()
+        else:
+            per_token = F.cross_entropy(logits, targets, reduction="none", label_smoothing=smoothing)
+        total, count = total + per_token[trained].sum(), count + int(trained.sum())
+    model.set_attn_implementation("tree_flash")
+    return total / count
+
+
+@pytest.mark.parametrize("loss_type, smoothing", [("dft", 0.0), ("nll", 0.1)], ids=["dft", "label_smoothing"])
+def test_dft_and_label_smoothing_losses_equal_per_branch(loss_type, smoothing):
+    sequences = [[5, 6, 7, 8, 9], [5, 6, 7, 10], [5, 6, 11, 12, 13, 14], [5, 6, 7, 8, 9]]
+    masks = [[0, 0, 0, 1, 1], [0, 0, 0, 1], [0, 0, 1, 1, 1, 1], [0, 0, 0, 1, 1]]
+    batch = TreeDataCollator(max_packed_tokens=64)([Tree.from_sequences(sequences, masks).to_dict()])
+    model = tiny_model()
+    token_loss = sft_token_loss(loss_type, smoothing)
+    with float64_norms():
+        loss = tree_causal_lm_loss(model, batch, token_loss=token_loss, chunk_size=3)  # several chunks
+        loss.backward()
+        ours = grads_of(model)
+        model.zero_grad()
+        expected = per_branch_sft_loss(model, sequences, masks, loss_type, smoothing)
+        expected.backward()
+    assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-12)
+    assert max_grad_relative_error(ours, grads_of(model)) <= 1e-9
+
+
+def test_dft_ignores_label_smoothing_as_trl_does():
+    assert sft_token_loss("dft", 0.1).keywords == {"dft": True, "label_smoothing": 0.0}
+    assert sft_token_loss("nll", 0.0) is None
+
+
+def test_completion_only_loss_false_trains_prompts_with_the_weight_of_their_branches():
+    tree = Tree.from_sequences([[1, 2, 3, 4], [1, 2, 3, 5, 6], [1, 7]], [[0, 0, 0, 1], [0, 0, 0, 1, 1], [0, 1]])
+    full = Tree.from_dict(train_every_token(tree.to_dict()))
+    assert full.num_branches == 3 and full.num_tokens == tree.num_tokens
+    for branch in range(3):
+        assert full.branch_loss_mask(branch)[1:] == [1] * (len(full.branch_tokens(branch)) - 1)
+    rows = full.to_dict()
+    weights = {t: w for ts, ws in zip(rows["node_tokens"], rows["node_token_weights"]) for t, w in zip(ts, ws)}
+    assert weights == {1: 0, 2: 2, 3: 2, 4: 1, 5: 1, 6: 1, 7: 1}  # a prompt token: one per branch containing it
+
+
+# ------------------------------------------------------------------ batch semantics: rows, as TRL counts them
+def test_row_batches_give_trls_steps_for_equal_groups():
+    sizes = [4] * 5  # 20 rows, 5 prompts x 4 completions
+    assert plan_row_batches(range(5), sizes, rows_per_batch=4, batches_per_step=1) == [
+        [TreePart(t, 0, 4)] for t in range(5)
+    ]
+    halves = plan_row_batches(range(5), sizes, rows_per_batch=2, batches_per_step=2)  # batch 2, accumulation 2
+    assert halves[:2] == [[TreePart(0, 0, 2)], [TreePart(0, 2, 4)]] and len(halves) == 10  # 5 steps, as TRL
+    assert len(plan_row_batches(range(5), sizes, rows_per_batch=8, batches_per_step=1)) == 3  # ceil(20 / 8)
+
+
+def test_row_batches_never_cut_a_group_across_steps():
+    sizes = [3, 1, 6, 2, 2, 1]
+    for rows_per_batch, per_step in [(1, 1), (2, 1), (3, 2), (4, 1), (2, 3)]:
+        batches = plan_row_batches(range(len(sizes)), sizes, rows_per_batch, per_step)
+        steps = [batches[i : i + per_step] for i in range(0, len(batches), per_step)]
+        seen = [(p.tree, b) for batch in batches for p in batch for b in range(p.first, p.last)]
+        assert seen == [(t, b) for t, n in enumerate(sizes) for b in range(n)]  # every branch once, in order
+        owners = {}
+        for index, step in enumerate(steps):
+            for part in (p for batch in step for p in batch):
+                assert owners.setdefault(part.tree, index) == index  # a tree lives in one step
+        assert all(batches), "no empty micro-batch"
+        assert all(len(step) == per_step for step in steps[:-1])
+
+
+@pytest.mark.slow  # the fast parity row "sft 1 epoch, batch 4" checks the same through TRL's own script
+def test_swapped_epoch_has_trls_optimizer_steps(tmp_path, tokenizer):
+    rows = [{"prompt": f"Question {q}?", "completion": f" answer {a}."} for q in range(5) for a in range(4)]
+    dataset = datasets.Dataset.from_list(rows)
+    # 20 rows at batch 4: TRL's 5 steps; batch_unit="trees" (the explicit tree unit): 4 trees (16 rows) per batch
+    for cls, config, extra, steps in (
+        (SFTTrainer, SFTConfig, {}, 5),
+        (TreeSFTTrainer, TreeSFTConfig, {}, 5),
+        (TreeSFTTrainer, TreeSFTConfig, {"batch_unit": "trees"}, 2),
+    ):
+        args = config(
+            output_dir=str(tmp_path / cls.__name__),
+            num_train_epochs=1,
+            per_device_train_batch_size=4,
+            report_to="none",
+            bf16=False,
+            save_strategy="no",
+            **extra,
+        )
+        trainer = cls(
+            model=tiny_model(vocab_size=VOCAB, dtype=torch.float32, attn="sdpa"),
+            args=args,
+            train_dataset=dataset,
+            processing_class=copy.deepcopy(tokenizer),
+        )
+        assert len(trainer.get_train_dataloader()) == steps, (cls.__name__, extra)

@@ -1,0 +1,507 @@
+"""TRL option parity: TRL's own ``trl/scripts/{sft,dpo,grpo}.py``, unmodified vs with the class swap.
+
+For every row of ``ROWS`` (a script and a few of its ``SFTConfig``/``DPOConfig``/``GRPOConfig``/``ModelConfig``
+flags) the installed script runs twice in this process on the same tiny local model and dataset: once as shipped,
+once from a temporary copy whose ``from trl import ...`` lines import hf_tree's classes under TRL's names instead
+(``swapped_source``; nothing else changes). Each row ends in one state:
+
+- ``exact``: both trained the same number of optimizer steps and every trainable parameter moved the same way (the
+  largest per-parameter relative difference of the updates is at most ``EXACT_TOLERANCE``, float32 rounding);
+- ``refused``: the swapped script raised ``ValueError`` before training (the message is shown);
+- ``same steps`` / ``rounded`` (rows marked ``steps_only``): only the optimizer step counts are comparable (TRL
+  shuffles rows, the tree trainer whole trees; whole groups cannot fill a smaller batch) and are equal / differ by
+  the documented group rounding (``hf_tree.row_batching``);
+- ``warned`` (rows marked ``dropout``): LoRA dropout stays on, the updates differ by their noise, and the swapped
+  run logged ``hf_tree.dropout``'s warning;
+- ``MISMATCH`` (a silent difference) or ``CRASH`` (any other error): failures.
+
+Setup: a tiny Llama (2 layers, hidden 32) with SmolLM2's real tokenizer (vocab 49152, from the offline asset), saved
+to a temporary folder; float32, ``--bf16 false``, SGD at a constant rate without clipping (a gradient error stays
+visible in the update), 2 optimizer steps unless the row says otherwise. GRPO generates 4 completions of at most 6
+tokens per prompt; the model's end-of-sequence token is made likely (``eos_bias``) so that some completions end and
+others are truncated, and rewards come from ``benchmarks/trl_parity_rewards.py`` through the script's
+``--reward_funcs`` dotted paths.
+
+    python benchmarks/trl_parity.py                 # every row (~15 min on a 2-core CPU)
+    python benchmarks/trl_parity.py --entropy-threshold-flips   # float32 ties of top_entropy_quantile
+    python benchmarks/trl_parity.py --only grpo     # rows whose name starts with "grpo"
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import importlib.util
+import json
+import logging
+import os
+import pathlib
+import re
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+if str(REPO) not in sys.path:  # run as a script: tests.helpers and the reward module import from the repository
+    sys.path.insert(0, str(REPO))
+
+from hf_tree.dropout import DROPOUT_WARNING  # noqa: E402
+from tests.helpers import smollm2_tokenizer_or_skip, tiny_model  # noqa: E402
+
+SCRIPTS = pathlib.Path(importlib.util.find_spec("trl").origin).parent / "scripts"
+# TRL's names -> hf_tree's (module, class): the whole swap.
+SWAP = {
+    "SFTConfig": ("hf_tree.sft", "TreeSFTConfig"),
+    "SFTTrainer": ("hf_tree.sft", "TreeSFTTrainer"),
+    "DPOConfig": ("hf_tree.dpo", "TreeDPOConfig"),
+    "DPOTrainer": ("hf_tree.dpo", "TreeDPOTrainer"),
+    "GRPOConfig": ("hf_tree.grpo", "TreeGRPOConfig"),
+    "GRPOTrainer": ("hf_tree.grpo", "TreeGRPOTrainer"),
+}
+# Largest per-parameter relative difference of two float32 updates counted as equal. Seen: 1e-7 .. 1e-5 (TRL's
+# float32 kernels round differently for differently shaped batches); a missing or misweighted token moves > 1e-3.
+EXACT_TOLERANCE = 1e-4
+# Parameters whose update is tiny (q/k projections of a near-uniform random model move ~1e-5 of the largest update)
+# are measured against this fraction of the largest update norm: their float32 rounding noise (~1e-9) would
+# otherwise read as a large relative error.
+UPDATE_FLOOR = 1e-3
+REWARDS = "benchmarks.trl_parity_rewards"
+# Row outcomes that are not failures (MISMATCH and CRASH are).
+STATES = ("exact", "refused", "same steps", "rounded", "warned")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One option set: ``script`` in {"sft", "dpo", "grpo"}, extra command-line ``flags`` (added to ``BASE``)."""
+
+    name: str
+    script: str
+    flags: tuple[str, ...] = ()
+    fast: bool = False  # part of the unmarked test subset
+    dropout: bool = False  # LoRA dropout stays on: "warned" when the tree run said so (hf_tree.dropout)
+    steps_only: bool = False  # batches cannot hold TRL's rows (random row order, groups larger than a batch): only
+    # the optimizer step counts are compared ("same steps", or "rounded" when whole groups make fewer steps)
+
+
+@dataclass
+class Outcome:
+    row: Row
+    state: str  # "exact", "refused", "MISMATCH", "CRASH"
+    detail: str = ""
+    steps: tuple[int, int] | None = None  # (TRL, swapped) optimizer steps
+    error: float | None = None  # largest per-parameter relative update difference
+    seconds: float = 0.0
+    extra: dict = field(default_factory=dict)
+
+
+def _sft(name: str, *flags: str, fast: bool = False) -> Row:
+    return Row(f"sft {name}", "sft", flags, fast)
+
+
+def _dpo(name: str, *flags: str, fast: bool = False) -> Row:
+    return Row(f"dpo {name}", "dpo", flags, fast)
+
+
+def _grpo(name: str, *flags: str, fast: bool = False) -> Row:
+    return Row(f"grpo {name}", "grpo", flags, fast)
+
+
+ROWS: tuple[Row, ...] = (
+    _sft("defaults"),
+    # LoRA dropout draws one mask per packed token: a shared prompt token gets one draw instead of one per branch
+    # (same expectation, different samples), so exact comparisons switch it off (GRPO/DPO disable dropout anyway).
+    _sft("--use_peft --lora_dropout 0", "--use_peft", "true", "--lora_dropout", "0"),
+    Row("sft --use_peft (lora_dropout 0.05, TRL's default)", "sft", ("--use_peft", "true"), dropout=True),
+    _sft("--completion_only_loss false", "--completion_only_loss", "false"),
+    _sft("--loss_type dft", "--loss_type", "dft"),
+    _sft("--label_smoothing_factor 0.1", "--label_smoothing_factor", "0.1"),
+    _sft(
+        "--loss_type dft --use_peft --lora_dropout 0", "--loss_type", "dft", "--use_peft", "true", "--lora_dropout", "0"
+    ),
+    _sft(
+        "--gradient_accumulation_steps 2 (batch 2)",
+        "--gradient_accumulation_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+    ),
+    _sft("1 epoch, batch 4 (20 rows = 5 prompts x 4)", "--max_steps", "-1", "--num_train_epochs", "1", fast=True),
+    Row(
+        "sft 1 epoch, batch 4, random order",
+        "sft",
+        ("--max_steps", "-1", "--num_train_epochs", "1", "--train_sampling_strategy", "random"),
+        steps_only=True,
+    ),
+    Row(
+        "sft 1 epoch, batch 3 (groups of 4)",
+        "sft",
+        ("--max_steps", "-1", "--num_train_epochs", "1", "--per_device_train_batch_size", "3"),
+        steps_only=True,
+    ),
+    _sft("--packing true", "--packing", "true"),
+    _sft("--padding_free true --max_length None", "--padding_free", "true", "--max_length", "None"),
+    _dpo("defaults (sigmoid)", fast=True),
+    _dpo("--attn_implementation sdpa", "--attn_implementation", "sdpa"),
+    _dpo("--loss_type ipo", "--loss_type", "ipo"),
+    _dpo("--loss_type hinge", "--loss_type", "hinge"),
+    _dpo("--loss_type robust --label_smoothing 0.1", "--loss_type", "robust", "--label_smoothing", "0.1"),
+    _dpo("--loss_type apo_zero", "--loss_type", "apo_zero"),
+    _dpo("--loss_type sigmoid sft --loss_weights 1 0.5", "--loss_type", "sigmoid", "sft", "--loss_weights", "1", "0.5"),
+    _dpo("--ld_alpha 0.5", "--ld_alpha", "0.5"),
+    _dpo("--use_weighting true", "--use_weighting", "true"),
+    _dpo("--precompute_ref_log_probs true", "--precompute_ref_log_probs", "true"),
+    _dpo("--f_divergence_type js_divergence", "--f_divergence_type", "js_divergence"),
+    _dpo("--use_peft", "--use_peft", "true"),
+    _grpo("defaults", fast=True),
+    _grpo("--attn_implementation eager", "--attn_implementation", "eager"),
+    *(_grpo(f"--loss_type {t}", "--loss_type", t) for t in ("grpo", "dr_grpo", "bnpo", "cispo", "sapo", "luspo")),
+    _grpo("--loss_type vespo", "--loss_type", "vespo"),
+    _grpo("--importance_sampling_level sequence", "--importance_sampling_level", "sequence"),
+    _grpo("--scale_rewards batch", "--scale_rewards", "batch"),
+    _grpo("--epsilon_high 0.28 --delta 1.5", "--epsilon_high", "0.28", "--delta", "1.5"),
+    _grpo("--off_policy_mask_threshold 0.5", "--off_policy_mask_threshold", "0.5"),
+    _grpo("--beta 0", "--beta", "0"),
+    _grpo("--num_iterations 2", "--num_iterations", "2"),
+    _grpo("--steps_per_generation 2", "--steps_per_generation", "2"),
+    _grpo(
+        "two reward functions, --reward_weights 1 0.5",
+        "--reward_funcs",
+        f"{REWARDS}.length_reward",
+        f"{REWARDS}.vowel_reward",
+        "--reward_weights",
+        "1",
+        "0.5",
+    ),
+    _grpo("--top_entropy_quantile 0.8", "--top_entropy_quantile", "0.8"),
+    _grpo("--top_entropy_quantile 0.5", "--top_entropy_quantile", "0.5", fast=True),
+    _grpo(
+        "--top_entropy_quantile 0.5 --use_peft --lora_dropout 0",
+        *("--top_entropy_quantile", "0.5", "--use_peft", "true", "--lora_dropout", "0"),
+    ),
+    _grpo("--mask_truncated_completions true", "--mask_truncated_completions", "true", fast=True),
+    _grpo("--use_peft --lora_dropout 0", "--use_peft", "true", "--lora_dropout", "0"),
+    Row("grpo --use_peft (lora_dropout 0.05, TRL's default)", "grpo", ("--use_peft", "true"), dropout=True),
+    _grpo("--use_peft --disable_dropout true", "--use_peft", "true", "--disable_dropout", "true"),
+)
+
+COMMON = (
+    "--bf16", "false", "--dtype", "float32", "--use_cpu", "true", "--seed", "0",
+    "--optim", "sgd", "--learning_rate", "0.5", "--lr_scheduler_type", "constant", "--max_grad_norm", "0",
+    "--weight_decay", "0", "--max_steps", "2", "--per_device_train_batch_size", "4", "--logging_steps", "1",
+    "--save_strategy", "no", "--report_to", "none", "--disable_tqdm", "true", "--dataloader_num_workers", "0",
+)  # fmt: skip
+BASE = {
+    "sft": ("--train_sampling_strategy", "sequential"),
+    "dpo": ("--per_device_train_batch_size", "2"),
+    "grpo": (
+        "--num_generations", "4", "--max_completion_length", "6", "--beta", "0.04",
+        "--reward_funcs", f"{REWARDS}.length_reward",
+    ),
+}  # fmt: skip
+
+
+# ----------------------------------------------------------------------------------------------- the swap
+def swapped_source(source: str) -> str:
+    """``source`` with every ``from trl import`` line's ``SWAP`` names imported from hf_tree under TRL's names.
+
+    Raises:
+        ValueError: when no name was swapped (TRL's script changed shape).
+    """
+    swapped = 0
+
+    def swap(match: re.Match) -> str:
+        nonlocal swapped
+        indent, names = match.group(1), [n.strip() for n in match.group(2).split(",")]
+        kept = [n for n in names if n not in SWAP]
+        lines = [f"{indent}from trl import {', '.join(kept)}"] if kept else []
+        for name in names:
+            if name in SWAP:
+                module, tree_name = SWAP[name]
+                lines.append(f"{indent}from {module} import {tree_name} as {name}")
+                swapped += 1
+        return "\n".join(lines)
+
+    result = re.sub(r"^([ \t]*)from trl import ([A-Za-z_, ]+)$", swap, source, flags=re.MULTILINE)
+    if swapped < 2:
+        raise ValueError(f"swapped {swapped} TRL names; expected the trainer and its config")
+    return result
+
+
+def load_script(script: str, swapped: bool, folder: pathlib.Path):
+    """TRL's ``trl/scripts/{script}.py`` as a fresh module, as shipped or from a swapped copy in ``folder``."""
+    path = SCRIPTS / f"{script}.py"
+    if swapped:
+        copy_path = folder / f"{script}_swapped.py"
+        copy_path.write_text(swapped_source(path.read_text()))
+        path = copy_path
+    spec = importlib.util.spec_from_file_location(f"trl_parity_{script}_{int(swapped)}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ----------------------------------------------------------------------------------------------- model and data
+def eos_bias(model: torch.nn.Module, eos_id: int, probability: float = 0.2) -> None:
+    """Make ``eos_id`` about ``probability`` likely at every position of the random tiny model.
+
+    A constant offset in one embedding channel survives the two layers and the final norm as a positive feature;
+    the end-of-sequence row of the head reads it. Without this, sampling from 49152 near-uniform logits never ends
+    a completion, so ``mask_truncated_completions`` would mask everything.
+    """
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] += 2.0
+        probe = torch.randint(0, model.config.vocab_size, (8, 16))
+        hidden = model.model(input_ids=probe).last_hidden_state[..., 0]
+        head = model.lm_head.weight
+        head[eos_id] = 0.0
+        others = torch.logsumexp(model.lm_head(model.model(input_ids=probe).last_hidden_state), dim=-1).mean()
+        target = float(others) + torch.log(torch.tensor(probability / (1 - probability)))
+        head[eos_id, 0] = target / hidden.mean()
+
+
+def write_setup(folder: pathlib.Path) -> dict[str, str]:
+    """Save the tiny model + SmolLM2 tokenizer and the three datasets under ``folder``; returns their paths."""
+    tokenizer = smollm2_tokenizer_or_skip()
+    model = tiny_model(vocab_size=len(tokenizer), dtype=torch.float32, attn="sdpa")
+    if not os.environ.get("NO_EOS_BIAS"):
+        eos_bias(model, tokenizer.eos_token_id)
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.save_pretrained(folder / "model")
+    tokenizer.save_pretrained(folder / "model")
+    questions = ["The capital of France is", "Two plus two is", "Water boils at", "The sky is", "Cats like to"]
+    answers = [" Paris.", " Paris, on the Seine.", " a city.", " Lyon? No, Paris."]
+    data = {
+        "sft": [{"prompt": q, "completion": f"{a} ({i})"} for q in questions for i, a in enumerate(answers)],
+        "dpo": [
+            {"prompt": q, "chosen": f" {i} good answer.", "rejected": f" bad answer {i}."}
+            for i, q in enumerate(questions[:4])
+        ],
+        "grpo": [{"prompt": q} for q in questions[:2]],
+    }
+    paths = {"model": str(folder / "model")}
+    for script, rows in data.items():
+        (folder / script).mkdir()
+        (folder / script / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        paths[script] = str(folder / script)
+    return paths
+
+
+# ----------------------------------------------------------------------------------------------- running a row
+@contextlib.contextmanager
+def recorded_training(records: list[dict]) -> Iterator[None]:
+    """Record, for each ``Trainer.train`` call, the trainer and its trainable parameters before and after."""
+    original = transformers.Trainer.train
+
+    def train(self, *args, **kwargs):
+        before = {n: p.detach().clone() for n, p in self.model.named_parameters() if p.requires_grad}
+        record = {"trainer": self, "before": before}
+        records.append(record)
+        result = original(self, *args, **kwargs)
+        record["updates"] = {n: p.detach() - before[n] for n, p in self.model.named_parameters() if p.requires_grad}
+        return result
+
+    transformers.Trainer.train = train
+    try:
+        yield
+    finally:
+        transformers.Trainer.train = original
+
+
+def run_script(row: Row, swapped: bool, paths: dict[str, str], folder: pathlib.Path) -> dict:
+    """Run one script; returns the recorded training (``updates``, ``trainer``) or ``{"error": exception}``."""
+    out = folder / ("tree" if swapped else "trl")
+    argv = [
+        "--model_name_or_path", paths["model"], "--dataset_name", paths[row.script], "--output_dir", str(out),
+        *COMMON, *BASE[row.script], *row.flags,
+    ]  # fmt: skip
+    records: list[dict] = []
+    warnings = _WarningLog()
+    logging.getLogger("hf_tree").addHandler(warnings)
+    transformers.set_seed(0)  # LoRA initialisation and sampling draw from the global generators
+    try:
+        module = load_script(row.script, swapped, folder)
+        parser = module.make_parser()
+        arguments = parser.parse_args_and_config(args=argv, fail_with_unknown_args=False)
+        with recorded_training(records):
+            module.main(*arguments)
+    except Exception as error:  # noqa: BLE001 -- every outcome is reported, a crash included
+        return {"error": error, "trained": bool(records), "traceback": traceback.format_exc()}
+    finally:
+        logging.getLogger("hf_tree").removeHandler(warnings)
+    return {**records[0], "warnings": warnings.messages}
+
+
+class _WarningLog(logging.Handler):
+    """Collects the hf_tree warnings of one run."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.messages.append(record.getMessage())
+
+
+def run_row(row: Row, paths: dict[str, str]) -> Outcome:
+    start = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        trl = run_script(row, False, paths, pathlib.Path(tmp))
+        if "error" in trl:
+            return Outcome(
+                row, "CRASH", f"TRL's own script failed: {trl['error']!r}", seconds=time.perf_counter() - start
+            )
+        tree = run_script(row, True, paths, pathlib.Path(tmp))
+    seconds = time.perf_counter() - start
+    if "error" in tree:
+        error = tree["error"]
+        if isinstance(error, ValueError) and not tree["trained"]:
+            return Outcome(row, "refused", str(error).split("\n")[0][:160], seconds=seconds)
+        return Outcome(row, "CRASH", f"{type(error).__name__}: {str(error)[:200]}", seconds=seconds)
+    steps = (trl["trainer"].state.global_step, tree["trainer"].state.global_step)
+    if row.steps_only:
+        if steps[0] == steps[1]:
+            return Outcome(row, "same steps", "rows are shuffled by TRL, whole trees here", steps, seconds=seconds)
+        note = "groups of 4 are never cut across optimizer steps: fewer, larger steps"
+        return Outcome(row, "rounded", note, steps, seconds=seconds)
+    theirs, ours = trl["updates"], tree["updates"]
+    if theirs.keys() != ours.keys():
+        return Outcome(row, "MISMATCH", "different trainable parameters", steps, seconds=seconds)
+    if not any(float(u.norm()) > 0 for u in theirs.values()):
+        return Outcome(row, "MISMATCH", "TRL's run did not move the weights: nothing compared", steps, seconds=seconds)
+    error = update_difference(ours, theirs)
+    extra = {"rows_per_step": _last_log(tree["trainer"], "rows_per_step")}
+    state = "exact" if steps[0] == steps[1] and error <= EXACT_TOLERANCE else "MISMATCH"
+    if state == "MISMATCH" and row.dropout and any(DROPOUT_WARNING in m for m in tree["warnings"]):
+        return Outcome(row, "warned", "dropout: one mask per shared token (hf_tree.dropout)", steps, error, seconds)
+    return Outcome(row, state, "", steps, error, seconds, extra)
+
+
+def update_difference(ours: dict[str, torch.Tensor], theirs: dict[str, torch.Tensor]) -> float:
+    """Largest per-parameter ``|ours - theirs| / max(|theirs|, UPDATE_FLOOR * largest |theirs|)`` (Frobenius)."""
+    floor = UPDATE_FLOOR * max(float(u.norm()) for u in theirs.values())
+    return max(float((ours[n] - u).norm()) / max(float(u.norm()), floor) for n, u in theirs.items())
+
+
+def _last_log(trainer, key: str) -> float | None:
+    values = [h[key] for h in trainer.state.log_history if key in h]
+    return values[-1] if values else None
+
+
+def setup_paths(folder: pathlib.Path) -> dict[str, str]:
+    return write_setup(folder)
+
+
+def format_table(outcomes: list[Outcome]) -> str:
+    lines = [
+        "| script and options | state | optimizer steps TRL / swapped | max rel. update diff | note |",
+        "|---|---|---|---|---|",
+    ]
+    for o in outcomes:
+        steps = f"{o.steps[0]} / {o.steps[1]}" if o.steps else ""
+        error = f"{o.error:.1e}" if o.error is not None else ""
+        lines.append(f"| {o.row.name} | {o.state} | {steps} | {error} | {o.detail} |")
+    return "\n".join(lines)
+
+
+def entropy_threshold_flips(num_batches: int = 300, quantiles: tuple[float, ...] = (0.3, 0.5, 0.8)) -> dict:
+    """How often GRPO's high-entropy mask (``top_entropy_quantile``) changes under float32 rounding alone.
+
+    On random GRPO micro-batches (one prompt, G = 8 completions of 1-16 tokens, the tiny float32 model of the tests),
+    compares TRL's mask with (a) TRL's own mask when only 3 columns of left padding are added and (b) the tree
+    trainer's mask. Returns ``{"batches": n, "trl_with_more_padding": flips, "tree": flips}``.
+    """
+    import random
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
+    from tests.helpers import TINY, saved_tiny_model, tiny_trl_config, word_tokenizer
+
+    def reward(completions, **_):
+        return [0.0] * len(completions)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = saved_tiny_model(tmp, torch.float32)
+        setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
+        trl, tree = (
+            trainer(path, reward, tiny_trl_config(config, path, torch.float32, num_generations=4), **setup)
+            for trainer, config in ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig))
+        )
+        rng, flips, total = random.Random(0), {"trl_with_more_padding": 0, "tree": 0}, 0
+        for _ in range(num_batches):
+            prompt = [rng.randrange(3, TINY["vocab_size"]) for _ in range(rng.randint(3, 12))]
+            completions = [[rng.randrange(3, TINY["vocab_size"]) for _ in range(rng.randint(1, 16))] for _ in range(8)]
+            keep = max(map(len, completions))
+            ids = torch.zeros(8, len(prompt) + keep, dtype=torch.long)
+            mask = torch.zeros_like(ids)
+            for row, completion in enumerate(completions):
+                ids[row, : len(prompt)], ids[row, len(prompt) : len(prompt) + len(completion)] = (
+                    torch.tensor(prompt),
+                    torch.tensor(completion),
+                )
+                mask[row, : len(prompt) + len(completion)] = 1
+            padded_ids, padded_mask = (torch.cat([torch.zeros_like(t[:, :3]), t], 1) for t in (ids, mask))
+            runs = {
+                "trl": (trl, ids, mask),
+                "trl_with_more_padding": (trl, padded_ids, padded_mask),
+                "tree": (tree, ids, mask),
+            }
+            with torch.no_grad():
+                entropies = {
+                    name: trainer._get_per_token_logps_and_entropies(
+                        trainer.model, run_ids, run_mask, keep, compute_entropy=True
+                    )[1]
+                    for name, (trainer, run_ids, run_mask) in runs.items()
+                }
+            completion_mask = mask[:, -keep:]
+            for quantile in quantiles:
+                masks = {k: trl.get_high_entropy_mask(e, completion_mask, 1 - quantile) for k, e in entropies.items()}
+                for name in flips:
+                    flips[name] += int(bool((masks[name] ^ masks["trl"]).any()))
+                total += 1
+    return {"batches": total, **flips}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--only", default=None, help="run the rows whose name starts with this")
+    parser.add_argument("--fast", action="store_true", help="only the rows of the unmarked test subset")
+    parser.add_argument(
+        "--entropy-threshold-flips",
+        action="store_true",
+        help="instead of the table: how often float32 rounding alone changes GRPO's top_entropy_quantile mask",
+    )
+    args = parser.parse_args()
+    if args.entropy_threshold_flips:
+        print(entropy_threshold_flips())
+        return 0
+    rows = [r for r in ROWS if (args.only is None or r.name.startswith(args.only)) and (r.fast or not args.fast)]
+    outcomes = []
+    with tempfile.TemporaryDirectory() as tmp:
+        paths = setup_paths(pathlib.Path(tmp))
+        for row in rows:
+            outcome = run_row(row, paths)
+            outcomes.append(outcome)
+            print(
+                f"{row.name}: {outcome.state} {outcome.error} {outcome.steps} {outcome.detail} "
+                f"({outcome.seconds:.0f}s)",
+                file=sys.stderr,
+                flush=True,
+            )
+    print(format_table(outcomes))
+    failures = [o for o in outcomes if o.state not in STATES]
+    counts = ", ".join(f"{sum(o.state == s for o in outcomes)} {s}" for s in STATES)
+    print(f"\n{len(outcomes)} rows: {counts}; {len(failures)} failures (MISMATCH or CRASH)")
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

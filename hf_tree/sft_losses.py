@@ -1,0 +1,103 @@
+"""TRL's other SFT objectives on trees: DFT (``loss_type="dft"``) and label smoothing (``label_smoothing_factor``).
+
+Both are sums of per-token terms, so on a tree each scored edge keeps its weight ``w_c`` (the branches that contain
+and train it) and only the per-token term changes:
+
+- DFT (TRL: ``-log p * p.detach()``, https://huggingface.co/papers/2508.05629): the edge weight becomes
+  ``w_c * p_c`` with the target's probability ``p_c`` detached, i.e. ``w_c * p_c * CE_c``.
+- Label smoothing (transformers' ``LabelSmoother``, which TRL's ``SFTTrainer`` uses for ``loss_type="nll"``):
+  ``(1 - eps) * CE_c + eps * (-mean over the vocabulary of log p)``, both terms weighted by ``w_c``.
+
+The divisor is the tree loss's (the step's trained-token count for ``"token"`` normalization, as TRL's
+``num_items_in_batch``), so the loss and its gradients equal TRL's on every branch run separately. Logits are
+computed in chunks of rows and recomputed in backward (``torch.utils.checkpoint``): ``[M, vocab]`` never exists.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+from hf_tree.loss import DEFAULT_LOSS_CHUNK_SIZE, _float_logits
+
+SFT_LOSS_TYPES = ("nll", "dft")
+
+
+def _smoothed_dft_chunk(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    softcap: float | None,
+    dft: bool,
+    label_smoothing: float,
+) -> torch.Tensor:
+    """The weighted sum of one chunk's per-token losses. ``hidden [m, D]``, ``targets``/``weights [m]``."""
+    # forward(), not __call__: see hf_tree.loss._weighted_ce_chunk (FSDP2 hooks must not run twice).
+    logits = _float_logits(head.forward(hidden))
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    log_probs = torch.log_softmax(logits, dim=-1)  # [m, vocab]
+    target_log_probs = log_probs.gather(1, targets[:, None]).squeeze(1)  # [m]
+    weights = weights.to(log_probs.dtype)
+    if dft:
+        weights = weights * target_log_probs.detach().exp()
+    total = -(1 - label_smoothing) * (weights * target_log_probs).sum()
+    if label_smoothing:
+        total = total - label_smoothing * (weights * log_probs.mean(dim=-1)).sum()
+    return total
+
+
+def smoothed_dft_cross_entropy(
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    softcap: float | None = None,
+    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    *,
+    dft: bool = False,
+    label_smoothing: float = 0.0,
+) -> torch.Tensor:
+    """``sum_i weights[i] * loss_i`` with DFT and/or label-smoothed per-token losses (see the module docstring).
+
+    Same arguments as ``hf_tree.loss.weighted_cross_entropy`` (``hidden [M, D]``, ``targets``/``weights [M]``)
+    plus ``dft`` and ``label_smoothing``; returns a 0-dim float32 (float64 for float64 hidden states) tensor.
+    """
+    total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = start + chunk_size
+        total = total + checkpoint(
+            _smoothed_dft_chunk,
+            head,
+            hidden[start:end],
+            targets[start:end],
+            weights[start:end],
+            softcap,
+            dft,
+            label_smoothing,
+            use_reentrant=False,
+        )
+    return total
+
+
+def sft_token_loss(loss_type: str, label_smoothing_factor: float) -> Callable[..., torch.Tensor] | None:
+    """The ``token_loss`` for ``tree_causal_lm_loss`` that reproduces TRL's SFT objective; ``None`` for plain NLL.
+
+    As in TRL's ``SFTTrainer``, label smoothing applies to ``loss_type="nll"`` only (DFT ignores it).
+
+    Raises:
+        ValueError: for a ``loss_type`` TRL does not have, or a factor outside ``[0, 1)``.
+    """
+    if loss_type not in SFT_LOSS_TYPES:
+        raise ValueError(f"loss_type={loss_type!r} must be one of {SFT_LOSS_TYPES} (TRL's SFT loss types).")
+    if not 0.0 <= label_smoothing_factor < 1.0:
+        raise ValueError(f"label_smoothing_factor={label_smoothing_factor} must be in [0, 1).")
+    dft = loss_type == "dft"
+    smoothing = 0.0 if dft else float(label_smoothing_factor)
+    if not dft and not smoothing:
+        return None
+    return functools.partial(smoothed_dft_cross_entropy, dft=dft, label_smoothing=smoothing)

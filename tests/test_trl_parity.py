@@ -1,0 +1,72 @@
+"""TRL's own example scripts, unmodified vs with the class swap (``benchmarks/trl_parity.py``): every option row
+trains exactly like TRL's (same optimizer steps, same weight updates in float32) or is refused with a ``ValueError``
+before training. One row per script and the two GRPO findings run by default; the whole table under ``slow``.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from benchmarks.trl_parity import ROWS, SCRIPTS, run_row, setup_paths, swapped_source
+
+# Rows that must be refused (the option cannot apply to trees); every other row must be exact.
+REFUSED = {"sft --packing true", "sft --padding_free true --max_length None"}
+# Rows whose step count differs from TRL's by design: groups are never cut across optimizer steps.
+ROUNDED = {"sft 1 epoch, batch 3 (groups of 4)"}
+# Rows compared on the optimizer step count only: TRL shuffles rows, the tree trainer whole trees.
+SAME_STEPS = {"sft 1 epoch, batch 4, random order"}
+
+
+@pytest.fixture(scope="module")
+def paths(tmp_path_factory) -> dict[str, str]:
+    return setup_paths(tmp_path_factory.mktemp("trl_parity"))
+
+
+@pytest.fixture(autouse=True)
+def _offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+
+
+def test_swap_changes_only_the_import_lines():
+    for script in ("sft", "dpo", "grpo"):
+        source = (SCRIPTS / f"{script}.py").read_text()
+        swapped = swapped_source(source)
+        changed = [line for line in swapped.splitlines() if line not in source.splitlines()]
+        assert changed and all(line.strip().startswith(("from trl import", "from hf_tree.")) for line in changed)
+        assert f"Tree{script.upper()}Trainer as {script.upper()}Trainer" in swapped
+
+
+def _check(row, paths) -> None:
+    outcome = run_row(row, paths)
+    if row.name in REFUSED:
+        assert outcome.state == "refused", (outcome.state, outcome.detail)
+    elif row.dropout:
+        assert outcome.state == "warned", (outcome.state, outcome.error, outcome.detail)
+    elif row.name in ROUNDED:
+        assert outcome.state == "rounded", (outcome.state, outcome.steps, outcome.detail)
+    elif row.name in SAME_STEPS:
+        assert outcome.state == "same steps", (outcome.state, outcome.steps, outcome.detail)
+    else:
+        assert outcome.state == "exact", (outcome.state, outcome.steps, outcome.error, outcome.detail)
+
+
+@pytest.mark.parametrize("row", [r for r in ROWS if r.fast], ids=lambda r: r.name)
+def test_fast_rows(row, paths):
+    _check(row, paths)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("row", [r for r in ROWS if not r.fast], ids=lambda r: r.name)
+def test_every_row(row, paths):
+    _check(row, paths)
+
+
+def test_rows_cover_the_issue_table():
+    names = {r.name for r in ROWS}
+    for script in ("sft", "dpo", "grpo"):
+        assert any(n.startswith(script) and "--use_peft" in n for n in names)
+    assert pathlib.Path(SCRIPTS / "grpo.py").is_file()
