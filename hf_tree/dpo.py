@@ -22,6 +22,7 @@ from trl import DPOConfig, DPOTrainer
 
 from hf_tree.dropout import warn_if_dropout
 from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
+from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trainer import use_tree_attention
 
 # Per-token fields TRL's DPO reads from the policy's fused head (``DPOTrainer.__init__``); the reference needs only
@@ -34,7 +35,7 @@ class TreeDPOConfig(TreeLogProbArguments, DPOConfig):
     """``DPOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
 
 
-class TreeDPOTrainer(DPOTrainer):
+class TreeDPOTrainer(FSDPFullSaveMixin, DPOTrainer):
     """``DPOTrainer`` whose policy and reference log-probs come from packed prompt trees.
 
     Accepts exactly ``DPOTrainer``'s arguments with ``args`` a ``TreeDPOConfig``. Raises ``ValueError`` for what

@@ -24,6 +24,7 @@ from trl.extras.profiling import profiling_decorator
 
 from hf_tree.dropout import warn_if_dropout
 from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
+from hf_tree.saving import FSDPFullSaveMixin
 
 
 @dataclass
@@ -31,7 +32,7 @@ class TreeGRPOConfig(TreeLogProbArguments, GRPOConfig):
     """``GRPOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
 
 
-class TreeGRPOTrainer(GRPOTrainer):
+class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
     """``GRPOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is
