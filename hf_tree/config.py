@@ -54,6 +54,15 @@ class TreeArguments:
         default=None,
         metadata={"help": "Round each batch's row length up to a multiple of this (e.g. 64 for GPU kernels)."},
     )
+    tree_self_check: bool = field(
+        default=True,
+        metadata={
+            "help": "Before the first tree batch, refuse models with known non-tree-aware layers and probe the real "
+            "model with a tiny 3-branch tree against its branches run alone (hf_tree.model_check; once per model, "
+            "well under a second). A model that fails is refused with a ValueError instead of training silently "
+            "wrong. False skips both (the HF_TREE_SELF_CHECK=0 environment variable does the same)."
+        },
+    )
     remove_unused_columns: bool = field(
         default=False,
         metadata={
