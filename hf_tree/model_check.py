@@ -242,8 +242,8 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None) -> float:
         f"{type(causal_lm).__name__} is not tree-exact under {TREE_ATTENTION_NAME}: a 3-branch probe tree differs "
         f"from its branches run alone with the model's own attention by up to {worst:.2e} (relative, tolerance "
         f"{tolerance:.0e} for {dtype}); the first layer that differs is {first} ({type(culprit).__name__}), where "
-        f"{leaking} mix sibling branches. Training it on trees would be silently wrong. If you know better, opt out with self_check=False / tree_self_check=False / "
-        f"{SELF_CHECK_ENV_VAR}=0."
+        f"{leaking} mix sibling branches. Training it on trees would be silently wrong. If you know better, opt "
+        f"out with self_check=False / tree_self_check=False / {SELF_CHECK_ENV_VAR}=0."
     )
 
 
@@ -265,7 +265,8 @@ def _leaking_submodules(model: torch.nn.Module, forward, causal_lm: PreTrainedMo
             continue
         if out_diff > tolerance and in_diff <= tolerance:
             leaking.append(f"{name} ({type(modules[name]).__name__})")
-    return ", ".join(leaking) if leaking else "its submodules (not located further)"
+    inner = [entry for entry in leaking if not entry.startswith(f"{type(layer).__name__} (")]  # not the layer itself
+    return ", ".join(inner) if inner else "its own computations (no single submodule located)"
 
 
 def check_model_for_trees(model: torch.nn.Module, self_check: bool | None = None, forward=None) -> LogitHead:

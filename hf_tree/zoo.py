@@ -1,0 +1,319 @@
+"""Model-zoo conformance: every causal-LM architecture of the installed transformers, built tiny, ends in one state.
+
+For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, ``check_architecture`` builds the model from its
+default config shrunk generically (``tiny_config``: hidden 32, 2 heads, one decoder layer of each kind in
+``layer_types``, a small vocabulary, windows/chunks of 4 tokens so that they matter) in float64 (float32 where the
+model cannot run float64), and checks
+
+(a) training: ``tree_causal_lm_loss`` (with its first-use self-check) and every parameter gradient equal training
+    on each branch alone with the model's own attention (``sdpa``, else ``eager``) and its own logits;
+(b) dual mode: ``tree_flash`` without ``kv_end`` (generation, evaluation, rollouts) equals the model's own attention
+    on an unpadded and a left-padded batch.
+
+States: ``exact`` (a and b hold), ``refused`` (``tree_causal_lm_loss`` raised a ``ValueError`` before training;
+dual mode is still checked), ``not buildable`` (with the reason), ``error`` (an exception that is not our
+``ValueError``) and ``MISMATCH`` (a silent difference: the bar is zero). Used by ``benchmarks/model_zoo.py`` and
+``tests/test_model_zoo.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import signal
+import time
+import traceback
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+import hf_tree  # noqa: F401  (registers tree_flash)
+from hf_tree.collator import TreeDataCollator
+from hf_tree.loss import tree_causal_lm_loss
+from hf_tree.model_check import own_attention
+from hf_tree.tree import Tree
+
+VOCAB = 128
+WINDOW = 4  # sliding windows / attention chunks, shorter than the test sequences
+# Relative error accepted as exact: float64 models still keep some float32 internals (HF's RMSNorm upcasts to
+# float32; see docs/ECOSYSTEM facts), ~1e-7 here; the silent failures this suite exists for are >= 1e-4.
+TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
+STATES = ("exact", "refused", "not buildable", "error", "MISMATCH")
+
+# Size keys (whichever a config has) and their tiny values.
+_SIZES = {
+    **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim"), 32),
+    **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads"), 2),
+    **dict.fromkeys(("decoder_attention_heads",), 2),
+    **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 1),
+    **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim", "v_head_dim", "kv_lora_rank"), 16),
+    **dict.fromkeys(("qk_nope_head_dim", "qk_rope_head_dim", "q_lora_rank"), 8),
+    **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff", "inner_dim"), 64),
+    **dict.fromkeys(("decoder_ffn_dim", "encoder_ffn_dim", "dim_ff"), 64),
+    **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
+    **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_k"), 2),
+    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "n_group", "topk_group"), 1),
+    **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"), 2),
+    **dict.fromkeys(("encoder_layers",), 1),
+    **dict.fromkeys(("state_size", "ssm_state_size", "mamba_d_state", "linear_key_head_dim"), 8),
+    **dict.fromkeys(("linear_value_head_dim", "mamba_head_dim", "linear_conv_kernel_dim"), 8),
+    **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "mamba_n_heads", "n_groups"), 2),
+    **dict.fromkeys(("mamba_n_groups",), 1),
+    "vocab_size": VOCAB,
+    "max_position_embeddings": 128,
+}
+_TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
+
+
+class NotBuildable(Exception):
+    """The architecture cannot be built or run tiny from its default config (the reason is the message)."""
+
+
+@dataclass
+class ZooResult:
+    """One architecture's state and measurements (relative errors; ``None`` where not measured)."""
+
+    model_type: str
+    model_class: str = ""
+    state: str = "not buildable"
+    dtype: str = ""
+    detail: str = ""
+    loss_error: float | None = None
+    grad_error: float | None = None
+    dual_error: float | None = None
+    seconds: float = 0.0
+    layer_types: list[str] = field(default_factory=list)
+
+
+def _shrink(values: dict) -> dict:
+    for key, value in list(values.items()):
+        if isinstance(value, dict):
+            values[key] = _shrink(dict(value))  # nested text/decoder configs
+        elif key in _SIZES and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = _SIZES[key]
+    for key in ("sliding_window", "attention_chunk_size", "local_attention", "window_size"):
+        if isinstance(values.get(key), int) and not isinstance(values.get(key), bool) and values[key] > WINDOW:
+            values[key] = WINDOW
+    layer_types = values.get("layer_types")
+    if isinstance(layer_types, list) and layer_types:
+        kinds = list(dict.fromkeys(layer_types))  # one layer of each kind, in order of first appearance
+        values["layer_types"] = kinds if len(kinds) > 1 else kinds * 2
+        for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+            if key in values:
+                values[key] = len(values["layer_types"])
+    for key in _TOKEN_IDS:
+        ids = values.get(key)
+        if isinstance(ids, int) and ids >= VOCAB:
+            values[key] = VOCAB - 1
+        elif isinstance(ids, list):
+            values[key] = [i if i < VOCAB else VOCAB - 1 for i in ids]
+    return values
+
+
+def tiny_config(model_type: str) -> transformers.PretrainedConfig:
+    """``model_type``'s default config with every size shrunk (``_SIZES``) and rebuilt, so derived fields follow."""
+    default = transformers.AutoConfig.for_model(model_type)
+    values = _shrink(default.to_dict())
+    for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
+        values.pop(key, None)
+    values.update(attention_dropout=0.0, use_cache=False, tie_word_embeddings=values.get("tie_word_embeddings", True))
+    if "is_decoder" in values:
+        values["is_decoder"] = True  # encoder architectures registered as causal LMs need it to be causal
+    return transformers.AutoConfig.for_model(model_type, **values)
+
+
+def build_tiny(model_type: str, dtype: torch.dtype) -> torch.nn.Module:
+    """The tiny causal LM on ``tree_flash`` (deterministic init), in eval mode (no dropout)."""
+    try:
+        config = tiny_config(model_type)
+    except Exception as error:  # noqa: BLE001 - any failure means: cannot be built tiny
+        raise NotBuildable(f"config: {type(error).__name__}: {_first_line(error)}") from error
+    torch.manual_seed(0)
+    try:
+        model = transformers.AutoModelForCausalLM.from_config(
+            copy.deepcopy(config), attn_implementation="tree_flash", dtype=dtype
+        )
+    except Exception as error:  # noqa: BLE001
+        raise NotBuildable(f"build: {type(error).__name__}: {_first_line(error)}") from error
+    return model.eval()
+
+
+def _first_line(error: BaseException, limit: int = 160) -> str:
+    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def probe_branches() -> tuple[list[list[int]], list[list[int]]]:
+    """A tree of four branches (shared prompt, a sub-branch, a prefix branch) longer than ``WINDOW``, and masks."""
+    prompt = [5, 17, 33, 9, 61, 12]
+    branches = [
+        prompt + [40, 41, 42, 43, 44, 45],
+        prompt + [40, 41, 90, 91, 92],
+        prompt + [70, 71, 72, 73, 74, 75, 76],
+        prompt + [40, 41],
+    ]
+    masks = [[0] * len(prompt) + [1] * (len(b) - len(prompt)) for b in branches]
+    masks[2][2] = 1  # a trained prompt token in one branch only
+    return branches, masks
+
+
+def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _max_grad_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    """Largest per-parameter relative error (a parameter whose true gradient is ~0 is measured against 1e-6 of the
+    largest gradient norm, as tests/helpers.max_grad_relative_error does)."""
+    if got.keys() != expected.keys():
+        return float("inf")
+    floor = 1e-6 * max((float(g.double().norm()) for g in expected.values()), default=0.0)
+    return max(
+        (float((got[n].double() - g.double()).norm()) / max(float(g.double().norm()), floor, 1e-300))
+        for n, g in expected.items()
+    )
+
+
+def per_branch_loss(model: torch.nn.Module, branches: Sequence[Sequence[int]], masks: Sequence[Sequence[int]]):
+    """Token-normalized CE of each branch run alone with the model's own attention and logits."""
+    total, count = 0.0, 0.0
+    with own_attention(model):
+        for branch, mask in zip(branches, masks):
+            ids = torch.tensor([list(branch)])
+            trained = torch.tensor(mask[1:], dtype=torch.float64)
+            logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
+            ce = F.cross_entropy(logits.double(), ids[0, 1:], reduction="none")
+            total, count = total + (ce * trained).sum(), count + trained.sum()
+    return total / count
+
+
+def dual_mode_error(model: torch.nn.Module) -> float:
+    """Relative error of ``tree_flash`` without ``kv_end`` against the model's own attention (real tokens only)."""
+    ids = torch.tensor(
+        [[7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20], [0, 0, 0, 30, 31, 32, 33, 34, 35, 36, 37, 38, 39, 40]]
+    )
+    attention = torch.ones_like(ids)
+    attention[1, :3] = 0
+    results = []
+    with torch.no_grad():
+        for kwargs in ({"input_ids": ids[:1]}, {"input_ids": ids, "attention_mask": attention}):
+            tree = model(**kwargs, use_cache=False).logits
+            with own_attention(model):
+                own = model(**kwargs, use_cache=False).logits
+            real = kwargs.get("attention_mask", torch.ones_like(kwargs["input_ids"])).bool()
+            results.append(float((tree[real] - own[real]).abs().max() / own[real].abs().max().clamp_min(1e-300)))
+    return max(results)
+
+
+@contextmanager
+def _time_limit(seconds: int) -> Iterator[None]:
+    def raise_timeout(signum, frame):
+        raise TimeoutError(f"took longer than {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, raise_timeout)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def _layer_types(model: torch.nn.Module) -> list[str]:
+    kinds = getattr(model.config.get_text_config(), "layer_types", None)
+    return list(dict.fromkeys(kinds)) if isinstance(kinds, list) else []
+
+
+def check_architecture(model_type: str, time_limit: int = 300) -> ZooResult:
+    """Build ``model_type`` tiny and put it in exactly one state (see the module docstring)."""
+    result = ZooResult(model_type)
+    start = time.perf_counter()
+    try:
+        with _time_limit(time_limit):
+            _check(result)
+    except NotBuildable as error:
+        result.state, result.detail = "not buildable", str(error)
+    except TimeoutError as error:
+        result.state, result.detail = "not buildable", f"timeout: {error}"
+    except Exception as error:  # noqa: BLE001 - anything else is reported, never hidden
+        result.state = "error"
+        result.detail = (
+            f"{type(error).__name__}: {_first_line(error)} @ {traceback.extract_tb(error.__traceback__)[-1].name}"
+        )
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def _check(result: ZooResult) -> None:
+    branches, masks = probe_branches()
+    model, dtype = None, None
+    for dtype in (torch.float64, torch.float32):
+        model = build_tiny(result.model_type, dtype)
+        try:  # the model must run its own forward in this dtype to serve as an oracle at all
+            with torch.no_grad(), own_attention(model):
+                model(input_ids=torch.tensor([branches[0]]), use_cache=False)
+            break
+        except Exception as error:  # noqa: BLE001
+            if dtype == torch.float32:
+                raise NotBuildable(f"own forward: {type(error).__name__}: {_first_line(error)}") from error
+    result.model_class, result.dtype = type(model).__name__, str(dtype).replace("torch.", "")
+    result.layer_types = _layer_types(model)
+    tolerance = TOLERANCE[dtype]
+
+    result.dual_error = dual_mode_error(model)
+    batch = TreeDataCollator(max_packed_tokens=64)([Tree.from_sequences(branches, masks).to_dict()])
+    try:
+        loss = tree_causal_lm_loss(model, batch)
+    except ValueError as error:  # our checks refused the model before training
+        result.state, result.detail = "refused", _first_line(error, 400)
+    else:
+        loss.backward()
+        tree_grads = _grads(model)
+        model.zero_grad()
+        reference = per_branch_loss(model, branches, masks)
+        reference.backward()
+        result.loss_error = _relative(loss, reference)
+        result.grad_error = _max_grad_error(tree_grads, _grads(model))
+        exact = result.loss_error <= tolerance and result.grad_error <= tolerance
+        result.state = "exact" if exact else "MISMATCH"
+        if not exact:
+            result.detail = "tree training differs from per-branch training"
+    if result.dual_error > tolerance:
+        result.state = "MISMATCH"
+        result.detail = (result.detail + "; " if result.detail else "") + "dual mode differs from own attention"
+
+
+def zoo_model_types() -> list[str]:
+    """Every causal-LM ``model_type`` of the installed transformers."""
+    return sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+
+
+def markdown_table(results: Sequence[ZooResult]) -> str:
+    """The docs table: one row per architecture, then the count per state."""
+
+    def number(value: float | None) -> str:
+        return "" if value is None else f"{value:.1e}"
+
+    lines = [
+        "| model_type | class | state | dtype | loss err | grad err | dual-mode err | layer kinds | detail |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        detail = r.detail.replace("|", "\\|").replace("\n", " ")
+        lines.append(
+            f"| {r.model_type} | {r.model_class} | {r.state} | {r.dtype} | {number(r.loss_error)} | "
+            f"{number(r.grad_error)} | {number(r.dual_error)} | {', '.join(r.layer_types)} | {detail} |"
+        )
+    counts = {state: sum(r.state == state for r in results) for state in STATES}
+    lines.append("")
+    lines.append(", ".join(f"{state}: {n}" for state, n in counts.items()) + f" (of {len(results)})")
+    return "\n".join(lines)
