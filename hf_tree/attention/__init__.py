@@ -1,8 +1,9 @@
 """The one attention entry point behind ``attn_implementation="tree_flash"``.
 
 ``tree_attention_forward`` is what transformers calls in every attention layer. With a ``kv_end``
-keyword (packed trees) it runs a tree engine; without one (generation, ordinary batches) it is exactly
-``sdpa``, so a tree-trained model evaluates and generates unchanged.
+keyword (packed trees) it runs a tree engine; without one (generation, ordinary batches) it is exactly the
+model's own attention (``sdpa``, or ``eager`` where the model needs it: softcapping, sinks), with the mask of
+every layer kind (sliding, chunked, padded), so a tree-trained model evaluates and generates unchanged.
 
 Engines share one signature (see ``reference_tree_attention``). The engine is chosen once per call
 from the device, unless forced with ``HF_TREE_ATTENTION_BACKEND`` or ``set_attention_backend``.
@@ -14,11 +15,12 @@ import os
 from collections.abc import Callable
 
 import torch
-from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from hf_tree.attention.blocked import blocked_tree_attention
+from hf_tree.attention.dual import DeferredMask, model_attention_forward
 from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.mask import dense_tree_mask, render_mask, tree_mask_mod
+from hf_tree.attention.options import tree_mode_options
 from hf_tree.attention.reference import reference_tree_attention
 from hf_tree.parallel.context import active_context_parallel, refuse_torch_context_parallel
 
@@ -57,66 +59,38 @@ def tree_attention_forward(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
+    attention_mask: DeferredMask | torch.Tensor | None,
     scaling: float | None = None,
     dropout: float = 0.0,
     kv_end: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
     **kwargs,
-) -> tuple[torch.Tensor, None]:
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers attention interface: ``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` ->
-    ``([B, N, H, D], None)``. ``kv_end [B, N]`` selects tree mode; ``position_ids`` arrive in kwargs."""
+    ``([B, N, H, D], weights or None)``. ``kv_end [B, N]`` selects tree mode; without it this is the model's own
+    attention (``hf_tree.attention.dual``). ``position_ids``, ``sliding_window``, ``softcap``, ``s_aux`` and
+    the other keywords of transformers' attention calls arrive in ``kwargs`` (see ``hf_tree.attention.options``)."""
     if kv_end is None:
-        return sdpa_attention_forward(
-            module,
-            query,
-            key,
-            value,
-            attention_mask,
-            dropout=dropout,
-            scaling=scaling,
-            sliding_window=sliding_window,
-            softcap=softcap,
-            **kwargs,
+        return model_attention_forward(
+            module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     refuse_torch_context_parallel()  # torch's CP would shard the row and force a causal mask
-    if dropout > 0.0:
-        raise ValueError(
-            f"tree_flash attention does not support attention dropout (got dropout={dropout}); "
-            "set the model config's attention_dropout to 0.0."
-        )
-    if kv_end.shape != query.shape[:1] + query.shape[2:3]:
-        raise ValueError(
-            f"kv_end has shape {tuple(kv_end.shape)}; expected [batch, seq] = "
-            f"{[query.shape[0], query.shape[2]]} matching input_ids."
-        )
-    if scaling is None:
-        scaling = query.shape[-1] ** -0.5
-    if (context_parallel := active_context_parallel()) is not None:  # hf_tree.parallel: local rows, all keys
-        out = context_parallel.attention(
-            query, key, value, kv_end, scaling=scaling, sliding_window=sliding_window, softcap=softcap
-        )
-        return out, None
-    engine = ENGINES[select_backend(query.device)]
-    out = engine(
-        query,
-        key,
-        value,
-        kv_end,
-        scaling=scaling,
-        position_ids=kwargs.get("position_ids"),
-        sliding_window=sliding_window,
-        softcap=softcap,
+    options = tree_mode_options(module, query, key, kv_end, attention_mask, scaling, dropout, kwargs)
+    engine_options = dict(
+        scaling=options.scaling, sliding_window=options.sliding_window, softcap=options.softcap, sinks=options.sinks
     )
-    return out, None
+    if (context_parallel := active_context_parallel()) is not None:  # hf_tree.parallel: local rows, all keys
+        return context_parallel.attention(query, key, value, kv_end, **engine_options), None
+    engine = ENGINES[select_backend(query.device)]
+    return engine(query, key, value, kv_end, position_ids=options.position_ids, **engine_options), None
 
 
 __all__ = [
     "ENGINES",
     "blocked_tree_attention",
+    "DeferredMask",
     "dense_tree_mask",
     "flex_tree_attention",
+    "model_attention_forward",
     "reference_tree_attention",
     "render_mask",
     "select_backend",

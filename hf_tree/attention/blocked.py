@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_tree.attention.mask import check_window_depths
+from hf_tree.attention.mask import check_sinks, check_window_depths
 
 # Default score-tile size: the live tiles of all workers (about two per block, in the compute dtype) take
 # as many bytes as one row of the query, so attention memory stays ~1.1x causal SDPA's
@@ -166,6 +166,14 @@ def _scores(
     return scores, tanh
 
 
+def _with_sink_column(scores: torch.Tensor, sinks: torch.Tensor, block: _Block) -> torch.Tensor:
+    """``scores [Hkv, groups * Bq, n_keys]`` -> ``[Hkv, groups * Bq, n_keys + 1]``: each row's head's sink logit
+    (``sinks [H]``, head ``kv * groups + g`` owns rows ``g * Bq:(g + 1) * Bq``, see ``_rows``) as a last column."""
+    kv_heads, rows, _ = scores.shape
+    column = sinks.to(scores.dtype).view(kv_heads, -1, 1, 1).expand(-1, -1, block.q1 - block.q0, 1)
+    return torch.cat([scores, column.reshape(kv_heads, rows, 1)], dim=-1)
+
+
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax and accumulation dtype: float32 for half types (as HF eager attention does)."""
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
@@ -204,14 +212,19 @@ def _forward_block(
     block: _Block,
     scaling: float,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> None:
     """Write ``out[q0:q1]`` for one block (token-major ``[N, H*, D]`` views of one row)."""
     compute_dtype = _compute_dtype(q_t.dtype)
     rows = _rows(q_t, block.q0, block.q1, k_t.shape[1], scaling)
     scores, _ = _scores(rows, _select(k_t, block.keys), block, softcap, compute_dtype)
+    if sinks is not None:  # the sink joins the softmax as one more column (as eager attention does), then is dropped
+        scores = _with_sink_column(scores, sinks, block)
     # Half-precision scores: softmax accumulates in float32 inside and rounds once, like eager's cast.
     probs = torch.softmax(scores, dim=-1).to(q_t.dtype)
     del scores  # a function per block: each tile is freed before the next one is allocated
+    if sinks is not None:
+        probs = probs[..., :-1]
     block_out = torch.matmul(probs, _select(v_t, block.keys))
     out[block.q0 : block.q1] = block_out.view(-1, block.q1 - block.q0, q_t.shape[-1]).transpose(0, 1)
 
@@ -225,22 +238,37 @@ def _backward_block(
     block: _Block,
     scaling: float,
     softcap: float | None,
-) -> tuple[torch.Tensor, torch.Tensor]:
+    sinks: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Recompute one block's tile, write ``grad_query[q0:q1]``; return its key and value gradient terms
-    ``[n_keys, Hkv, D]`` (added by the caller, in block order, so results do not depend on thread timing)."""
+    ``[n_keys, Hkv, D]`` and, with sinks, its sink gradient term ``[H]`` (added by the caller, in block order,
+    so results do not depend on thread timing)."""
     q0, q1, num_kv_heads = block.q0, block.q1, k_t.shape[1]
     dtype, compute_dtype = q_t.dtype, _compute_dtype(q_t.dtype)
     rows = _rows(q_t, q0, q1, num_kv_heads, scaling)
     keys, values = _select(k_t, block.keys), _select(v_t, block.keys)
     scores, tanh = _scores(rows, keys, block, softcap, compute_dtype)
+    if sinks is not None:
+        scores = _with_sink_column(scores, sinks, block)
     probs = torch.softmax(scores, dim=-1, dtype=compute_dtype)
     del scores
+    if sinks is not None:
+        probs_with_sink, probs = probs, probs[..., :-1]
     grad_rows = _rows(grad_out, q0, q1, num_kv_heads)
     grad_values = _key_matmul(probs.to(dtype).transpose(-1, -2), grad_rows)
     grad_scores = torch.matmul(grad_rows, values.transpose(-1, -2)).to(compute_dtype)
-    # The tile holds whole rows, so softmax's own fused backward applies: dS = P * (dP - rowsum(P * dP)),
-    # written over dP (rows summing to zero as in eager autograd, unlike rowsum(dO * O) from saved outputs).
-    torch.ops.aten._softmax_backward_data.out(grad_scores, probs, -1, compute_dtype, grad_input=grad_scores)
+    grad_sinks = None
+    if sinks is None:
+        # The tile holds whole rows, so softmax's own fused backward applies: dS = P * (dP - rowsum(P * dP)),
+        # written over dP (rows summing to zero as in eager autograd, unlike rowsum(dO * O) from saved outputs).
+        torch.ops.aten._softmax_backward_data.out(grad_scores, probs, -1, compute_dtype, grad_input=grad_scores)
+    else:
+        # The same with the sink column, whose dP is 0: dS = P * (dP - rowsum(P * dP)) on the key columns and
+        # d(sink) = -P_sink * rowsum(P * dP), summed over the rows of each head.
+        row_sums = (probs * grad_scores).sum(-1, keepdim=True)
+        grad_scores.sub_(row_sums).mul_(probs)
+        grad_sinks = (probs_with_sink[..., -1:] * row_sums).view(num_kv_heads, -1, q1 - q0).sum(-1).neg_().flatten()
+        del probs_with_sink
     del probs
     if tanh is not None:  # d(c * tanh(s / c)) / ds = 1 - tanh^2
         grad_scores.mul_(tanh.square_().neg_().add_(1.0))
@@ -248,7 +276,7 @@ def _backward_block(
     grad_scores = grad_scores.to(dtype)
     grad_rows_q = torch.matmul(grad_scores, keys).view(-1, q1 - q0, q_t.shape[-1]).transpose(0, 1)
     torch.mul(grad_rows_q, scaling, out=grad_query[q0:q1])
-    return _key_matmul(grad_scores.transpose(-1, -2), rows), grad_values
+    return _key_matmul(grad_scores.transpose(-1, -2), rows), grad_values, grad_sinks
 
 
 # CPU parallelism is across blocks: worker threads whose kernels run single-threaded. One parallel region
@@ -305,40 +333,49 @@ def _map_blocks(fn: Callable, items: Iterable[tuple], workers: int) -> Iterator:
 
 class _BlockedTreeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, planner: _Planner, scaling: float, softcap: float | None):
+    def forward(ctx, query, key, value, sinks, planner: _Planner, scaling: float, softcap: float | None):
         q_t, k_t, v_t = _token_major(query), _token_major(key), _token_major(value)
         out = torch.empty_like(q_t)
-        items = ((q_t[b], k_t[b], v_t[b], out[b], block, scaling, softcap) for b, block in planner.blocks(q_t.device))
+        sink_logits = None if sinks is None else sinks.detach().to(_compute_dtype(query.dtype))
+        items = (
+            (q_t[b], k_t[b], v_t[b], out[b], block, scaling, softcap, sink_logits)
+            for b, block in planner.blocks(q_t.device)
+        )
         for _ in _map_blocks(_forward_block, items, _workers(query)):
             pass
-        ctx.save_for_backward(query, key, value)
+        ctx.save_for_backward(query, key, value, sinks)
         ctx.planner, ctx.scaling, ctx.softcap = planner, scaling, softcap
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        query, key, value = ctx.saved_tensors
+        query, key, value, sinks = ctx.saved_tensors
         compute_dtype = _compute_dtype(query.dtype)
         q_t, k_t, v_t = _token_major(query), _token_major(key), _token_major(value)
         grad_query = torch.empty_like(q_t)
-        # Key/value gradients collect one term per query block: accumulate them in the compute dtype.
+        # Key/value (and sink) gradients collect one term per query block: accumulate them in the compute dtype.
         grad_key = torch.zeros(k_t.shape, dtype=compute_dtype, device=key.device)
         grad_value = torch.zeros(v_t.shape, dtype=compute_dtype, device=value.device)
+        sink_logits = None if sinks is None else sinks.to(compute_dtype)
+        grad_sinks = None if sinks is None else torch.zeros_like(sink_logits)
         in_flight = deque()  # (row, block) of each submitted item, to place its result
 
         def items() -> Iterator[tuple]:
             for b, block in ctx.planner.blocks(q_t.device):
                 in_flight.append((b, block))
-                yield q_t[b], k_t[b], v_t[b], grad_out[b], grad_query[b], block, ctx.scaling, ctx.softcap
+                yield q_t[b], k_t[b], v_t[b], grad_out[b], grad_query[b], block, ctx.scaling, ctx.softcap, sink_logits
 
-        for grad_keys, grad_values in _map_blocks(_backward_block, items(), _workers(query)):
+        for grad_keys, grad_values, grad_sink_terms in _map_blocks(_backward_block, items(), _workers(query)):
             b, block = in_flight.popleft()
             _accumulate(grad_key[b], block.keys, grad_keys)
             _accumulate(grad_value[b], block.keys, grad_values)
+            if grad_sinks is not None:
+                grad_sinks += grad_sink_terms
         return (
             grad_query.transpose(1, 2),
             grad_key.to(key.dtype).transpose(1, 2),
             grad_value.to(value.dtype).transpose(1, 2),
+            None if grad_sinks is None else grad_sinks.to(sinks.dtype),
             None,
             None,
             None,
@@ -364,6 +401,7 @@ def blocked_tree_attention(
     position_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
     tile_elements: int | None = None,
 ) -> torch.Tensor:
     """Tree attention computed block by block over visible keys only; arguments and result as
@@ -375,6 +413,7 @@ def blocked_tree_attention(
             size; default: one query row's bytes over the tiles' bytes per element (``_tile_bytes``).
     """
     check_window_depths("blocked_tree_attention", position_ids, sliding_window)
+    check_sinks("blocked_tree_attention", sinks, query.shape[1])
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query has {query.shape[1]} heads, not a multiple of the {key.shape[1]} key/value heads.")
     if tile_elements is None:  # all workers' live tiles together: about one query row's bytes
@@ -392,4 +431,4 @@ def blocked_tree_attention(
         dtype = torch.get_autocast_dtype(device_type)
         query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
     with torch.autocast(device_type, enabled=False):
-        return _BlockedTreeAttention.apply(query, key, value, planner, scaling, softcap)
+        return _BlockedTreeAttention.apply(query, key, value, sinks, planner, scaling, softcap)

@@ -21,9 +21,9 @@ import functools
 from collections import OrderedDict
 
 import torch
-from torch.nn.attention.flex_attention import BlockMask, flex_attention
+from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
-from hf_tree.attention.mask import check_window_depths, tree_mask_mod
+from hf_tree.attention.mask import check_sinks, check_window_depths, tree_mask_mod
 
 # FlexAttention's default sparse block size (its kernels' tile size).
 BLOCK_SIZE = 128
@@ -143,19 +143,23 @@ def flex_tree_attention(
     position_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention with FlexAttention; arguments and result as ``reference_tree_attention`` (``query
     [B, H, N, D]``, ``key/value [B, Hkv, N, D]``, ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype).
-    GQA/MQA is handled by Flex (K/V are not repeated)."""
+    GQA/MQA is handled by Flex (K/V are not repeated). Sinks rescale each query's output by the share of its
+    softmax mass left to the keys, ``sigmoid(lse - sink)``, from Flex's log-sum-exp ``lse`` (differentiable)."""
     check_window_depths("flex_tree_attention", position_ids, sliding_window)
+    check_sinks("flex_tree_attention", sinks, query.shape[1])
     if not query.is_cuda:  # PyTorch's FlexAttention has no backward off CUDA: forward only
-        if torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value)):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
             raise ValueError(
                 f"attention backend 'flex' cannot compute gradients on device {query.device.type!r} (PyTorch's "
                 "FlexAttention has no backward there); use the 'blocked' backend (the default off CUDA): "
                 "hf_tree.attention.set_attention_backend('blocked') or HF_TREE_ATTENTION_BACKEND=blocked."
             )
         query, key, value = query.detach(), key.detach(), value.detach()
+        sinks = None if sinks is None else sinks.detach()
     block_mask = cached_tree_block_mask(kv_end, position_ids, sliding_window)
     attend = _compiled_flex_attention() if query.is_cuda else flex_attention
     out = attend(
@@ -166,5 +170,11 @@ def flex_tree_attention(
         block_mask=block_mask,
         scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1],
+        return_aux=None if sinks is None else AuxRequest(lse=True),
     )
+    if sinks is not None:
+        out, aux = out
+        # softmax over keys and sink = softmax over keys * exp(lse) / (exp(lse) + exp(sink))
+        keys_share = torch.sigmoid(aux.lse - sinks.to(aux.lse.dtype)[None, :, None])
+        out = out * keys_share[..., None].to(out.dtype)
     return out.transpose(1, 2).contiguous()

@@ -16,6 +16,15 @@ def check_window_depths(where: str, position_ids: torch.Tensor | None, sliding_w
         raise ValueError(f"{where}: a sliding_window needs position_ids (depths) to measure distance.")
 
 
+def check_sinks(where: str, sinks: torch.Tensor | None, num_heads: int) -> None:
+    """Raise (naming ``where``) unless ``sinks`` is ``None`` or one sink logit per query head, ``[H]``."""
+    if sinks is not None and tuple(sinks.shape) != (num_heads,):
+        raise ValueError(
+            f"{where}: attention sinks must be one logit per query head, shape ({num_heads},); got "
+            f"{tuple(sinks.shape)}. Per-token sinks are not supported by the tree engines."
+        )
+
+
 def tree_mask_mod(kv_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None):
     """A FlexAttention-style ``mask_mod(b, h, q, kv) -> bool`` for a batch of packed rows.
 

@@ -20,6 +20,7 @@ def reference_tree_attention(
     position_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a packed tree row.
 
@@ -31,6 +32,8 @@ def reference_tree_attention(
         position_ids: ``[B, N]`` depths (needed with ``sliding_window``).
         sliding_window: window in depth positions, as each branch alone would see it.
         softcap: ``softcap * tanh(scores / softcap)`` before masking (Gemma-style), if set.
+        sinks: ``[H]`` attention-sink logits (gpt-oss ``s_aux``), if set: one extra logit per query head joins
+            every query's softmax denominator and attends to nothing, as in the models' eager attention.
 
     Returns:
         ``[B, N, H, D]`` in ``query``'s dtype.
@@ -43,6 +46,11 @@ def reference_tree_attention(
         scores = softcap * torch.tanh(scores / softcap)
     visible = dense_tree_mask(kv_end, position_ids, sliding_window)[:, None]
     scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:
+        sink_column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
+        scores = torch.cat([scores, sink_column], dim=-1)
     probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1)
+    if sinks is not None:
+        probs = probs[..., :-1]  # the sink takes its share of each row and contributes no value
     out = torch.matmul(probs.to(value.dtype), value)
     return out.transpose(1, 2).contiguous()

@@ -4,38 +4,13 @@ from __future__ import annotations
 
 import functools
 
-import torch
 from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+from transformers.masking_utils import AttentionMaskInterface
 
 from hf_tree.attention import tree_attention_forward
+from hf_tree.attention.dual import tree_mask_function
 
 TREE_ATTENTION_NAME = "tree_flash"
-
-
-def tree_mask_function(
-    batch_size: int,
-    q_length: int,
-    kv_length: int,
-    q_offset: int = 0,
-    kv_offset: int = 0,
-    attention_mask: torch.Tensor | None = None,
-    **kwargs,
-) -> torch.Tensor | None:
-    """Mask factory for ``tree_flash``: no mask for an unpadded, cache-free forward (packed trees carry
-    their mask in ``kv_end``, and plain batches use causal SDPA); otherwise exactly SDPA's mask, so
-    padded batches and ``generate()`` keep working."""
-    if attention_mask is None and isinstance(q_offset, int) and q_offset == 0 and q_length == kv_length:
-        return None
-    return sdpa_mask(
-        batch_size,
-        q_length,
-        kv_length,
-        q_offset=q_offset,
-        kv_offset=kv_offset,
-        attention_mask=attention_mask,
-        **kwargs,
-    )
 
 
 def _allow_tree_flash(check):

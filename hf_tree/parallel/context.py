@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from hf_tree.attention.mask import tree_mask_mod
+from hf_tree.attention.mask import check_sinks, tree_mask_mod
 from hf_tree.parallel.plan import ContextParallelPlan
 
 # Query rows per attention call; bounds the [rows, keys] mask and score tiles of one call.
@@ -123,6 +123,7 @@ def _block_attention(
     sliding_window: int | None,
     scaling: float,
     softcap: float | None,
+    sinks: torch.Tensor | None,
 ) -> torch.Tensor:
     """Attention of one query block.
 
@@ -131,6 +132,7 @@ def _block_attention(
         rows: ``[cp_size * L, 2, B, Hkv, D]`` the gathered keys and values of all ranks (rank-major slots).
         key_ids, key_rows: ``[K]`` global ids of the keys the block needs and their rows in ``rows``.
         kv_end, position_ids: ``[B, num_slots]`` of the global row (padding slots included).
+        sinks: ``[H]`` attention-sink logits that join each query's softmax denominator, or ``None``.
 
     Returns ``[B, H, Q, D]``. Run under activation checkpointing: the selected keys/values, the ``[B, Q, K]``
     mask and SDPA's tiles are rebuilt in backward instead of being kept.
@@ -139,16 +141,23 @@ def _block_attention(
     batch_rows = torch.arange(kv_end.shape[0], device=kv_end.device)[:, None, None]
     visible = tree_mask_mod(kv_end, position_ids, sliding_window)(batch_rows, None, query_ids[None, :, None], key_ids)
     visible = visible[:, None]  # [B, 1, Q, K], shared by the heads
-    if softcap is None:  # SDPA's fused kernels take a boolean mask and GQA directly (no scores kept)
+    if softcap is None and sinks is None:  # SDPA's fused kernels take a boolean mask and GQA directly (no scores kept)
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=visible, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
         )
     groups = query.shape[1] // key.shape[1]
     key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
     scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~visible, float("-inf"))
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
+    scores = scores.masked_fill(~visible, float("-inf"))
+    if sinks is not None:  # one more softmax column per head, dropped after the softmax (as eager attention does)
+        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
     compute = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=compute).to(value.dtype), value)
+    probs = torch.softmax(scores, dim=-1, dtype=compute)
+    if sinks is not None:
+        probs = probs[..., :-1]
+    return torch.matmul(probs.to(value.dtype), value)
 
 
 class ContextParallelAttention:
@@ -217,14 +226,17 @@ class ContextParallelAttention:
         scaling: float,
         sliding_window: int | None = None,
         softcap: float | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``query [B, H, L, D]``, ``key/value [B, Hkv, L, D]`` of the rank's rows -> ``[B, L, H, D]``."""
+        """``query [B, H, L, D]``, ``key/value [B, Hkv, L, D]`` of the rank's rows -> ``[B, L, H, D]``; ``sinks
+        [H]``: attention-sink logits (their gradient stays on the rank, summed over ranks by DDP/FSDP)."""
         if query.shape[2] != self.plan.shard_len or kv_end.shape != self.kv_end.shape[:1] + (self.plan.shard_len,):
             raise ValueError(
                 f"tree context parallel expects this rank's shard ([batch, {self.plan.shard_len}] rows, from "
                 f"shard_batch_for_context_parallel) but the model got {query.shape[2]} query rows and kv_end of shape "
                 f"{tuple(kv_end.shape)}."
             )
+        check_sinks("tree context parallel", sinks, query.shape[1])
         self._on(query.device)
         rows = self.gather_keys_values(key, value)
         outputs = [
@@ -240,6 +252,7 @@ class ContextParallelAttention:
                 sliding_window,
                 scaling,
                 softcap,
+                sinks,
                 use_reentrant=False,
             )
             for b, key_ids, key_rows in zip(self.blocks, self.key_ids, self.key_rows)

@@ -1,0 +1,127 @@
+"""What a packed-tree attention call (``kv_end`` given) may ask for: each attention-affecting keyword that
+transformers' attention callers pass (checked against every ``attention_interface(...)`` call of transformers
+5.23's models) is either honoured by the tree engines or refused here with a ``ValueError``; none is dropped.
+
+Honoured: ``scaling``, ``sliding_window`` (in depth positions), ``softcap``, ``s_aux`` (one sink logit per query
+head), ``position_ids`` (depths), causal masks of any layer type whose window the call passes. Refused: the
+keywords in ``REFUSED_KEYWORDS``, non-causal attention, dropout, a KV cache, padding or custom masks beside
+``kv_end``, and local masks (chunked attention) the call does not pass as ``sliding_window``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_tree.attention.dual import DeferredMask
+
+# Keyword -> what it would do, for keywords tree mode cannot honour (refused when given and not None).
+REFUSED_KEYWORDS = {
+    "position_bias": "an additive position bias (T5-style relative attention)",
+    "indices": "sparse top-k key indices (DeepSeek sparse attention)",
+    "block_indices": "sparse key blocks",
+    "sinks": "per-token attention sinks",
+    "cu_seq_lens_q": "flash-attention varlen packing",
+    "cu_seq_lens_k": "flash-attention varlen packing",
+    "max_length_q": "flash-attention varlen packing",
+    "max_length_k": "flash-attention varlen packing",
+}
+
+
+@dataclass(frozen=True)
+class TreeAttentionOptions:
+    """The engine options of one tree attention call."""
+
+    scaling: float
+    sliding_window: int | None
+    softcap: float | None
+    sinks: torch.Tensor | None
+    """``[H]`` sink logits, or ``None``."""
+    position_ids: torch.Tensor | None
+    """``[B, N]`` depths."""
+
+
+def _refuse(module: torch.nn.Module, what: str, fix: str) -> None:
+    raise ValueError(f"tree_flash with kv_end (packed trees) in {type(module).__name__}: {what}. {fix}")
+
+
+def _check_mask(module: torch.nn.Module, attention_mask, sliding_window: int | None) -> None:
+    """The layer's mask must be one the tree engines reproduce from ``kv_end`` (+ ``sliding_window``)."""
+    if attention_mask is None:
+        return
+    if not isinstance(attention_mask, DeferredMask):
+        _refuse(
+            module,
+            f"it received a ready-made attention mask ({type(attention_mask).__name__}), which tree mode would ignore",
+            "Packed trees carry their whole mask in kv_end: do not pass a 4D attention_mask with kv_end.",
+        )
+    arguments = attention_mask.arguments
+    if "allow_is_bidirectional_skip" in arguments:
+        _refuse(module, "the layer attends bidirectionally", "Tree training needs causal attention.")
+    if arguments.get("use_vmap"):
+        _refuse(
+            module,
+            "the layer's mask has a custom overlay (or_mask_function/and_mask_function, e.g. image tokens or "
+            "bidirectional windows) that tree mode cannot reproduce",
+            "Train this model without kv_end, or drop the inputs that add the overlay.",
+        )
+    local_size = arguments.get("local_size")
+    if local_size is not None and local_size != sliding_window:
+        _refuse(
+            module,
+            f"the layer's mask limits attention to local_size={local_size} (chunked attention, or a window "
+            f"the layer does not pass to attention as sliding_window={sliding_window})",
+            "Chunked attention is not supported in tree mode.",
+        )
+    if attention_mask.padded:
+        _refuse(
+            module,
+            "attention_mask hides some tokens",
+            "Padding of packed rows is marked in kv_end (kv_end[j] = j + 1), as TreeDataCollator does; drop "
+            "attention_mask from tree forwards.",
+        )
+
+
+def tree_mode_options(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    kv_end: torch.Tensor,
+    attention_mask,
+    scaling: float | None,
+    dropout: float,
+    kwargs: dict,
+) -> TreeAttentionOptions:
+    """Validate a tree attention call (``query [B, H, N, D]``, ``key [B, Hkv, N, D]``, ``kv_end [B, N]``) and
+    return the options the engines honour; ``ValueError`` for anything they would otherwise drop."""
+    if dropout > 0.0:
+        raise ValueError(
+            f"tree_flash attention does not support attention dropout (got dropout={dropout}); "
+            "set the model config's attention_dropout to 0.0."
+        )
+    if kv_end.shape != query.shape[:1] + query.shape[2:3]:
+        raise ValueError(
+            f"kv_end has shape {tuple(kv_end.shape)}; expected [batch, seq] = "
+            f"{[query.shape[0], query.shape[2]]} matching input_ids."
+        )
+    if key.shape[2] != query.shape[2]:
+        _refuse(
+            module,
+            f"it got {key.shape[2]} keys for {query.shape[2]} queries (a KV cache with earlier tokens)",
+            "Tree forwards cannot continue a cache; pass use_cache=False and no past_key_values with kv_end.",
+        )
+    if not kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        _refuse(module, "the layer is not causal (is_causal=False)", "Tree training needs causal attention.")
+    for name, meaning in REFUSED_KEYWORDS.items():
+        if kwargs.get(name) is not None:
+            _refuse(module, f"the layer passes {name}= ({meaning})", "Tree mode cannot apply it exactly.")
+    sliding_window = kwargs.get("sliding_window")
+    _check_mask(module, attention_mask, sliding_window)
+    return TreeAttentionOptions(
+        scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
+        sliding_window=sliding_window,
+        softcap=kwargs.get("softcap"),
+        sinks=kwargs.get("s_aux"),
+        position_ids=kwargs.get("position_ids"),
+    )
