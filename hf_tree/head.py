@@ -16,6 +16,8 @@ logits are not of that form is refused with a ``ValueError``.
 from __future__ import annotations
 
 import contextlib
+import os
+import traceback
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,6 +33,7 @@ PROBE_LENGTH = 8
 # A head transform or a missing scale is off by O(1).
 HEAD_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _detected: weakref.WeakKeyDictionary[PreTrainedModel, LogitHead] = weakref.WeakKeyDictionary()
 
 
@@ -130,6 +133,36 @@ def capture_last_hidden_state(causal_lm: PreTrainedModel) -> Iterator[dict[str, 
         handle.remove()
 
 
+def own_attention_name(model: PreTrainedModel) -> str:
+    """The model's own attention for references: ``sdpa``, or ``eager`` where the model refuses ``sdpa``."""
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation("sdpa")
+        return "sdpa"
+    except (ValueError, ImportError):  # the model refuses sdpa (softcapping, sinks, ...)
+        return "eager"
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def own_attention(model: PreTrainedModel) -> Iterator[str]:
+    """Switch ``model`` to its own attention (``own_attention_name``) for the block, then back."""
+    previous = model.config._attn_implementation
+    name = own_attention_name(model)
+    model.set_attn_implementation(name)
+    try:
+        yield name
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def raised_by_hf_tree(error: BaseException) -> bool:
+    """Whether ``error`` was raised by hf_tree itself (its innermost frame is in the hf_tree package)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR)
+
+
 def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
     """The ``LogitHead`` that reproduces ``model``'s logits from its backbone's last hidden state (cached per model).
 
@@ -161,15 +194,31 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
 
     def head_hook(module, args, output):
         if "hidden" in captured and "raw" not in captured:
-            captured["raw"] = module.forward(captured["hidden"].reshape(-1, captured["hidden"].shape[-1]))
+            try:
+                captured["raw"] = module.forward(captured["hidden"].reshape(-1, captured["hidden"].shape[-1]))
+            except RuntimeError as error:  # e.g. a projection to a smaller embedding size before the vocabulary one
+                captured["error"] = error
 
     ids = probe_ids(text_config.vocab_size, PROBE_LENGTH, seed=0, device=causal_lm.get_input_embeddings().weight.device)
     handle = embedding.register_forward_hook(head_hook)
-    try:
-        with eval_mode_no_grad(model), capture_last_hidden_state(causal_lm) as captured:
+    try:  # the model's own attention: the head does not depend on it, and dual mode may refuse some models
+        with eval_mode_no_grad(model), own_attention(causal_lm), capture_last_hidden_state(causal_lm) as captured:
             logits = (forward or model)(input_ids=ids[None], use_cache=False).logits
+    except Exception as error:
+        if isinstance(error, ValueError) and raised_by_hf_tree(error):
+            raise
+        raise ValueError(
+            f"{name}'s own forward failed on a tiny input while hf_tree checked how it computes logits: "
+            f"{type(error).__name__}: {error}"
+        ) from error
     finally:
         handle.remove()
+    if "error" in captured:
+        raise ValueError(
+            f"{name}'s output embedding {type(embedding).__name__} cannot be applied to its backbone's last hidden "
+            f"state ({captured['error']}): the model transforms the hidden state before the vocabulary projection, "
+            "which the tree loss and log-prob heads cannot reproduce. This model is not supported."
+        )
     if "raw" not in captured:
         raise ValueError(
             f"{name}'s forward never called its output embedding on the backbone's output; hf_tree "

@@ -29,7 +29,15 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
-from hf_tree.head import LogitHead, causal_lm_of, detect_logit_head, eval_mode_no_grad, probe_ids
+from hf_tree.head import (
+    LogitHead,
+    causal_lm_of,
+    detect_logit_head,
+    eval_mode_no_grad,
+    own_attention,
+    probe_ids,
+    raised_by_hf_tree,
+)
 from hf_tree.packing import pack_and_place
 from hf_tree.tree import Tree
 
@@ -137,30 +145,6 @@ def _recording(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, tuple[
             handle.remove()
 
 
-def own_attention_name(model: PreTrainedModel) -> str:
-    """The model's own attention for references: ``sdpa``, or ``eager`` where the model refuses ``sdpa``."""
-    previous = model.config._attn_implementation
-    try:
-        model.set_attn_implementation("sdpa")
-        return "sdpa"
-    except (ValueError, ImportError):  # the model refuses sdpa (softcapping, sinks, ...)
-        return "eager"
-    finally:
-        model.set_attn_implementation(previous)
-
-
-@contextlib.contextmanager
-def own_attention(model: PreTrainedModel) -> Iterator[str]:
-    """Switch ``model`` to its own attention (``own_attention_name``) for the block, then back."""
-    previous = model.config._attn_implementation
-    name = own_attention_name(model)
-    model.set_attn_implementation(name)
-    try:
-        yield name
-    finally:
-        model.set_attn_implementation(previous)
-
-
 @contextlib.contextmanager
 def _without_context_parallel() -> Iterator[None]:
     """The probe runs whole on every rank: suspend an enclosing tree context parallel block for its duration."""
@@ -227,7 +211,16 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None) -> float:
     dtype = causal_lm.get_input_embeddings().weight.dtype
     tolerance = PROBE_TOLERANCE.get(dtype, 5e-2)
     with eval_mode_no_grad(model), _without_context_parallel():
-        tree_records, branch_records, index = _run_probe(forward or model, causal_lm, modules)
+        try:
+            tree_records, branch_records, index = _run_probe(forward or model, causal_lm, modules)
+        except Exception as error:
+            if isinstance(error, ValueError) and raised_by_hf_tree(error):
+                raise  # hf_tree's own refusals say what is wrong already
+            raise ValueError(
+                f"{type(causal_lm).__name__} failed hf_tree's first-use probe (a tiny tree under "
+                f"{TREE_ATTENTION_NAME}, then its branches with the model's own attention): {type(error).__name__}: "
+                f"{error}. This model cannot be trained on trees."
+            ) from error
     names = [n for n in modules if n in tree_records and all(n in r for r in branch_records)]
     differences = {n: _compare(tree_records[n][1], [r[n][1] for r in branch_records], index) for n in names}
     if "backbone" not in differences:

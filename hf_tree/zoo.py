@@ -33,8 +33,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import hf_tree  # noqa: F401  (registers tree_flash)
 from hf_tree.collator import TreeDataCollator
+from hf_tree.head import own_attention, raised_by_hf_tree
 from hf_tree.loss import tree_causal_lm_loss
-from hf_tree.model_check import own_attention
 from hf_tree.tree import Tree
 
 VOCAB = 128
@@ -90,6 +90,24 @@ class ZooResult:
     layer_types: list[str] = field(default_factory=list)
 
 
+def _one_layer_of_each_kind(values: dict) -> None:
+    """Keep, of the per-layer lists (``layer_types``, ``mlp_layer_types``, ...), the first layer of every kind of
+    each list (at least two layers), and set the layer count to match."""
+    lists = {k: v for k, v in values.items() if str(k).endswith("layer_types") and isinstance(v, list) and v}
+    if not lists:
+        return
+    length = len(next(iter(lists.values())))
+    lists = {k: v for k, v in lists.items() if len(v) == length}
+    keep = sorted({v.index(kind) for v in lists.values() for kind in dict.fromkeys(v)})
+    if len(keep) < 2 and length >= 2:
+        keep = sorted(set(keep) | {0, 1})
+    for key, kinds in lists.items():
+        values[key] = [kinds[i] for i in keep]
+    for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
+        if key in values:
+            values[key] = len(keep)
+
+
 def _shrink(values: dict) -> dict:
     for key, value in list(values.items()):
         if isinstance(value, dict):
@@ -99,13 +117,11 @@ def _shrink(values: dict) -> dict:
     for key in ("sliding_window", "attention_chunk_size", "local_attention", "window_size"):
         if isinstance(values.get(key), int) and not isinstance(values.get(key), bool) and values[key] > WINDOW:
             values[key] = WINDOW
-    layer_types = values.get("layer_types")
-    if isinstance(layer_types, list) and layer_types:
-        kinds = list(dict.fromkeys(layer_types))  # one layer of each kind, in order of first appearance
-        values["layer_types"] = kinds if len(kinds) > 1 else kinds * 2
-        for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
-            if key in values:
-                values[key] = len(values["layer_types"])
+    _one_layer_of_each_kind(values)
+    for head_dim, heads in (("mamba_d_head", "mamba_n_heads"), ("mamba_head_dim", "mamba_n_heads")):
+        if isinstance(values.get(head_dim), int) and isinstance(values.get(heads), int):  # heads * dim = expand * D
+            expand = values.get("mamba_expand", values.get("expand", 2))
+            values[head_dim] = max(1, int(expand * _SIZES["hidden_size"]) // values[heads])
     for key in _TOKEN_IDS:
         ids = values.get(key)
         if isinstance(ids, int) and ids >= VOCAB:
@@ -144,7 +160,7 @@ def build_tiny(model_type: str, dtype: torch.dtype) -> torch.nn.Module:
 
 
 def _first_line(error: BaseException, limit: int = 160) -> str:
-    text = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
@@ -269,27 +285,43 @@ def _check(result: ZooResult) -> None:
     result.layer_types = _layer_types(model)
     tolerance = TOLERANCE[dtype]
 
-    result.dual_error = dual_mode_error(model)
+    train_state, train_detail = _check_training(result, model, branches, masks, tolerance)
+    dual_state, dual_detail = "exact", ""
+    try:
+        result.dual_error = dual_mode_error(model)
+        if result.dual_error > tolerance:
+            dual_state, dual_detail = "MISMATCH", "dual mode differs from the model's own attention"
+    except Exception as error:  # noqa: BLE001 - classified, never hidden
+        dual_state = "refused" if raised_by_hf_tree(error) else "error"
+        dual_detail = f"dual mode: {type(error).__name__}: {_first_line(error, 300)}"
+    for state in ("MISMATCH", "error", "refused", "exact"):
+        if state in (train_state, dual_state):
+            result.state = state
+            break
+    result.detail = "; ".join(d for d in (train_detail, dual_detail) if d)
+
+
+def _check_training(result: ZooResult, model, branches, masks, tolerance: float) -> tuple[str, str]:
+    """Tree loss and gradients against per-branch training; ``(state, detail)``."""
     batch = TreeDataCollator(max_packed_tokens=64)([Tree.from_sequences(branches, masks).to_dict()])
     try:
         loss = tree_causal_lm_loss(model, batch)
-    except ValueError as error:  # our checks refused the model before training
-        result.state, result.detail = "refused", _first_line(error, 400)
-    else:
-        loss.backward()
-        tree_grads = _grads(model)
-        model.zero_grad()
-        reference = per_branch_loss(model, branches, masks)
-        reference.backward()
-        result.loss_error = _relative(loss, reference)
-        result.grad_error = _max_grad_error(tree_grads, _grads(model))
-        exact = result.loss_error <= tolerance and result.grad_error <= tolerance
-        result.state = "exact" if exact else "MISMATCH"
-        if not exact:
-            result.detail = "tree training differs from per-branch training"
-    if result.dual_error > tolerance:
-        result.state = "MISMATCH"
-        result.detail = (result.detail + "; " if result.detail else "") + "dual mode differs from own attention"
+    except Exception as error:  # noqa: BLE001
+        if isinstance(error, ValueError) and raised_by_hf_tree(error):
+            return "refused", f"training: {_first_line(error, 400)}"
+        return "error", f"training: {type(error).__name__}: {_first_line(error, 300)}"
+    loss.backward()
+    tree_grads = _grads(model)
+    model.zero_grad()
+    reference = per_branch_loss(model, branches, masks)
+    reference.backward()
+    reference_grads = _grads(model)
+    model.zero_grad()
+    result.loss_error = _relative(loss, reference)
+    result.grad_error = _max_grad_error(tree_grads, reference_grads)
+    if result.loss_error <= tolerance and result.grad_error <= tolerance:
+        return "exact", ""
+    return "MISMATCH", "tree training differs from per-branch training"
 
 
 def zoo_model_types() -> list[str]:
