@@ -70,6 +70,46 @@ _SIZES = {
 _TOKEN_IDS = ("pad_token_id", "bos_token_id", "eos_token_id", "decoder_start_token_id", "sep_token_id")
 
 
+# Keys left at their defaults from shrink level 1 on: per-head and mixer geometry that some architectures tie to
+# each other in ways a generic shrink cannot know (rotary splits, MLA ranks, Mamba heads).
+_GEOMETRY = {
+    "head_dim",
+    "kv_channels",
+    "attention_head_dim",
+    "v_head_dim",
+    "kv_lora_rank",
+    "qk_nope_head_dim",
+    "qk_rope_head_dim",
+    "q_lora_rank",
+    "state_size",
+    "ssm_state_size",
+    "mamba_d_state",
+    "linear_key_head_dim",
+    "linear_value_head_dim",
+    "mamba_head_dim",
+    "linear_conv_kernel_dim",
+    "linear_num_key_heads",
+    "linear_num_value_heads",
+    "mamba_n_heads",
+    "n_groups",
+    "mamba_n_groups",
+}
+# Per level, overrides of ``_SIZES``: level 1 keeps the geometry and uses 4 query / 2 KV heads; level 2 also a
+# wider hidden size.
+_LEVELS = (
+    {},
+    {
+        **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads"), 4),
+        **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 2),
+    },
+    {
+        **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads"), 4),
+        **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 2),
+        **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim"), 64),
+    },
+)
+
+
 class NotBuildable(Exception):
     """The architecture cannot be built or run tiny from its default config (the reason is the message)."""
 
@@ -108,20 +148,24 @@ def _one_layer_of_each_kind(values: dict) -> None:
             values[key] = len(keep)
 
 
-def _shrink(values: dict) -> dict:
+def _shrink(values: dict, level: int = 0) -> dict:
+    sizes = {**_SIZES, **_LEVELS[level]}
     for key, value in list(values.items()):
         if isinstance(value, dict):
-            values[key] = _shrink(dict(value))  # nested text/decoder configs
-        elif key in _SIZES and isinstance(value, int) and not isinstance(value, bool):
-            values[key] = _SIZES[key]
+            values[key] = _shrink(dict(value), level)  # nested text/decoder configs
+        elif level > 0 and key in _GEOMETRY:
+            continue
+        elif key in sizes and isinstance(value, int) and not isinstance(value, bool):
+            values[key] = sizes[key]
     for key in ("sliding_window", "attention_chunk_size", "local_attention", "window_size"):
         if isinstance(values.get(key), int) and not isinstance(values.get(key), bool) and values[key] > WINDOW:
             values[key] = WINDOW
     _one_layer_of_each_kind(values)
     for head_dim, heads in (("mamba_d_head", "mamba_n_heads"), ("mamba_head_dim", "mamba_n_heads")):
-        if isinstance(values.get(head_dim), int) and isinstance(values.get(heads), int):  # heads * dim = expand * D
+        # Mamba: heads * head dim = expand * hidden size
+        if level == 0 and isinstance(values.get(head_dim), int) and isinstance(values.get(heads), int):
             expand = values.get("mamba_expand", values.get("expand", 2))
-            values[head_dim] = max(1, int(expand * _SIZES["hidden_size"]) // values[heads])
+            values[head_dim] = max(1, int(expand * sizes["hidden_size"]) // values[heads])
     for key in _TOKEN_IDS:
         ids = values.get(key)
         if isinstance(ids, int) and ids >= VOCAB:
@@ -131,10 +175,11 @@ def _shrink(values: dict) -> dict:
     return values
 
 
-def tiny_config(model_type: str) -> transformers.PretrainedConfig:
-    """``model_type``'s default config with every size shrunk (``_SIZES``) and rebuilt, so derived fields follow."""
+def tiny_config(model_type: str, level: int = 0) -> transformers.PretrainedConfig:
+    """``model_type``'s default config with every size shrunk (``_SIZES``; milder at higher ``level``, see
+    ``_LEVELS``) and rebuilt, so derived fields follow."""
     default = transformers.AutoConfig.for_model(model_type)
-    values = _shrink(default.to_dict())
+    values = _shrink(default.to_dict(), level)
     for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
         values.pop(key, None)
     values.update(attention_dropout=0.0, use_cache=False, tie_word_embeddings=values.get("tie_word_embeddings", True))
@@ -143,10 +188,10 @@ def tiny_config(model_type: str) -> transformers.PretrainedConfig:
     return transformers.AutoConfig.for_model(model_type, **values)
 
 
-def build_tiny(model_type: str, dtype: torch.dtype) -> torch.nn.Module:
+def build_tiny(model_type: str, dtype: torch.dtype, level: int = 0) -> torch.nn.Module:
     """The tiny causal LM on ``tree_flash`` (deterministic init), in eval mode (no dropout)."""
     try:
-        config = tiny_config(model_type)
+        config = tiny_config(model_type, level)
     except Exception as error:  # noqa: BLE001 - any failure means: cannot be built tiny
         raise NotBuildable(f"config: {type(error).__name__}: {_first_line(error)}") from error
     torch.manual_seed(0)
@@ -275,18 +320,29 @@ def check_architecture(model_type: str, time_limit: int = 300) -> ZooResult:
     return result
 
 
+def _build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, torch.dtype]:
+    """The smallest shrink level and the widest dtype (float64, else float32) at which the tiny model builds and
+    runs its own forward (it must, to serve as its own oracle); ``NotBuildable`` with the first reason otherwise."""
+    first_error: NotBuildable | None = None
+    for level in range(len(_LEVELS)):
+        for dtype in (torch.float64, torch.float32):
+            try:
+                model = build_tiny(model_type, dtype, level)
+                with torch.no_grad(), own_attention(model):
+                    model(input_ids=torch.tensor([ids]), use_cache=False)
+                return model, dtype
+            except NotBuildable as error:
+                first_error = first_error or error
+                break  # the config or build fails at this level whatever the dtype
+            except Exception as error:  # noqa: BLE001
+                reason = NotBuildable(f"own forward: {type(error).__name__}: {_first_line(error)}")
+                first_error = first_error or reason
+    raise first_error
+
+
 def _check(result: ZooResult) -> None:
     branches, masks = probe_branches()
-    model, dtype = None, None
-    for dtype in (torch.float64, torch.float32):
-        model = build_tiny(result.model_type, dtype)
-        try:  # the model must run its own forward in this dtype to serve as an oracle at all
-            with torch.no_grad(), own_attention(model):
-                model(input_ids=torch.tensor([branches[0]]), use_cache=False)
-            break
-        except Exception as error:  # noqa: BLE001
-            if dtype == torch.float32:
-                raise NotBuildable(f"own forward: {type(error).__name__}: {_first_line(error)}") from error
+    model, dtype = _build_runnable(result.model_type, branches[0])
     result.model_class, result.dtype = type(model).__name__, str(dtype).replace("torch.", "")
     result.layer_types = _layer_types(model)
     tolerance = TOLERANCE[dtype]
