@@ -56,7 +56,10 @@ class LogitHead:
         kept unsharded by the model forward until backward; running its hooks a second time segfaulted in backward.
         ``forward()`` keeps PEFT/accelerate wrappers (they replace ``forward`` itself).
         """
-        logits = output_embedding.forward(hidden)
+        return self.scored(output_embedding.forward(hidden))
+
+    def scored(self, logits: torch.Tensor) -> torch.Tensor:
+        """The output embedding's ``[M, vocab]`` output -> the model's logits (half precision promoted)."""
         if logits.dtype in (torch.float16, torch.bfloat16):
             logits = logits.float()  # the log-softmax over a large vocabulary needs float32
         if self.scale != 1.0:
@@ -91,14 +94,20 @@ def _config_scales(config) -> list[float]:
 
 @contextlib.contextmanager
 def eval_mode_no_grad(model: torch.nn.Module) -> Iterator[None]:
-    """Every module in eval mode (no dropout) under ``no_grad`` and a forked RNG; restores each module's own
-    ``training`` flag and the RNG state afterwards, so a probe leaves training bit-for-bit unchanged."""
+    """Every module in eval mode (no dropout) under ``no_grad``, without autocast (a probe checks the model's
+    computation in its parameters' dtype, not the trainer's mixed precision) and with a forked RNG; restores each
+    module's own ``training`` flag and the RNG state afterwards, so a probe leaves training bit-for-bit unchanged."""
     modes = [(module, module.training) for module in model.modules()]
     devices = []
     if torch.cuda.is_available() and torch.cuda.is_initialized():
         devices = [torch.cuda.current_device()]
+    device_type = next(model.parameters()).device.type
     try:
-        with torch.random.fork_rng(devices=devices), torch.no_grad():
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            torch.autocast(device_type, enabled=False),
+        ):
             model.eval()
             yield
     finally:
@@ -224,8 +233,8 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
             f"{name}'s forward never called its output embedding on the backbone's output; hf_tree "
             "cannot reproduce its logits. This model is not supported."
         )
-    dtype = captured["hidden"].dtype
-    tolerance = HEAD_TOLERANCE.get(dtype, 2e-2)
+    # The head's output dtype is the precision it ran in (under a trainer's autocast, lower than the parameters').
+    tolerance = HEAD_TOLERANCE.get(captured["raw"].dtype, 2e-2)
     expected = logits.reshape(-1, logits.shape[-1]).double()
     raw = captured["raw"].double()
     # Undo the cap to fit a scale on the linear part: scale * raw == softcap * atanh(logits / softcap).
@@ -234,9 +243,9 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
     errors = {}
     for scale in [*_config_scales(text_config), fitted]:
         head = LogitHead(scale=scale, softcap=softcap)
-        errors[scale] = _relative_max_error(
-            head.logits(embedding, captured["hidden"].reshape(raw.shape[0], -1)), expected
-        )
+        # The same step as LogitHead.logits, on the embedding output computed inside the model's forward (and so
+        # under the same autocast and FSDP state as the model's own logits).
+        errors[scale] = _relative_max_error(head.scored(captured["raw"]), expected)
         if errors[scale] <= tolerance:
             _detected[causal_lm] = head
             return head

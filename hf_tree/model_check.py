@@ -168,7 +168,7 @@ def _compare(tree_out: torch.Tensor, branch_outs: list[torch.Tensor], index: lis
 
 def _run_probe(model, causal_lm: PreTrainedModel, modules: dict[str, torch.nn.Module]):
     """Forward the probe tree packed and its branches alone; ``(records of the tree run, of each branch run,
-    per-branch packed indices)``."""
+    per-branch packed indices, the autocast dtype the backbone ran under or None)``."""
     config = causal_lm.config.get_text_config()
     device = causal_lm.get_input_embeddings().weight.device
     prefix = probe_ids(config.vocab_size, PROBE_PREFIX, seed=1, device=torch.device("cpu")).tolist()
@@ -179,6 +179,22 @@ def _run_probe(model, causal_lm: PreTrainedModel, modules: dict[str, torch.nn.Mo
     tree = Tree.from_sequences(branches)
     batch, _, parts, _ = pack_and_place([tree], max_packed_tokens=tree.num_tokens)
     index = [torch.as_tensor(parts[0].branch_flat_indices(b), device=device) for b in range(len(branches))]
+
+    def record_precision(module, args):  # a trainer's autocast may be entered inside the (wrapped) forward
+        if torch.is_autocast_enabled(device.type):
+            precision.append(torch.get_autocast_dtype(device.type))
+
+    precision: list[torch.dtype] = []
+    hook = causal_lm.base_model.register_forward_pre_hook(record_precision)
+    try:
+        tree_records, branch_records = _forward_probe(model, branches, batch, device, causal_lm, modules)
+    finally:
+        hook.remove()
+    return tree_records, branch_records, index, precision[0] if precision else None
+
+
+def _forward_probe(model, branches, batch, device, causal_lm, modules):
+    """The tree forward (``kv_end``, depth positions) and one forward per branch with the model's own attention."""
     with _recording(modules) as tree_records:
         model(
             input_ids=batch["input_ids"].to(device),
@@ -192,7 +208,7 @@ def _run_probe(model, causal_lm: PreTrainedModel, modules: dict[str, torch.nn.Mo
             with _recording(modules) as records:
                 model(input_ids=torch.tensor([branch], device=device), use_cache=False)
             branch_records.append(records)
-    return tree_records, branch_records, index
+    return tree_records, branch_records
 
 
 def probe_tree_exactness(model: torch.nn.Module, forward=None) -> float:
@@ -212,7 +228,7 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None) -> float:
     tolerance = PROBE_TOLERANCE.get(dtype, 5e-2)
     with eval_mode_no_grad(model), _without_context_parallel():
         try:
-            tree_records, branch_records, index = _run_probe(forward or model, causal_lm, modules)
+            tree_records, branch_records, index, autocast = _run_probe(forward or model, causal_lm, modules)
         except Exception as error:
             if isinstance(error, ValueError) and raised_by_hf_tree(error):
                 raise  # hf_tree's own refusals say what is wrong already
@@ -221,6 +237,9 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None) -> float:
                 f"{TREE_ATTENTION_NAME}, then its branches with the model's own attention): {type(error).__name__}: "
                 f"{error}. This model cannot be trained on trees."
             ) from error
+    if autocast is not None:  # the layers ran in the autocast dtype: fit the tolerance to it
+        dtype = autocast
+        tolerance = max(tolerance, PROBE_TOLERANCE.get(dtype, 5e-2))
     names = [n for n in modules if n in tree_records and all(n in r for r in branch_records)]
     differences = {n: _compare(tree_records[n][1], [r[n][1] for r in branch_records], index) for n in names}
     if "backbone" not in differences:
@@ -246,7 +265,9 @@ def _leaking_submodules(model: torch.nn.Module, forward, causal_lm: PreTrainedMo
     dtype = causal_lm.get_input_embeddings().weight.dtype
     tolerance = PROBE_TOLERANCE.get(dtype, 5e-2)
     with eval_mode_no_grad(model), _without_context_parallel():
-        tree_records, branch_records, index = _run_probe(forward, causal_lm, modules)
+        tree_records, branch_records, index, autocast = _run_probe(forward, causal_lm, modules)
+    if autocast is not None:
+        tolerance = max(tolerance, PROBE_TOLERANCE.get(autocast, 5e-2))
     leaking = []
     for name, (tree_in, tree_out) in tree_records.items():
         if not all(name in r for r in branch_records) or tree_out.dim() < 2 or tree_in is None or tree_in.dim() < 2:

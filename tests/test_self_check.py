@@ -118,3 +118,19 @@ def test_known_non_tree_aware_mixer_is_refused_by_name():
     assert "Lfm2ShortConv" in NOT_TREE_AWARE_MODULES
     with pytest.raises(ValueError, match="Lfm2ShortConv: short causal convolution"):
         tree_causal_lm_loss(model, tree_batch())
+
+
+def test_leak_is_caught_under_a_trainers_bf16_autocast():
+    """Trainers run the model under autocast. An autocast around the call is switched off for the probe (an exact
+    float32 check); accelerate's autocast inside the model's forward is not, so the probe fits its tolerance to the
+    autocast dtype: an exact model passes and a leaking one is still refused."""
+    exact, leaking = tiny_model(dtype=torch.float32), tiny_model(dtype=torch.float32)
+    leak_across_the_row(leaking)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="tolerance 1e-04 for torch.float32"):
+            tree_causal_lm_loss(leaking, tree_batch())
+    for model in (exact, leaking):  # what accelerate.prepare does with mixed_precision="bf16"
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    assert torch.isfinite(tree_causal_lm_loss(exact, tree_batch()))
+    with pytest.raises(ValueError, match="tolerance 5e-02 for torch.bfloat16"):
+        tree_causal_lm_loss(leaking, tree_batch(), self_check=True)
