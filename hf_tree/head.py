@@ -75,6 +75,15 @@ def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:
     return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
 
 
+def backbone_of(causal_lm: PreTrainedModel) -> torch.nn.Module:
+    """The backbone whose ``last_hidden_state`` the head reads: ``base_model``, or ``model`` where the class's
+    ``base_model_prefix`` names no attribute (Llama 4's text model: prefix ``language_model``, attribute ``model``)."""
+    backbone = causal_lm.base_model
+    if backbone is causal_lm and isinstance(getattr(causal_lm, "model", None), torch.nn.Module):
+        return causal_lm.model
+    return backbone
+
+
 def _relative_max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     got, expected = got.detach().double(), expected.detach().double()
     return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-300))
@@ -135,7 +144,7 @@ def capture_last_hidden_state(causal_lm: PreTrainedModel) -> Iterator[dict[str, 
     def hook(module, args, output):
         captured["hidden"] = _last_hidden_state(output)
 
-    handle = causal_lm.base_model.register_forward_hook(hook)
+    handle = backbone_of(causal_lm).register_forward_hook(hook)
     try:
         yield captured
     finally:
@@ -193,7 +202,7 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
         return _detected[causal_lm]
     name = type(causal_lm).__name__
     embedding = causal_lm.get_output_embeddings()
-    if embedding is None or causal_lm.base_model is causal_lm:
+    if embedding is None or backbone_of(causal_lm) is causal_lm:
         raise ValueError(
             f"{name} has no separate output embedding (get_output_embeddings()); hf_tree scores the "
             "last hidden state with it, so it supports causal LMs of the form backbone + LM head."

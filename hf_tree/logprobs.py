@@ -41,7 +41,7 @@ from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
-from hf_tree.head import LogitHead, detect_logit_head
+from hf_tree.head import LogitHead, backbone_of, detect_logit_head
 from hf_tree.model_check import check_model_for_trees
 from hf_tree.packing import PackingStats, pack_and_place
 from hf_tree.tree import Tree
@@ -188,7 +188,7 @@ def check_tree_model(model: PreTrainedModel, name: str = "model") -> None:
 def _backbone_hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[R * N, D]`` last hidden states of packed tree rows (what the LM head reads; ``detect_logit_head`` checked
     that the model's logits are ``LogitHead.logits`` of exactly this tensor)."""
-    outputs = model.base_model(
+    outputs = backbone_of(model)(
         input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"], use_cache=False
     )
     hidden = outputs.last_hidden_state

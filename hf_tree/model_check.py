@@ -31,6 +31,7 @@ from transformers import PreTrainedModel
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
 from hf_tree.head import (
     LogitHead,
+    backbone_of,
     causal_lm_of,
     detect_logit_head,
     eval_mode_no_grad,
@@ -111,7 +112,7 @@ def refuse_known_unsupported(model: PreTrainedModel) -> None:
 
 def _decoder_layers(model: PreTrainedModel) -> list[torch.nn.Module]:
     """The decoder layers: the longest ``nn.ModuleList`` of the backbone (empty if there is none)."""
-    lists = [m for m in model.base_model.modules() if isinstance(m, torch.nn.ModuleList)]
+    lists = [m for m in backbone_of(model).modules() if isinstance(m, torch.nn.ModuleList)]
     return list(max(lists, key=len)) if lists else []
 
 
@@ -185,7 +186,7 @@ def _run_probe(model, causal_lm: PreTrainedModel, modules: dict[str, torch.nn.Mo
             precision.append(torch.get_autocast_dtype(device.type))
 
     precision: list[torch.dtype] = []
-    hook = causal_lm.base_model.register_forward_pre_hook(record_precision)
+    hook = backbone_of(causal_lm).register_forward_pre_hook(record_precision)
     try:
         tree_records, branch_records = _forward_probe(model, branches, batch, device, causal_lm, modules)
     finally:
@@ -223,7 +224,7 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None) -> float:
     causal_lm = causal_lm_of(model)
     layers = _decoder_layers(causal_lm)
     modules = {f"layer {i}": layer for i, layer in enumerate(layers)}
-    modules["backbone"] = causal_lm.base_model
+    modules["backbone"] = backbone_of(causal_lm)
     dtype = causal_lm.get_input_embeddings().weight.dtype
     tolerance = PROBE_TOLERANCE.get(dtype, 5e-2)
     with eval_mode_no_grad(model), _without_context_parallel():
