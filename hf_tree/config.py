@@ -7,10 +7,12 @@ base class has parsed its own fields.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 from hf_tree.collator import TreeDataCollator
 from hf_tree.distributed import enable_fsdp2_on_cpu
+from hf_tree.model_check import SELF_CHECK_ENV_VAR
 from hf_tree.packing import NORMALIZATIONS, OVERLONG_POLICIES, check_packing_options
 
 
@@ -60,7 +62,8 @@ class TreeArguments:
             "help": "Before the first tree batch, refuse models with known non-tree-aware layers and probe the real "
             "model with a tiny 3-branch tree against its branches run alone (hf_tree.model_check; once per model, "
             "well under a second). A model that fails is refused with a ValueError instead of training silently "
-            "wrong. False skips both (the HF_TREE_SELF_CHECK=0 environment variable does the same)."
+            "wrong. False skips both for this process (it sets the HF_TREE_SELF_CHECK=0 environment variable, which "
+            "the tree loss and the TRL log-prob heads read)."
         },
     )
     remove_unused_columns: bool = field(
@@ -74,6 +77,8 @@ class TreeArguments:
         enable_fsdp2_on_cpu()  # before the TrainingArguments base creates the process state
         super().__post_init__()  # the base parses its fields first (e.g. TRL's "auto" padding)
         self.check_tree_arguments()
+        if not self.tree_self_check:  # read by tree_causal_lm_loss and the TRL log-prob heads (hf_tree.model_check)
+            os.environ[SELF_CHECK_ENV_VAR] = "0"
 
     def check_tree_arguments(self) -> None:
         """Raise ``ValueError`` naming the field, the value and the fix."""

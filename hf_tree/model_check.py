@@ -251,6 +251,8 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None) -> float:
     first = next(n for n in names if differences[n] > tolerance)
     culprit = modules[first]
     leaking = _leaking_submodules(model, forward or model, causal_lm, culprit)
+    if worst == float("inf"):
+        leaking += " (the packed and the per-branch outputs have different shapes: the model adds or drops positions)"
     raise ValueError(
         f"{type(causal_lm).__name__} is not tree-exact under {TREE_ATTENTION_NAME}: a 3-branch probe tree differs "
         f"from its branches run alone with the model's own attention by up to {worst:.2e} (relative, tolerance "

@@ -134,3 +134,16 @@ def test_leak_is_caught_under_a_trainers_bf16_autocast():
     assert torch.isfinite(tree_causal_lm_loss(exact, tree_batch()))
     with pytest.raises(ValueError, match="tolerance 5e-02 for torch.bfloat16"):
         tree_causal_lm_loss(leaking, tree_batch(), self_check=True)
+
+
+def test_training_argument_opts_out(monkeypatch, tmp_path):
+    from hf_tree.trainer import TreeTrainingArguments
+
+    monkeypatch.delenv(SELF_CHECK_ENV_VAR, raising=False)  # restored after the test
+    TreeTrainingArguments(output_dir=str(tmp_path), report_to=[])
+    model = tiny_model(dtype=torch.float32)
+    leak_across_the_row(model)
+    with pytest.raises(ValueError, match="not tree-exact"):
+        tree_causal_lm_loss(model, tree_batch())
+    TreeTrainingArguments(output_dir=str(tmp_path), report_to=[], tree_self_check=False)
+    assert torch.isfinite(tree_causal_lm_loss(model, tree_batch()))
