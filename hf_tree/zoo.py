@@ -367,7 +367,7 @@ def _check_training(result: ZooResult, model, branches, masks, tolerance: float)
     """Tree loss and gradients against per-branch training; ``(state, detail)``."""
     batch = TreeDataCollator(max_packed_tokens=64)([Tree.from_sequences(branches, masks).to_dict()])
     try:
-        loss = tree_causal_lm_loss(model, batch)
+        loss = tree_causal_lm_loss(model, batch, self_check=True)  # the default, whatever the environment says
     except Exception as error:  # noqa: BLE001
         if isinstance(error, ValueError) and raised_by_hf_tree(error):
             return "refused", f"training: {_first_line(error, 400)}"
