@@ -34,8 +34,11 @@ TINY = dict(
 def tiny_config(family: str = "llama", **overrides) -> transformers.PretrainedConfig:
     """A tiny random config of a decoder family (GQA: 4 query heads, 2 KV heads)."""
     kwargs = dict(TINY, **overrides)
-    if family == "qwen3":
+    if family in ("qwen3", "gpt_oss"):
         kwargs.setdefault("head_dim", 8)
+    if family == "gpt_oss":  # sinks in every layer, a small window on half of them; float64-capable experts
+        gpt_oss = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, experts_implementation="eager")
+        kwargs = gpt_oss | kwargs
     return transformers.AutoConfig.for_model(family, **kwargs)
 
 
@@ -51,6 +54,7 @@ def tiny_model(
 def float64_norms() -> Iterator[None]:
     """HF's RMSNorm upcasts to float32 even in a float64 model, which rounds a shared token's gradient
     differently in a tree than per branch (~1e-7). Keep float64 in both models for 1e-9 tests."""
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
@@ -62,7 +66,7 @@ def float64_norms() -> Iterator[None]:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * h.to(hidden_states.dtype)
 
-    classes = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm)
+    classes = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, GptOssRMSNorm)
     originals = [cls.forward for cls in classes]
     for cls in classes:
         cls.forward = forward
@@ -73,15 +77,20 @@ def float64_norms() -> Iterator[None]:
             cls.forward = original
 
 
+def own_attention(model: torch.nn.Module) -> str:
+    """The model's own attention: ``sdpa``, or ``eager`` for models that refuse sdpa (softcapping, sinks)."""
+    return "sdpa" if model._supports_sdpa else "eager"
+
+
 def per_branch_loss(
     model: torch.nn.Module,
     sequences: Sequence[Sequence[int]],
     loss_masks: Sequence[Sequence[int]] | None,
     normalization: str = "token",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of weighted CE, divisor) running each branch alone through ``model`` with SDPA."""
+    """(sum of weighted CE, divisor) running each branch alone through ``model`` with its own attention."""
     previous = model.config._attn_implementation
-    model.set_attn_implementation("sdpa")
+    model.set_attn_implementation(own_attention(model))
     total, divisor = 0.0, 0.0
     try:
         for b, seq in enumerate(sequences):

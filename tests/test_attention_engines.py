@@ -57,14 +57,15 @@ def qkv(kv_end: torch.Tensor, heads: tuple[int, int], dtype: torch.dtype, seed: 
 
 
 def run(engine, q, k, v, kv_end, position_ids, grad_seed: int = 1, backward: bool = True, **options):
-    """Output and, with ``backward``, (dq, dk, dv) for a fixed random output gradient."""
+    """Output and, with ``backward``, (dq, dk, dv[, d sinks]) for a fixed random output gradient."""
     if not backward:
         with torch.no_grad():
             return engine(q, k, v, kv_end, position_ids=position_ids, **options), None
     out = engine(q, k, v, kv_end, position_ids=position_ids, **options)
     generator = torch.Generator().manual_seed(grad_seed)
     grad = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out)
-    grads = torch.autograd.grad(out, (q, k, v), grad)
+    sinks = () if options.get("sinks") is None else (options["sinks"],)
+    grads = torch.autograd.grad(out, (q, k, v, *sinks), grad)
     return out.detach(), grads
 
 
@@ -72,12 +73,28 @@ def detached64(tensors):
     return [t.detach().to(torch.float64).requires_grad_() for t in tensors]
 
 
+def in64(options: dict) -> dict:
+    """Engine options with the sink logits (if any) as a float64 leaf, for the float64 reference run."""
+    return options if options.get("sinks") is None else dict(options, sinks=detached64([options["sinks"]])[0])
+
+
 CASES = [
     pytest.param(dict(), id="plain"),
     pytest.param(dict(sliding_window=3), id="window3"),
     pytest.param(dict(softcap=1.5), id="softcap"),
     pytest.param(dict(sliding_window=5, softcap=2.0), id="window5-softcap"),
+    pytest.param(dict(sinks=True), id="sinks"),
+    pytest.param(dict(sliding_window=4, softcap=2.0, sinks=True), id="window4-softcap-sinks"),
 ]
+
+
+def with_sinks(case: dict, num_heads: int, dtype: torch.dtype, device: str = "cpu") -> dict:
+    """``case`` with ``sinks=True`` replaced by random per-head sink logits ``[H]`` (a leaf that needs grad), on the
+    scale of the scores so that each sink takes a visible share of its rows."""
+    if not case.get("sinks"):
+        return case
+    sinks = 2 * torch.randn(num_heads, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    return dict(case, sinks=sinks.to(device=device, dtype=dtype).requires_grad_())
 
 
 @pytest.mark.parametrize(
@@ -88,7 +105,7 @@ CASES = [
 def test_blocked_matches_reference_in_float64(heads, case, tile_elements):
     kv_end, position_ids = packed_rows(seed=len(case) + heads[1])
     q, k, v = qkv(kv_end, heads, torch.float64)
-    options = dict(scaling=0.37, **case)
+    options = dict(scaling=0.37, **with_sinks(case, heads[0], torch.float64))
     out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=tile_elements, **options)
     ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
     assert kv_end.shape[0] > 1 and out.shape == ref_out.shape
@@ -124,7 +141,7 @@ def test_flex_forward_matches_reference_on_cpu(heads, case):
     """Flex's CPU path has no backward (PyTorch), but its forward checks the BlockMask and mask function."""
     kv_end, position_ids = packed_rows(seed=10 + heads[1])
     q, k, v = qkv(kv_end, heads, torch.float64)
-    options = dict(scaling=0.37, **case)
+    options = dict(scaling=0.37, **with_sinks(case, heads[0], torch.float64))
     out, _ = run(flex_tree_attention, q, k, v, kv_end, position_ids, backward=False, **options)
     ref, _ = run(reference_tree_attention, q, k, v, kv_end, position_ids, backward=False, **options)
     assert relative_error(out, ref) <= TOLERANCE
@@ -152,12 +169,13 @@ def test_flex_refuses_gradients_off_cuda():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", CASES[:3])
+@pytest.mark.parametrize("case", CASES[:3] + CASES[4:5])
 def test_blocked_low_precision_error_within_twice_eager(dtype, case):
     kv_end, position_ids = packed_rows(seed=3, max_packed_tokens=160, pad_to_multiple_of=16)
     q, k, v = qkv(kv_end, (4, 2), dtype)
-    options = dict(scaling=HEAD_DIM**-0.5, **case)
-    exact_out, exact_grads = run(reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **options)
+    options = dict(scaling=HEAD_DIM**-0.5, **with_sinks(case, 4, dtype))
+    exact = run(reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **in64(options))
+    exact_out, exact_grads = exact
     out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=256, **options)
     eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
     assert out.dtype == dtype
@@ -249,6 +267,15 @@ def test_sliding_window_without_depths_is_refused():
             engine(q, k, v, kv_end, scaling=1.0, sliding_window=4)
 
 
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_sinks_must_be_one_logit_per_query_head():
+    kv_end, _ = packed_rows(seed=0)
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    for engine in ENGINES.values():
+        with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
+            engine(q.detach(), k.detach(), v.detach(), kv_end, scaling=1.0, sinks=torch.zeros(2, dtype=torch.float64))
+
+
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv("HF_TREE_ATTENTION_BACKEND", raising=False)
     assert select_backend(torch.device("cpu")) == "blocked"
@@ -278,8 +305,9 @@ def test_cuda_engines_within_twice_eager_in_float32(engine, case):
     kv_end, position_ids = packed_rows(seed=21, num_trees=12, max_packed_tokens=400, pad_to_multiple_of=128)
     kv_end, position_ids = kv_end.cuda(), position_ids.cuda()
     q, k, v = qkv(kv_end, (4, 2), torch.float32, device="cuda")
-    options = dict(scaling=HEAD_DIM**-0.5, **case)
-    exact_out, exact_grads = run(reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **options)
+    options = dict(scaling=HEAD_DIM**-0.5, **with_sinks(case, 4, torch.float32, device="cuda"))
+    exact = run(reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **in64(options))
+    exact_out, exact_grads = exact
     out, grads = run(ENGINES[engine], q, k, v, kv_end, position_ids, **options)
     eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
     assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)

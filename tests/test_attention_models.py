@@ -26,6 +26,7 @@ FAMILIES = [
     pytest.param("qwen2", {}, id="qwen2"),
     pytest.param("qwen3", {}, id="qwen3"),
     pytest.param("mistral", {"sliding_window": 4}, id="mistral-window4"),
+    pytest.param("gpt_oss", {}, id="gpt_oss-sinks-window4"),  # sinks in every layer, window 4 on half of them
 ]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -202,3 +203,85 @@ def test_compiled_model_runs_the_blocked_engine_eagerly():
         compiled_grads = grads_of(model)
     assert relative_error(compiled_loss, loss) <= 1e-12
     assert max_grad_relative_error(compiled_grads, grads) <= 1e-12
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        pytest.param(
+            "gemma3_text", dict(sliding_window=3, layer_types=["sliding_attention", "full_attention"]), id="gemma3"
+        ),
+        pytest.param("gemma2", dict(sliding_window=3, attn_logit_softcapping=0.5), id="gemma2-softcap"),
+    ],
+)
+def test_gemma_sliding_and_softcapped_layers_match_per_branch(family, overrides):
+    """Mixed sliding/full layers (Gemma 3) and softcapping (Gemma 2, eager oracle) in tree mode. Gemma's RMSNorm
+    computes in float32 even in float64 (not patched by float64_norms): ~1e-7, against ~1e-1 for a lost window."""
+    groups, batch = forest(seed=8)
+    with backend("blocked"):
+        model = tiny_model(family, vocab_size=VOCAB, head_dim=8, **overrides)
+        loss, grads = tree_loss_and_grads(model, batch)
+        ref_loss, ref_grads = reference_loss_and_grads(model, groups)
+    assert relative_error(loss, ref_loss) <= 1e-6
+    assert max_grad_relative_error(grads, ref_grads) <= 1e-6
+
+
+def attention_call(model, batch, **extra):
+    """Call ``tree_attention_forward`` as layer 0 of ``model`` would, on random q/k/v of ``batch``'s shape."""
+    from hf_tree.attention import tree_attention_forward
+
+    module = model.model.layers[0].self_attn
+    n = batch["kv_end"].shape[1]
+    q = torch.randn(batch["kv_end"].shape[0], 4, n, 8, dtype=torch.float64)
+    k = v = torch.randn(batch["kv_end"].shape[0], 2, n, 8, dtype=torch.float64)
+    options = dict(scaling=0.3, kv_end=batch["kv_end"], position_ids=batch["position_ids"]) | extra
+    return tree_attention_forward(module, q, k, v, options.pop("attention_mask", None), **options)
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (dict(position_bias=torch.zeros(1)), "position_bias"),
+        (dict(indices=torch.zeros(1)), "indices"),
+        (dict(sinks=torch.zeros(1)), "per-token attention sinks"),
+        (dict(cu_seq_lens_q=torch.zeros(1)), "cu_seq_lens_q"),
+        (dict(is_causal=False), "not causal"),
+        (dict(s_aux=torch.zeros(3, dtype=torch.float64)), r"one logit per query head"),
+    ],
+)
+def test_tree_mode_refuses_keywords_it_cannot_honour(extra, match):
+    _, batch = forest(seed=9)
+    model = tiny_model("llama", vocab_size=VOCAB)
+    with backend("blocked"):
+        attention_call(model, batch)  # the same call without the keyword runs
+        with pytest.raises(ValueError, match=match):
+            attention_call(model, batch, **extra)
+
+
+def test_tree_mode_refuses_masks_it_cannot_reproduce():
+    """A chunked layer's mask (what transformers builds for Llama 4's chunked_attention layers), a padding mask and
+    a ready-made 4D mask next to kv_end, and a KV cache holding earlier tokens: ValueErrors, never ignored."""
+    from transformers.masking_utils import chunked_causal_mask_function
+
+    from hf_tree.attention.dual import tree_mask_function
+
+    _, batch = forest(seed=10)
+    rows, n = batch["kv_end"].shape
+    model = tiny_model("llama", vocab_size=VOCAB)
+    chunked = tree_mask_function(
+        rows, n, n, mask_function=chunked_causal_mask_function(4, torch.zeros(rows, dtype=torch.long)), local_size=4
+    )
+    padding = torch.ones(rows, n, dtype=torch.bool)
+    padding[0, 0] = False
+    with backend("blocked"):
+        with pytest.raises(ValueError, match="local_size=4"):
+            attention_call(model, batch, attention_mask=chunked)
+        with pytest.raises(ValueError, match="hides some tokens"):
+            attention_call(model, batch, attention_mask=tree_mask_function(rows, n, n, attention_mask=padding))
+        with pytest.raises(ValueError, match="ready-made attention mask"):
+            attention_call(model, batch, attention_mask=torch.ones(rows, 1, n, n, dtype=torch.bool))
+        with pytest.raises(ValueError, match="padding of packed rows|hides some tokens"):
+            model(input_ids=batch["input_ids"], kv_end=batch["kv_end"], attention_mask=padding.long())
+        cache = model(input_ids=batch["input_ids"][:, :3], use_cache=True).past_key_values
+        with pytest.raises(ValueError, match="KV cache"):
+            model(**{k: batch[k] for k in ("input_ids", "position_ids", "kv_end")}, past_key_values=cache)

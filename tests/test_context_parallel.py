@@ -2,7 +2,7 @@
 
 The 2-process equivalence runs are in test_context_parallel_distributed.py. Here the CP attention path runs
 with a one-rank plan (no collective): it must equal the plain tree forward, including sliding windows,
-softcapping and small query blocks, which is the part of CP that does not depend on the all-gather.
+softcapping, attention sinks and small query blocks, which is the part of CP that does not depend on the all-gather.
 """
 
 from __future__ import annotations
@@ -164,6 +164,7 @@ MODELS = {
     "llama": (dict(family="llama"), torch.float64, 1e-10),
     "qwen3": (dict(family="qwen3"), torch.float64, 1e-10),
     "mistral_sliding_window": (dict(family="mistral", sliding_window=3), torch.float64, 1e-10),
+    "gpt_oss_sinks_sliding": (dict(family="gpt_oss"), torch.float64, 1e-10),
     "gemma2_softcap_sliding": (
         dict(family="gemma2", head_dim=8, sliding_window=3, attn_logit_softcapping=0.5),
         torch.float32,

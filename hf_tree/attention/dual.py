@@ -2,10 +2,11 @@
 
 transformers builds each layer type's mask (causal, sliding window, chunked, padded, packed...) once per
 forward, through the mask function registered for the attention implementation, before any layer runs. That
-function cannot see ``kv_end``, so ``tree_mask_function`` returns ``None`` exactly where ``sdpa_mask`` would (a
-plain causal forward: SDPA's ``is_causal``) and otherwise a ``DeferredMask`` holding transformers' arguments.
-Packed-tree forwards never build it (``kv_end`` carries their mask: no ``N x N`` tensor); ordinary forwards
-build exactly the mask ``sdpa`` or ``eager`` would have received, once per layer type.
+function cannot see ``kv_end``, so ``tree_mask_function`` returns a ``DeferredMask`` holding transformers'
+arguments. Packed-tree forwards never build it (``kv_end`` carries their mask: no ``N x N`` tensor); ordinary
+forwards build exactly the mask ``sdpa`` or ``eager`` would have received (``None`` for a plain causal sdpa
+forward), once per layer type. It is never ``None`` itself: a model that computes with its mask outside the
+attention interface (Bloom, Falcon, GPT-J...) then fails loudly instead of reading ``None`` as "no mask".
 
 An ordinary forward then runs the model's own attention (``model_attention_forward``): ``sdpa`` when the model
 supports it and the layer asks for nothing SDPA cannot do (logit softcapping, attention sinks), else the
@@ -21,7 +22,7 @@ from collections.abc import Callable
 import torch
 from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
-from transformers.masking_utils import _ignore_causal_mask_sdpa, eager_mask, prepare_padding_mask, sdpa_mask
+from transformers.masking_utils import eager_mask, sdpa_mask
 
 # Keywords of transformers' attention calls that sdpa cannot honour (it raises on softcap, ignores sinks).
 EAGER_ONLY_KEYWORDS = ("softcap", "s_aux", "sinks")
@@ -51,6 +52,19 @@ class DeferredMask:
             self._padded = padding is not None and not bool(padding.all())
         return self._padded
 
+    # Enough of a 4D mask's face for transformers to pass a prepared one through: generate() with a static cache
+    # prepares masks in advance (and makes them contiguous), and the model's mask creation then sees one again.
+    ndim = 4
+
+    @property
+    def shape(self) -> tuple[int, int, int, int]:
+        """``[B, 1, Q, KV]``, the shape of the mask it stands for."""
+        arguments = self.arguments
+        return arguments["batch_size"], 1, arguments["q_length"], arguments["kv_length"]
+
+    def contiguous(self) -> DeferredMask:
+        return self
+
     # Model code that computes with its mask instead of handing it to the attention function cannot work with
     # a deferred one: say so instead of failing inside torch.
     def _used_outside_attention(self, *args, **kwargs):
@@ -77,17 +91,12 @@ def tree_mask_function(
     q_offset: int = 0,
     kv_offset: int = 0,
     attention_mask: torch.Tensor | None = None,
-    local_size: int | None = None,
-    allow_is_causal_skip: bool = True,
     **kwargs,
-) -> DeferredMask | None:
-    """Mask factory of ``tree_flash`` (``AttentionMaskInterface``; arguments as ``sdpa_mask``): ``None`` where
-    ``sdpa_mask`` returns ``None``, else a ``DeferredMask`` of the same arguments."""
-    padding_mask = prepare_padding_mask(attention_mask, kv_length, kv_offset)
-    if allow_is_causal_skip and _ignore_causal_mask_sdpa(
-        padding_mask, q_length, kv_length, q_offset, kv_offset, local_size
-    ):
-        return None
+) -> DeferredMask:
+    """Mask factory of ``tree_flash`` (``AttentionMaskInterface``; arguments as ``sdpa_mask``): a
+    ``DeferredMask`` of the arguments; a deferred mask prepared earlier (static-cache generation) as it is."""
+    if isinstance(attention_mask, DeferredMask):
+        return attention_mask
     return DeferredMask(
         dict(
             batch_size=batch_size,
@@ -96,8 +105,6 @@ def tree_mask_function(
             q_offset=q_offset,
             kv_offset=kv_offset,
             attention_mask=attention_mask,
-            local_size=local_size,
-            allow_is_causal_skip=allow_is_causal_skip,
             **kwargs,
         )
     )
@@ -137,8 +144,8 @@ def uses_eager(module: torch.nn.Module, kwargs: dict) -> bool:
 
 
 def _eager_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
-    """The additive mask eager attention expects: ``eager_mask``'s for a deferred mask; for ``None`` (what sdpa
-    runs with ``is_causal``) an explicit causal mask aligned top-left, as SDPA's ``is_causal`` is."""
+    """The additive mask eager attention expects: ``eager_mask``'s for a deferred mask; for ``None`` (a model
+    that passes none: sdpa would run ``is_causal``) an explicit causal mask aligned top-left, as SDPA's is."""
     if isinstance(attention_mask, DeferredMask):
         return attention_mask.build("eager")
     if attention_mask is None:
@@ -154,6 +161,23 @@ def _eager_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch
     return torch.where(visible, zero, torch.finfo(query.dtype).min)
 
 
+def varlen_mask(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, kwargs: dict) -> torch.Tensor:
+    """``[1, 1, Q, KV]`` bool mask of flash-attention's varlen packing (``cu_seq_lens_q/k``: cumulative sequence
+    starts along the packed axis): each sequence attends within itself, causally (aligned bottom-right, as
+    flash-attention does) when the layer is causal. Vision towers pass these because "tree_flash" names flash."""
+    cu_q = kwargs["cu_seq_lens_q"].to(query.device, torch.int64)
+    cu_k = kwargs.get("cu_seq_lens_k", cu_q).to(query.device, torch.int64)
+    q_ids = torch.arange(query.shape[2], device=query.device)
+    k_ids = torch.arange(key.shape[2], device=query.device)
+    q_seq = torch.searchsorted(cu_q, q_ids, right=True) - 1
+    k_seq = torch.searchsorted(cu_k, k_ids, right=True) - 1
+    visible = q_seq[:, None] == k_seq[None, :]
+    if kwargs.get("is_causal", getattr(module, "is_causal", True)):
+        # a key at most as far from its sequence's end as the query is from its own
+        visible &= (cu_k[k_seq + 1] - k_ids)[None, :] >= (cu_q[q_seq + 1] - q_ids)[:, None]
+    return visible[None, None]
+
+
 def model_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -164,6 +188,13 @@ def model_attention_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The model's own attention (sdpa or its eager function) with the mask that implementation would get;
     ``kwargs`` (``scaling``, ``dropout``, ``sliding_window``, ``softcap``, ``s_aux``...) are passed unchanged."""
+    if kwargs.get("cu_seq_lens_q") is not None:  # flash-attention varlen packing: sdpa/eager need it as a mask
+        if attention_mask is not None:
+            raise ValueError(
+                f"{type(module).__name__} passes both an attention mask and cu_seq_lens_q (flash-attention varlen "
+                "packing); tree_flash without kv_end supports one of them. Use attn_implementation='sdpa'."
+            )
+        attention_mask = varlen_mask(module, query, key, kwargs)
     if uses_eager(module, kwargs):
         if kwargs.get("scaling") is None:
             kwargs["scaling"] = query.shape[-1] ** -0.5

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_tree.attention.mask import dense_tree_mask
+from hf_tree.attention.mask import check_sinks, dense_tree_mask
 
 
 def reference_tree_attention(
@@ -38,6 +38,7 @@ def reference_tree_attention(
     Returns:
         ``[B, N, H, D]`` in ``query``'s dtype.
     """
+    check_sinks("reference_tree_attention", sinks, query.shape[1])
     groups = query.shape[1] // key.shape[1]
     key = key.repeat_interleave(groups, dim=1)
     value = value.repeat_interleave(groups, dim=1)
