@@ -110,6 +110,10 @@ _LEVELS = (
 )
 
 
+class RefusedOnLoad(Exception):
+    """hf_tree refuses any forward of the model under ``tree_flash`` (the message says why)."""
+
+
 class NotBuildable(Exception):
     """The architecture cannot be built or run tiny from its default config (the reason is the message)."""
 
@@ -309,6 +313,8 @@ def check_architecture(model_type: str, time_limit: int = 300) -> ZooResult:
             _check(result)
     except NotBuildable as error:
         result.state, result.detail = "not buildable", str(error)
+    except RefusedOnLoad as error:
+        result.state, result.detail = "refused", str(error)
     except TimeoutError as error:
         result.state, result.detail = "not buildable", f"timeout: {error}"
     except Exception as error:  # noqa: BLE001 - anything else is reported, never hidden
@@ -335,6 +341,8 @@ def _build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, t
                 first_error = first_error or error
                 break  # the config or build fails at this level whatever the dtype
             except Exception as error:  # noqa: BLE001
+                if isinstance(error, ValueError) and raised_by_hf_tree(error):  # e.g. the model cannot switch away
+                    raise RefusedOnLoad(f"any forward: {_first_line(error, 400)}") from error  # from tree_flash
                 reason = NotBuildable(f"own forward: {type(error).__name__}: {_first_line(error)}")
                 first_error = first_error or reason
     raise first_error
