@@ -341,8 +341,8 @@ def _build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, t
                 first_error = first_error or error
                 break  # the config or build fails at this level whatever the dtype
             except Exception as error:  # noqa: BLE001
-                if isinstance(error, ValueError) and raised_by_hf_tree(error):  # e.g. the model cannot switch away
-                    raise RefusedOnLoad(f"any forward: {_first_line(error, 400)}") from error  # from tree_flash
+                if raised_by_hf_tree(error):  # e.g. a model that cannot switch away from tree_flash
+                    raise RefusedOnLoad(f"any forward: {type(error).__name__}: {_first_line(error, 400)}") from error
                 reason = NotBuildable(f"own forward: {type(error).__name__}: {_first_line(error)}")
                 first_error = first_error or reason
     raise first_error
