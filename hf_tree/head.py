@@ -21,6 +21,7 @@ import traceback
 import weakref
 from collections.abc import Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from accelerate.utils import extract_model_from_parallel, is_peft_model
@@ -35,6 +36,7 @@ HEAD_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-
 
 _PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
 _detected: weakref.WeakKeyDictionary[PreTrainedModel, LogitHead] = weakref.WeakKeyDictionary()
+_backbones: weakref.WeakKeyDictionary[PreTrainedModel, torch.nn.Module] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -76,8 +78,11 @@ def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:
 
 
 def backbone_of(causal_lm: PreTrainedModel) -> torch.nn.Module:
-    """The backbone whose ``last_hidden_state`` the head reads: ``base_model``, or ``model`` where the class's
+    """The backbone whose ``last_hidden_state`` the head reads: the module ``detect_logit_head`` saw feed the head
+    (e.g. OPT's and BART's inner ``decoder``), else ``base_model``, or ``model`` where the class's
     ``base_model_prefix`` names no attribute (Llama 4's text model: prefix ``language_model``, attribute ``model``)."""
+    if causal_lm in _backbones:
+        return _backbones[causal_lm]
     backbone = causal_lm.base_model
     if backbone is causal_lm and isinstance(getattr(causal_lm, "model", None), torch.nn.Module):
         return causal_lm.model
@@ -210,6 +215,12 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
     text_config = causal_lm.config.get_text_config()
     softcap = getattr(text_config, "final_logit_softcapping", None)
 
+    captured: dict[str, Any] = {}
+
+    def backbone_hook(module, args, output):  # any module returning a model output with a last hidden state
+        if "raw" not in captured and isinstance(getattr(output, "last_hidden_state", None), torch.Tensor):
+            captured["hidden"], captured["backbone"] = output.last_hidden_state, module
+
     def head_hook(module, args, output):
         if "hidden" in captured and "raw" not in captured:
             try:
@@ -218,9 +229,10 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
                 captured["error"] = error
 
     ids = probe_ids(text_config.vocab_size, PROBE_LENGTH, seed=0, device=causal_lm.get_input_embeddings().weight.device)
-    handle = embedding.register_forward_hook(head_hook)
+    handles = [embedding.register_forward_hook(head_hook)]
+    handles += [m.register_forward_hook(backbone_hook) for m in causal_lm.modules() if m is not causal_lm]
     try:  # the model's own attention: the head does not depend on it, and dual mode may refuse some models
-        with eval_mode_no_grad(model), own_attention(causal_lm), capture_last_hidden_state(causal_lm) as captured:
+        with eval_mode_no_grad(model), own_attention(causal_lm):
             logits = (forward or model)(input_ids=ids[None], use_cache=False).logits
     except Exception as error:
         if isinstance(error, ValueError) and raised_by_hf_tree(error):
@@ -230,7 +242,8 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
             f"{type(error).__name__}: {error}"
         ) from error
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
     if "error" in captured:
         raise ValueError(
             f"{name}'s output embedding {type(embedding).__name__} cannot be applied to its backbone's last hidden "
@@ -256,7 +269,7 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
         # under the same autocast and FSDP state as the model's own logits).
         errors[scale] = _relative_max_error(head.scored(captured["raw"]), expected)
         if errors[scale] <= tolerance:
-            _detected[causal_lm] = head
+            _detected[causal_lm], _backbones[causal_lm] = head, captured["backbone"]
             return head
     raise ValueError(
         f"{name}'s forward does not compute its logits as softcap(scale * {type(embedding).__name__}(last hidden "
