@@ -27,6 +27,7 @@ FAST_SUBSET = {
     "qwen3_next": "refused",  # GatedDeltaNet linear attention (hybrid)
     "bloom": "refused",  # ALiBi: the model builds its bias outside the attention function
     "bert": "refused",  # a transform before the vocabulary projection
+    "opt": "exact",  # learned positions; its forward runs the inner decoder, not base_model
 }
 
 
