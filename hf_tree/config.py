@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 from hf_tree.collator import TreeDataCollator
 from hf_tree.distributed import enable_fsdp2_on_cpu
+from hf_tree.model_check import tree_self_check_field
 from hf_tree.packing import NORMALIZATIONS, OVERLONG_POLICIES, check_packing_options
 
 
@@ -54,6 +55,7 @@ class TreeArguments:
         default=None,
         metadata={"help": "Round each batch's row length up to a multiple of this (e.g. 64 for GPU kernels)."},
     )
+    tree_self_check: bool = tree_self_check_field()
     remove_unused_columns: bool = field(
         default=False,
         metadata={

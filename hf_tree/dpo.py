@@ -22,6 +22,7 @@ from trl import DPOConfig, DPOTrainer
 
 from hf_tree.dropout import warn_if_dropout
 from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
+from hf_tree.model_check import self_check_setting
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trainer import use_tree_attention
 
@@ -70,11 +71,17 @@ class TreeDPOTrainer(FSDPFullSaveMixin, DPOTrainer):
             )
         outputs = POLICY_OUTPUTS + (("log_sum_sq_probs",) if self.use_weighting else ())
         policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        add_tree_fused_lm_head(policy, outputs=outputs, max_packed_tokens=self.args.max_packed_tokens)
+        add_tree_fused_lm_head(
+            policy,
+            outputs=outputs,
+            max_packed_tokens=self.args.max_packed_tokens,
+            self_check=self_check_setting(self.args.tree_self_check),
+        )
         if self.ref_model is not None:
             add_tree_fused_lm_head(
                 self.accelerator.unwrap_model(self.ref_model),
                 max_packed_tokens=self.args.max_packed_tokens,
+                self_check=self_check_setting(self.args.tree_self_check),
                 name="ref_model",
             )
         self._tree_heads_ready = True

@@ -24,6 +24,7 @@ from trl.extras.profiling import profiling_decorator
 
 from hf_tree.dropout import warn_if_dropout
 from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
+from hf_tree.model_check import self_check_setting
 from hf_tree.saving import FSDPFullSaveMixin
 
 
@@ -60,6 +61,7 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
             temperature=self.temperature,
             outputs=("log_probs", "entropy"),
             max_packed_tokens=self.args.max_packed_tokens,
+            self_check=self_check_setting(self.args.tree_self_check),
             cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
         )
         if self.ref_model is not None:
@@ -67,6 +69,7 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
                 self.accelerator.unwrap_model(self.ref_model),
                 temperature=self.temperature,
                 max_packed_tokens=self.args.max_packed_tokens,
+                self_check=self_check_setting(self.args.tree_self_check),
                 cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
                 name="ref_model",
             )

@@ -41,6 +41,8 @@ from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
+from hf_tree.head import LogitHead, backbone_of, detect_logit_head
+from hf_tree.model_check import check_model_for_trees, tree_self_check_field
 from hf_tree.packing import PackingStats, pack_and_place
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
 from hf_tree.tree import Tree
@@ -49,8 +51,6 @@ from hf_tree.tree import Tree
 # float32 online-logsumexp of the kernel bit-compatible with TRL's.
 VOCAB_CHUNK_SIZE = 32768
 FUSED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
-# Config attributes with which TRL's fused head rescales logits; the tree head does not implement them.
-LOGIT_SCALE_ATTRIBUTES = ("logit_scale", "output_multiplier", "lm_head_multiplier", "logits_scaling")
 # Inputs of a fused-head call that are ignored (``None`` values, e.g. from PEFT's forward, are ignored too).
 IGNORED_INPUTS = ("use_cache", "return_dict")
 
@@ -167,7 +167,10 @@ def layout_scored_rows(
 
 
 def check_tree_model(model: PreTrainedModel, name: str = "model") -> None:
-    """Raise ``ValueError`` unless ``model`` can run the tree fused head (a text causal LM on ``tree_flash``)."""
+    """Raise ``ValueError`` unless ``model`` can run the tree fused head (a text causal LM on ``tree_flash``).
+
+    How its logits are scored (scale, softcap, or a refusal) and the tree self-check are decided on the first call
+    (``hf_tree.model_check.check_model_for_trees``), on the device the model then runs on."""
     config = model.config
     if config._attn_implementation != TREE_ATTENTION_NAME:
         raise ValueError(
@@ -181,17 +184,12 @@ def check_tree_model(model: PreTrainedModel, name: str = "model") -> None:
             f"{name} is a {type(model).__name__} with a separate text config (a vision-language model); tree "
             "log-probs support text-only causal LMs. Set tree_logprobs=False."
         )
-    for attribute in LOGIT_SCALE_ATTRIBUTES:
-        if getattr(config, attribute, None) is not None:
-            raise ValueError(
-                f"{name}'s config sets {attribute}={getattr(config, attribute)!r}, a logit rescaling the tree "
-                "log-prob head does not apply. Set tree_logprobs=False for this model family."
-            )
 
 
 def _backbone_hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[R * N, D]`` final-norm hidden states of packed tree rows (what the LM head reads)."""
-    outputs = model.base_model(
+    """``[R * N, D]`` last hidden states of packed tree rows (what the LM head reads; ``detect_logit_head`` checked
+    that the model's logits are ``LogitHead.logits`` of exactly this tensor)."""
+    outputs = backbone_of(model)(
         input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"], use_cache=False
     )
     hidden = outputs.last_hidden_state
@@ -205,6 +203,7 @@ def tree_token_log_probs(
     outputs: Sequence[str] = ("log_probs",),
     tokens_per_forward: int | None = None,
     cast_lm_head_to_fp32: bool = False,
+    logit_head: LogitHead | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run the backbone on the packed rows and TRL's chunked log-prob kernel on the predicting states.
 
@@ -216,6 +215,7 @@ def tree_token_log_probs(
         outputs: fields among ``FUSED_OUTPUTS`` to compute (``log_probs`` always).
         tokens_per_forward: packed tokens per backbone call (bounds activation memory); ``None``: all rows at once.
         cast_lm_head_to_fp32: run the head in float32 outside autocast, as TRL's option of that name.
+        logit_head: the model's scale and softcap (``check_model_for_trees``; detected here when ``None``).
 
     Returns:
         ``{field: [M]}`` in the order of ``layout.predictor_index`` (float32; ``is_top1`` bool).
@@ -229,7 +229,8 @@ def tree_token_log_probs(
     if isinstance(weight, DTensor):  # FSDP2 shards the head; the kernel needs it whole (as in TRL's head)
         weight = weight.full_tensor()
         bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
-    softcap = getattr(model.config, "final_logit_softcapping", None)
+    if logit_head is None:
+        logit_head = detect_logit_head(model)
     kernel_outputs = tuple(name for name in FUSED_OUTPUTS if name in outputs or name == "log_probs")
     # Rows [r0, r1) own the scored tokens [lo, hi) of the ascending predictor index.
     row_starts = np.arange(0, num_rows + rows_per_forward, rows_per_forward).clip(max=num_rows)
@@ -247,7 +248,15 @@ def tree_token_log_probs(
             autocast = torch.autocast(hidden.device.type, enabled=False)
         with autocast:
             values = ChunkedLogProbFunction.apply(
-                hidden, weight, bias, targets[lo:hi], temperature, VOCAB_CHUNK_SIZE, softcap, 1.0, kernel_outputs
+                hidden,
+                weight,
+                bias,
+                targets[lo:hi],
+                temperature,
+                VOCAB_CHUNK_SIZE,
+                logit_head.softcap,
+                logit_head.scale,
+                kernel_outputs,
             )
         for name, value in zip(FUSED_OUTPUTS, values):
             if value is not None:
@@ -282,6 +291,9 @@ def _tree_fused_call(
         )
     if labels is None:
         raise ValueError("fused_lm_head=True needs labels (-100 where no token is scored).")
+    # First call: refuse models the tree passes would get wrong; the original forward, not the model, runs the probe
+    # (calling the model again inside its own forward would rerun FSDP's root hooks).
+    logit_head = check_model_for_trees(model, settings["self_check"], forward=previous_forward)
     tokens_per_forward = tokens_per_forward or input_ids.numel()
     layout = layout_scored_rows(input_ids, attention_mask, labels, settings["max_packed_tokens"] or tokens_per_forward)
     if layout.num_scored == 0:  # nothing to score: TRL's forward keeps the zero output connected to the model
@@ -293,6 +305,7 @@ def _tree_fused_call(
         settings["outputs"],
         tokens_per_forward,
         settings["cast_lm_head_to_fp32"],
+        logit_head,
     )
     per_token = {name: scatter_to_rows(value, layout) for name, value in values.items()}
     label_mask = labels[:, 1:] != -100
@@ -308,6 +321,7 @@ def add_tree_fused_lm_head(
     max_packed_tokens: int | None = None,
     cast_lm_head_to_fp32: bool = False,
     name: str = "model",
+    self_check: bool | None = None,
 ) -> None:
     """Replace the fused head that TRL's ``add_fused_lm_head`` installed on ``model`` by the tree one.
 
@@ -322,6 +336,8 @@ def add_tree_fused_lm_head(
         outputs: per-token fields to compute, among ``FUSED_OUTPUTS``.
         max_packed_tokens: packed row capacity; ``None``: the call's tokens per forward.
         name: how errors refer to the model.
+        self_check: run ``hf_tree.model_check``'s refusals and probe before the first tree pass (``None``: on
+            unless ``HF_TREE_SELF_CHECK=0``).
     """
     check_tree_model(model, name)
     unknown = sorted(set(outputs) - set(FUSED_OUTPUTS))
@@ -332,6 +348,7 @@ def add_tree_fused_lm_head(
         outputs=tuple(outputs),
         max_packed_tokens=max_packed_tokens,
         cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+        self_check=self_check,
     )
     previous_forward = getattr(model, "hf_tree_previous_forward", None) or model.forward
 
@@ -394,6 +411,8 @@ class TreeLogProbArguments:
             "(exact; the prompt is repeated)."
         },
     )
+
+    tree_self_check: bool = tree_self_check_field()
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the TRL config parses its fields first (e.g. JSON model_init_kwargs)

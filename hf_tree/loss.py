@@ -1,4 +1,4 @@
-"""The exact tree loss: a gather of predicting hidden states, the output embedding, chunked CE.
+"""The exact tree loss: a gather of predicting hidden states, the model's own head step, chunked CE.
 
 HF's shifted causal-LM loss cannot score several children of one position, so the tree loss gathers
 ``hidden[loss_positions]`` and scores each edge against ``loss_targets`` with ``loss_weights``.
@@ -13,6 +13,8 @@ from accelerate.utils import extract_model_from_parallel
 from torch.utils.checkpoint import checkpoint
 
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
+from hf_tree.head import LogitHead, capture_last_hidden_state, causal_lm_of
+from hf_tree.model_check import check_model_for_trees
 
 # Rows of logits computed at once: bounds the [chunk, vocab] buffer (recomputed in backward). Small chunks are
 # also faster on CPU: a train step of the tiny benchmark model took 1.6x longer with 2048-row chunks (400 MB
@@ -116,14 +118,9 @@ def _weighted_ce_chunk(
     hidden: torch.Tensor,
     targets: torch.Tensor,
     weights: torch.Tensor,
-    softcap: float | None,
+    logit_head: LogitHead,
 ) -> torch.Tensor:
-    # forward(), not __call__: under FSDP2 (accelerate 1.15, torch 2.13) the head is its own FSDP unit, kept
-    # unsharded by the model forward until backward; running its FSDP hooks a second time here segfaulted in
-    # backward. forward() skips those hooks and keeps PEFT/accelerate wrappers (they replace forward itself).
-    logits = _float_logits(head.forward(hidden))
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
+    logits = logit_head.logits(head, hidden)  # the model's own hidden -> logits step (hf_tree.head)
     return _WeightedCrossEntropy.apply(logits, targets, weights.to(logits.dtype))
 
 
@@ -134,17 +131,23 @@ def weighted_cross_entropy(
     weights: torch.Tensor,
     softcap: float | None = None,
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    scale: float = 1.0,
 ) -> torch.Tensor:
-    """``sum_i weights[i] * CE(head(hidden[i]), targets[i])`` without materialising ``[M, vocab]`` logits.
+    """``sum_i weights[i] * CE(logits_i, targets[i])`` without materialising ``[M, vocab]`` logits, where
+    ``logits_i = LogitHead(scale, softcap).logits(head, hidden[i])`` (``softcap * tanh(scale * head(h) / softcap)``).
 
     Args:
         head: the output embedding module (called, so LoRA-wrapped and tied heads work).
         hidden: ``[M, D]`` hidden states of the predicting positions.
         targets: ``[M]`` int64 token ids.
         weights: ``[M]`` per-edge weights (any float dtype; cast to the logits' dtype).
+        softcap, scale: the model's final logit softcapping and logit multiplier (``detect_logit_head``).
     """
+    logit_head = LogitHead(scale=scale, softcap=softcap)
     if _is_plain_linear(head):
-        return _FusedLinearCrossEntropy.apply(hidden, head.weight, targets, weights, softcap, chunk_size)
+        # A bias-free linear head is linear in its input: the scale is folded into the hidden states.
+        scaled = hidden if scale == 1.0 else hidden * scale
+        return _FusedLinearCrossEntropy.apply(scaled, head.weight, targets, weights, softcap, chunk_size)
     total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
@@ -154,7 +157,7 @@ def weighted_cross_entropy(
             hidden[start:end],
             targets[start:end],
             weights[start:end],
-            softcap,
+            logit_head,
             use_reentrant=False,
         )
     return total
@@ -166,6 +169,7 @@ def tree_causal_lm_loss(
     num_items_in_batch: torch.Tensor | float | None = None,
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
     token_loss: Callable[..., torch.Tensor] | None = None,
+    self_check: bool | None = None,
 ) -> torch.Tensor:
     """Weighted CE of a packed tree batch (from ``TreeDataCollator``), as a 0-dim tensor.
 
@@ -178,6 +182,12 @@ def tree_causal_lm_loss(
             own ``num_loss_items``.
         token_loss: replaces ``weighted_cross_entropy`` (same arguments), e.g. the DFT or label-smoothed losses
             of ``hf_tree.sft_losses``.
+        self_check: before the model's first tree batch, refuse known non-tree-aware models and probe the real
+            model with a tiny tree against its branches run alone (``hf_tree.model_check``; once per model
+            instance). ``None``: on unless ``HF_TREE_SELF_CHECK=0``.
+
+    Raises:
+        ValueError: a model not on ``tree_flash``, or one the self-check finds not tree-exact.
     """
     config = extract_model_from_parallel(model).config
     if config._attn_implementation != TREE_ATTENTION_NAME:
@@ -186,24 +196,27 @@ def tree_causal_lm_loss(
             f"would let sibling branches see each other. Load it with attn_implementation="
             f"'{TREE_ATTENTION_NAME}' or call model.set_attn_implementation('{TREE_ATTENTION_NAME}')."
         )
-    outputs = model(
-        input_ids=batch["input_ids"],
-        position_ids=batch["position_ids"],
-        kv_end=batch["kv_end"],
-        use_cache=False,
-        output_hidden_states=True,
-        logits_to_keep=1,  # the tree loss applies the head itself, to the gathered positions only
-    )
-    hidden = outputs.hidden_states[-1]  # final-norm output: what the LM head sees
+    logit_head = check_model_for_trees(model, self_check)
+    causal_lm = causal_lm_of(model)
+    with capture_last_hidden_state(causal_lm) as captured:
+        model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            kv_end=batch["kv_end"],
+            use_cache=False,
+            logits_to_keep=1,  # the tree loss applies the head itself, to the gathered positions only
+        )
+    hidden = captured["hidden"]  # the backbone's last hidden state: what detect_logit_head verified
     gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
-    head = extract_model_from_parallel(model).get_output_embeddings()
+    head = causal_lm.get_output_embeddings()
     total = (token_loss or weighted_cross_entropy)(
         head,
         gathered,
         batch["loss_targets"],
         batch["loss_weights"],
-        softcap=getattr(config, "final_logit_softcapping", None),
+        softcap=logit_head.softcap,
         chunk_size=chunk_size,
+        scale=logit_head.scale,
     )
     divisor = batch["num_loss_items"] if num_items_in_batch is None else num_items_in_batch
     divisor = torch.as_tensor(divisor, device=total.device, dtype=total.dtype)

@@ -21,7 +21,8 @@ from collections.abc import Callable
 import torch
 from torch.utils.checkpoint import checkpoint
 
-from hf_tree.loss import DEFAULT_LOSS_CHUNK_SIZE, _float_logits
+from hf_tree.head import LogitHead
+from hf_tree.loss import DEFAULT_LOSS_CHUNK_SIZE
 
 SFT_LOSS_TYPES = ("nll", "dft")
 
@@ -31,16 +32,12 @@ def _smoothed_dft_chunk(
     hidden: torch.Tensor,
     targets: torch.Tensor,
     weights: torch.Tensor,
-    softcap: float | None,
+    logit_head: LogitHead,
     dft: bool,
     label_smoothing: float,
 ) -> torch.Tensor:
     """The weighted sum of one chunk's per-token losses. ``hidden [m, D]``, ``targets``/``weights [m]``."""
-    # forward(), not __call__: see hf_tree.loss._weighted_ce_chunk (FSDP2 hooks must not run twice).
-    logits = _float_logits(head.forward(hidden))
-    if softcap is not None:
-        logits = softcap * torch.tanh(logits / softcap)
-    log_probs = torch.log_softmax(logits, dim=-1)  # [m, vocab]
+    log_probs = torch.log_softmax(logit_head.logits(head, hidden), dim=-1)  # [m, vocab]
     target_log_probs = log_probs.gather(1, targets[:, None]).squeeze(1)  # [m]
     weights = weights.to(log_probs.dtype)
     if dft:
@@ -58,6 +55,7 @@ def smoothed_dft_cross_entropy(
     weights: torch.Tensor,
     softcap: float | None = None,
     chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    scale: float = 1.0,
     *,
     dft: bool = False,
     label_smoothing: float = 0.0,
@@ -67,6 +65,7 @@ def smoothed_dft_cross_entropy(
     Same arguments as ``hf_tree.loss.weighted_cross_entropy`` (``hidden [M, D]``, ``targets``/``weights [M]``)
     plus ``dft`` and ``label_smoothing``; returns a 0-dim float32 (float64 for float64 hidden states) tensor.
     """
+    logit_head = LogitHead(scale=scale, softcap=softcap)
     total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
@@ -76,7 +75,7 @@ def smoothed_dft_cross_entropy(
             hidden[start:end],
             targets[start:end],
             weights[start:end],
-            softcap,
+            logit_head,
             dft,
             label_smoothing,
             use_reentrant=False,

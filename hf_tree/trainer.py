@@ -33,6 +33,7 @@ from hf_tree.collator import STATS_KEYS
 from hf_tree.config import TreeArguments
 from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.loss import tree_causal_lm_loss
+from hf_tree.model_check import self_check_setting
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
 from hf_tree.saving import FSDPFullSaveMixin
 
@@ -194,7 +195,11 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         for name in STATS_KEYS:
             inputs.pop(name, None)
         loss = tree_causal_lm_loss(
-            model, inputs, num_items_in_batch=num_items_in_batch, token_loss=self.tree_token_loss
+            model,
+            inputs,
+            num_items_in_batch=num_items_in_batch,
+            token_loss=self.tree_token_loss,
+            self_check=self_check_setting(self.args.tree_self_check),
         )
         if num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
@@ -207,7 +212,13 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         for name in STATS_KEYS:
             inputs.pop(name, None)
         with torch.no_grad(), self.compute_loss_context_manager():
-            total = tree_causal_lm_loss(model, inputs, num_items_in_batch=1.0, token_loss=self.tree_token_loss)
+            total = tree_causal_lm_loss(
+                model,
+                inputs,
+                num_items_in_batch=1.0,
+                token_loss=self.tree_token_loss,
+                self_check=self_check_setting(self.args.tree_self_check),
+            )
         items = inputs["num_loss_items"].to(total.device, torch.float64)
         if self._tree_eval_sums is not None:
             self._tree_eval_sums += torch.stack([total.detach().to(torch.float64), items])

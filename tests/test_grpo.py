@@ -234,10 +234,6 @@ def test_unsupported_setups_raise(trainers, tmp_path):
         )
     with pytest.raises(ValueError, match="max_packed_tokens"):
         trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, max_packed_tokens=1)
-    model = tiny_model()
-    model.config.logit_scale = 0.5
-    with pytest.raises(ValueError, match="logit_scale"):
-        add_tree_fused_lm_head(model)
     small = tiny_model()
     add_tree_fused_lm_head(small, max_packed_tokens=4)
     labels = ids.masked_fill(mask == 0, -100)

@@ -11,10 +11,12 @@ import random
 
 import pytest
 import torch
+import transformers
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.head import detect_logit_head
 from hf_tree.loss import weighted_cross_entropy
 from tests.helpers import float64_norms, grads_of, max_grad_relative_error, per_branch_loss, relative_error, tiny_model
 
@@ -168,8 +170,9 @@ def test_peft_wrapped_model_with_lora_on_the_head_matches_per_branch():
     assert max_grad_relative_error(tree_grads, grads_of(model)) <= TOLERANCE
 
 
-def _reference_weighted_ce(head, hidden, targets, weights, softcap):
+def _reference_weighted_ce(head, hidden, targets, weights, softcap, scale=1.0):
     logits = head(hidden).float() if hidden.dtype == torch.bfloat16 else head(hidden)
+    logits = logits * scale
     if softcap is not None:
         logits = softcap * torch.tanh(logits / softcap)
     return (torch.nn.functional.cross_entropy(logits, targets, reduction="none") * weights).sum()
@@ -185,15 +188,17 @@ def _ce_problem(dtype: torch.dtype):
 
 
 @pytest.mark.parametrize("softcap", [None, 5.0])
+@pytest.mark.parametrize("scale", [1.0, 0.0625])
 @pytest.mark.parametrize("head_kind", ["linear", "wrapped"])
-def test_weighted_cross_entropy_matches_torch_cross_entropy(softcap, head_kind):
+def test_weighted_cross_entropy_matches_torch_cross_entropy(softcap, scale, head_kind):
     """Both CE paths against autograd through ``F.cross_entropy`` (float64; chunks of 3 rows): a plain linear head
-    takes the fused path (gradients during forward), any other module the checkpointed one."""
+    takes the fused path (gradients during forward, the scale folded into the hidden states), any other module
+    the checkpointed one."""
     head, hidden, targets, weights = _ce_problem(torch.float64)
     module = head if head_kind == "linear" else torch.nn.Sequential(head)
-    total = weighted_cross_entropy(module, hidden, targets, weights, softcap=softcap, chunk_size=3)
+    total = weighted_cross_entropy(module, hidden, targets, weights, softcap=softcap, chunk_size=3, scale=scale)
     got = torch.autograd.grad(total, [hidden, head.weight])
-    expected_total = _reference_weighted_ce(head, hidden, targets, weights, softcap)
+    expected_total = _reference_weighted_ce(head, hidden, targets, weights, softcap, scale)
     expected = torch.autograd.grad(expected_total, [hidden, head.weight])
     torch.testing.assert_close(total, expected_total, rtol=1e-12, atol=0)
     for g, e in zip(got, expected):
@@ -221,3 +226,84 @@ def test_fused_cross_entropy_without_gradients_matches():
     total = weighted_cross_entropy(head, hidden, targets, weights, chunk_size=3)
     torch.testing.assert_close(total.detach(), expected)
     assert head.weight.grad is None and torch.autograd.grad(total, hidden)[0].abs().sum() > 0
+
+
+# ------------------------------------------------------------------ the model's own hidden -> logits step
+SCALED_HEADS = {
+    "cohere": dict(logit_scale=0.0625),  # logits * logit_scale
+    "granite": dict(logits_scaling=4.0),  # logits / logits_scaling
+    "gemma2": dict(head_dim=8, final_logit_softcapping=2.0),  # softcap * tanh(logits / softcap)
+}
+
+
+@pytest.mark.parametrize("family", sorted(SCALED_HEADS))
+def test_logit_head_is_detected_from_the_models_own_forward(family):
+    model = tiny_model(family, vocab_size=VOCAB, **SCALED_HEADS[family])
+    head = detect_logit_head(model)
+    config = model.config
+    expected_scale = {"cohere": 0.0625, "granite": 1 / 4.0, "gemma2": 1.0}[family]
+    assert head.scale == expected_scale  # the config's own value, not a fitted approximation
+    assert head.softcap == getattr(config, "final_logit_softcapping", None)
+
+
+@pytest.mark.parametrize("family", sorted(SCALED_HEADS))
+def test_scaled_heads_train_exactly(family):
+    """Tree loss and gradients of a scaled / soft-capped head against per-branch training with the model's own
+    attention and its own logits (which apply the scale in the model's forward)."""
+    from hf_tree.zoo import per_branch_loss as own_per_branch_loss
+
+    sequences, masks = random_tree_branches(random.Random(3), 5, vocab=VOCAB)
+    with float64_norms():
+        model = tiny_model(family, vocab_size=VOCAB, **SCALED_HEADS[family])
+        loss = tree_causal_lm_loss(
+            model, TreeDataCollator(max_packed_tokens=256)([Tree.from_sequences(sequences, masks).to_dict()])
+        )
+        loss.backward()
+        tree_grads = grads_of(model)
+        model.zero_grad()
+        reference = own_per_branch_loss(model, sequences, masks)
+        reference.backward()
+    assert relative_error(loss, reference) <= TOLERANCE
+    # Cohere's LayerNorm and Gemma 2's RMSNorm compute in float32 even in float64 models (float64_norms patches
+    # only the Llama-family norms): ~1e-7 rounding, see tests/helpers.float64_norms. A missing scale is off by ~10x.
+    assert max_grad_relative_error(tree_grads, grads_of(model)) <= 1e-6
+
+
+def test_head_with_a_transform_before_the_vocabulary_projection_is_refused():
+    config = transformers.AutoConfig.for_model(
+        "bert",
+        vocab_size=VOCAB,
+        hidden_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        intermediate_size=64,
+        is_decoder=True,
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="tree_flash")
+    batch = TreeDataCollator(max_packed_tokens=16)([Tree.from_sequences([[5, 6, 7], [5, 6, 8]]).to_dict()])
+    with pytest.raises(ValueError, match="BertLMHeadModel's forward does not compute its logits"):
+        tree_causal_lm_loss(model, batch)
+
+
+@pytest.mark.parametrize("family", sorted(SCALED_HEADS))
+def test_trl_log_prob_head_applies_the_models_logit_scaling(family):
+    """The tree fused log-prob head against TRL's own fused head on the same weights (own attention)."""
+    from trl.trainer.utils import add_fused_lm_head
+
+    from hf_tree.head import own_attention_name
+    from hf_tree.logprobs import add_tree_fused_lm_head
+
+    model = tiny_model(family, vocab_size=VOCAB, **SCALED_HEADS[family])
+    twin = tiny_model(family, vocab_size=VOCAB, attn=own_attention_name(model), **SCALED_HEADS[family])
+    add_fused_lm_head(twin)
+    add_fused_lm_head(model)
+    add_tree_fused_lm_head(model)
+    # No padding: TRL's eager Gemma 2 twin returns NaN on left-padded rows, which says nothing about the head.
+    ids = torch.tensor([[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12, 13], [5, 6, 14, 15, 16, 17]])
+    mask = torch.ones_like(ids)
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :3] = -100
+    with torch.no_grad(), float64_norms():
+        theirs = twin(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+        ours = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert relative_error(ours.log_probs, theirs.log_probs) <= TOLERANCE

@@ -1,0 +1,51 @@
+"""Model-zoo conformance: every causal-LM architecture of the installed transformers, built tiny, in one state.
+
+    python benchmarks/model_zoo.py                       # the whole zoo (189 types in transformers 5.23; minutes)
+    python benchmarks/model_zoo.py llama gemma2 cohere   # some model types
+    python benchmarks/model_zoo.py --json zoo.json       # also write the results as JSON
+
+Prints the markdown table of docs/models.md (see hf_tree.zoo for what is checked and what each state means) and
+exits non-zero if any architecture is a silent ``MISMATCH``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+import warnings
+
+import torch
+import transformers
+
+from hf_tree.zoo import check_architecture, markdown_table, zoo_model_types
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("model_types", nargs="*", help="model types to check (default: the whole causal-LM mapping)")
+    parser.add_argument("--json", help="write the results to this JSON file")
+    parser.add_argument("--time-limit", type=int, default=300, help="seconds per architecture before giving up")
+    args = parser.parse_args(argv)
+    unknown = sorted(set(args.model_types) - set(zoo_model_types()))
+    if unknown:
+        parser.error(f"unknown causal-LM model types {unknown}; choose among {zoo_model_types()}")
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
+    results = []
+    for model_type in args.model_types or zoo_model_types():
+        result = check_architecture(model_type, time_limit=args.time_limit)
+        print(f"{model_type}: {result.state} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
+        results.append(result)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}\n")
+    print(markdown_table(results))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
+    return 1 if any(r.state == "MISMATCH" for r in results) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,279 @@
+"""The one "last hidden state -> scored logits" step shared by the tree loss and the tree log-prob heads.
+
+The tree passes never call the model's own head on ``[B, N, vocab]``: they gather the hidden states that predict
+scored tokens and apply the output embedding themselves. That is only right if it reproduces what the model's
+``forward`` computes after its backbone, which differs between families: Cohere multiplies the logits by
+``logit_scale``, Granite divides them by ``logits_scaling``, MiniCPM scales the hidden state, Gemma 2/3 soft-cap
+them, BERT-style heads run a transform before the vocabulary projection. Rather than trusting a list of config
+names, ``detect_logit_head`` runs the model's own forward on a tiny input once and checks that
+
+    logits == softcap(scale * output_embedding(last_hidden_state))
+
+with ``scale`` from the config (or, failing that, fitted) and ``softcap = final_logit_softcapping``. A model whose
+logits are not of that form is refused with a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import traceback
+import weakref
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from accelerate.utils import extract_model_from_parallel, is_peft_model
+from transformers import PreTrainedModel
+
+# Detection input: a few token ids (deterministic, no global RNG draw).
+PROBE_LENGTH = 8
+# Largest accepted ``max |reconstructed - model logits| / max |model logits|`` per dtype: the reconstruction runs
+# the same matmul on the same tensor, so only the scale's rounding (or the model's low-precision product) differs.
+# A head transform or a missing scale is off by O(1).
+HEAD_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+_detected: weakref.WeakKeyDictionary[PreTrainedModel, LogitHead] = weakref.WeakKeyDictionary()
+_backbones: weakref.WeakKeyDictionary[PreTrainedModel, torch.nn.Module] = weakref.WeakKeyDictionary()
+
+
+@dataclass(frozen=True)
+class LogitHead:
+    """How a causal LM scores its last hidden state: ``softcap * tanh(scale * E(h) / softcap)`` (``E`` = output
+    embedding, looked up on each call because FSDP and PEFT replace modules)."""
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def logits(self, output_embedding: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """``[M, D]`` hidden states -> ``[M, vocab]`` logits (half precision promoted to float32).
+
+        ``forward()``, not ``__call__``: under FSDP2 (accelerate 1.15, torch 2.13) the head is its own FSDP unit,
+        kept unsharded by the model forward until backward; running its hooks a second time segfaulted in backward.
+        ``forward()`` keeps PEFT/accelerate wrappers (they replace ``forward`` itself).
+        """
+        return self.scored(output_embedding.forward(hidden))
+
+    def scored(self, logits: torch.Tensor) -> torch.Tensor:
+        """The output embedding's ``[M, vocab]`` output -> the model's logits (half precision promoted)."""
+        if logits.dtype in (torch.float16, torch.bfloat16):
+            logits = logits.float()  # the log-softmax over a large vocabulary needs float32
+        if self.scale != 1.0:
+            logits = logits * self.scale
+        if self.softcap is not None:
+            logits = self.softcap * torch.tanh(logits / self.softcap)
+        return logits
+
+
+def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:
+    """The ``PreTrainedModel`` inside DDP/FSDP/compile and PEFT wrappers (FSDP2 keeps the module itself)."""
+    unwrapped = extract_model_from_parallel(model)
+    return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+
+
+def backbone_of(causal_lm: PreTrainedModel) -> torch.nn.Module:
+    """The backbone whose ``last_hidden_state`` the head reads: the module ``detect_logit_head`` saw feed the head
+    (e.g. OPT's and BART's inner ``decoder``), else ``base_model``, or ``model`` where the class's
+    ``base_model_prefix`` names no attribute (Llama 4's text model: prefix ``language_model``, attribute ``model``)."""
+    if causal_lm in _backbones:
+        return _backbones[causal_lm]
+    backbone = causal_lm.base_model
+    if backbone is causal_lm and isinstance(getattr(causal_lm, "model", None), torch.nn.Module):
+        return causal_lm.model
+    return backbone
+
+
+def _relative_max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
+    got, expected = got.detach().double(), expected.detach().double()
+    return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-300))
+
+
+def _config_scales(config) -> list[float]:
+    """Logit multipliers the installed transformers families read from their configs (TRL's list)."""
+    scales = [1.0]
+    for name in ("logit_scale", "output_multiplier", "lm_head_multiplier"):
+        if isinstance(getattr(config, name, None), int | float):
+            scales.append(float(getattr(config, name)))
+    divisor = getattr(config, "logits_scaling", None)
+    if isinstance(divisor, int | float) and divisor != 0:
+        scales += [1.0 / divisor, float(divisor)]  # Granite/MiniCPM3 divide, HyperCLOVA X multiplies
+    return scales
+
+
+@contextlib.contextmanager
+def eval_mode_no_grad(model: torch.nn.Module) -> Iterator[None]:
+    """Every module in eval mode (no dropout) under ``no_grad``, without autocast (a probe checks the model's
+    computation in its parameters' dtype, not the trainer's mixed precision) and with a forked RNG; restores each
+    module's own ``training`` flag and the RNG state afterwards, so a probe leaves training bit-for-bit unchanged."""
+    modes = [(module, module.training) for module in model.modules()]
+    devices = []
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        devices = [torch.cuda.current_device()]
+    device_type = next(model.parameters()).device.type
+    try:
+        with (
+            torch.random.fork_rng(devices=devices),
+            torch.no_grad(),
+            torch.autocast(device_type, enabled=False),
+        ):
+            model.eval()
+            yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
+def probe_ids(vocab_size: int, length: int, seed: int, device: torch.device) -> torch.Tensor:
+    """``[length]`` int64 token ids in ``[3, vocab_size)`` from a private generator (ids 0-2 are often special)."""
+    generator = torch.Generator().manual_seed(seed)
+    low = 3 if vocab_size > 8 else 0
+    return torch.randint(low, vocab_size, (length,), generator=generator).to(device)
+
+
+def _last_hidden_state(output) -> torch.Tensor:
+    return output[0] if isinstance(output, tuple) else output.last_hidden_state
+
+
+@contextlib.contextmanager
+def capture_last_hidden_state(causal_lm: PreTrainedModel) -> Iterator[dict[str, torch.Tensor]]:
+    """Within the block, ``captured["hidden"]`` is the ``[B, N, D]`` ``last_hidden_state`` of the backbone's latest
+    forward: the tensor ``detect_logit_head`` verified the logits against (and the one TRL's fused head reads)."""
+    captured: dict[str, torch.Tensor] = {}
+
+    def hook(module, args, output):
+        captured["hidden"] = _last_hidden_state(output)
+
+    handle = backbone_of(causal_lm).register_forward_hook(hook)
+    try:
+        yield captured
+    finally:
+        handle.remove()
+
+
+def own_attention_name(model: PreTrainedModel) -> str:
+    """The model's own attention for references: ``sdpa``, or ``eager`` where the model refuses ``sdpa``."""
+    previous = model.config._attn_implementation
+    try:
+        model.set_attn_implementation("sdpa")
+        return "sdpa"
+    except (ValueError, ImportError):  # the model refuses sdpa (softcapping, sinks, ...)
+        return "eager"
+    finally:
+        model.set_attn_implementation(previous)
+
+
+@contextlib.contextmanager
+def own_attention(model: PreTrainedModel) -> Iterator[str]:
+    """Switch ``model`` to its own attention (``own_attention_name``) for the block, then back."""
+    previous = model.config._attn_implementation
+    name = own_attention_name(model)
+    model.set_attn_implementation(name)
+    try:
+        yield name
+    finally:
+        model.set_attn_implementation(previous)
+
+
+def raised_by_hf_tree(error: BaseException) -> bool:
+    """Whether ``error`` was raised by hf_tree itself (its innermost frame is in the hf_tree package)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR)
+
+
+def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
+    """The ``LogitHead`` that reproduces ``model``'s logits from its backbone's last hidden state (cached per model).
+
+    Runs the model's forward once on ``PROBE_LENGTH`` tokens (no grad, eval mode, RNG untouched) with hooks on the
+    backbone (its ``last_hidden_state``) and on the output embedding (applied to that state while the forward holds
+    the head's parameters, so FSDP2-sharded heads work).
+
+    Args:
+        model: the causal LM, possibly PEFT/DDP/FSDP-wrapped.
+        forward: what to call instead of ``model`` (e.g. the original forward from inside a patched one, where
+            calling the model again would rerun FSDP's root hooks); the default calls ``model``.
+
+    Raises:
+        ValueError: when no scale and the config's softcap reproduce the logits (a transform before or after the
+            vocabulary projection), or the model has no output embedding.
+    """
+    causal_lm = causal_lm_of(model)
+    if causal_lm in _detected:
+        return _detected[causal_lm]
+    name = type(causal_lm).__name__
+    embedding = causal_lm.get_output_embeddings()
+    if embedding is None or backbone_of(causal_lm) is causal_lm:
+        raise ValueError(
+            f"{name} has no separate output embedding (get_output_embeddings()); hf_tree scores the "
+            "last hidden state with it, so it supports causal LMs of the form backbone + LM head."
+        )
+    text_config = causal_lm.config.get_text_config()
+    softcap = getattr(text_config, "final_logit_softcapping", None)
+
+    captured: dict[str, Any] = {}
+
+    def backbone_hook(module, args, output):  # any module returning a model output with a last hidden state
+        if "raw" not in captured and isinstance(getattr(output, "last_hidden_state", None), torch.Tensor):
+            captured["hidden"], captured["backbone"] = output.last_hidden_state, module
+
+    def head_hook(module, args, output):
+        if "hidden" in captured and "raw" not in captured:
+            try:
+                captured["raw"] = module.forward(captured["hidden"].reshape(-1, captured["hidden"].shape[-1]))
+            except RuntimeError as error:  # e.g. a projection to a smaller embedding size before the vocabulary one
+                captured["error"] = error
+
+    ids = probe_ids(text_config.vocab_size, PROBE_LENGTH, seed=0, device=causal_lm.get_input_embeddings().weight.device)
+    handles = [embedding.register_forward_hook(head_hook)]
+    handles += [m.register_forward_hook(backbone_hook) for m in causal_lm.modules() if m is not causal_lm]
+    try:  # the model's own attention: the head does not depend on it, and dual mode may refuse some models
+        with eval_mode_no_grad(model), own_attention(causal_lm):
+            logits = (forward or model)(input_ids=ids[None], use_cache=False).logits
+    except Exception as error:
+        if isinstance(error, ValueError) and raised_by_hf_tree(error):
+            raise
+        raise ValueError(
+            f"{name}'s own forward failed on a tiny input while hf_tree checked how it computes logits: "
+            f"{type(error).__name__}: {error}"
+        ) from error
+    finally:
+        for handle in handles:
+            handle.remove()
+    if "error" in captured:
+        raise ValueError(
+            f"{name}'s output embedding {type(embedding).__name__} cannot be applied to its backbone's last hidden "
+            f"state ({captured['error']}): the model transforms the hidden state before the vocabulary projection, "
+            "which the tree loss and log-prob heads cannot reproduce. This model is not supported."
+        )
+    if "raw" not in captured:
+        raise ValueError(
+            f"{name}'s forward never called its output embedding on the backbone's output; hf_tree "
+            "cannot reproduce its logits. This model is not supported."
+        )
+    # The head's output dtype is the precision it ran in (under a trainer's autocast, lower than the parameters').
+    tolerance = HEAD_TOLERANCE.get(captured["raw"].dtype, 2e-2)
+    expected = logits.reshape(-1, logits.shape[-1]).double()
+    raw = captured["raw"].double()
+    # Undo the cap to fit a scale on the linear part: scale * raw == softcap * atanh(logits / softcap).
+    uncapped = expected if softcap is None else softcap * torch.atanh((expected / softcap).clamp(-1 + 1e-12, 1 - 1e-12))
+    fitted = float((uncapped * raw).sum() / (raw * raw).sum().clamp_min(1e-300))
+    errors = {}
+    for scale in [*_config_scales(text_config), fitted]:
+        head = LogitHead(scale=scale, softcap=softcap)
+        # The same step as LogitHead.logits, on the embedding output computed inside the model's forward (and so
+        # under the same autocast and FSDP state as the model's own logits).
+        errors[scale] = _relative_max_error(head.scored(captured["raw"]), expected)
+        if errors[scale] <= tolerance:
+            _detected[causal_lm], _backbones[causal_lm] = head, captured["backbone"]
+            return head
+    raise ValueError(
+        f"{name}'s forward does not compute its logits as softcap(scale * {type(embedding).__name__}(last hidden "
+        f"state)) (best relative error {min(errors.values()):.2e} > {tolerance:.0e}; config softcap={softcap}): "
+        "a transform before or after the vocabulary projection that the tree loss and log-prob heads cannot "
+        "reproduce. This model family is not supported by hf_tree's tree passes."
+    )

@@ -1,0 +1,152 @@
+"""The first-use self-check (hf_tree.model_check): a model that would train silently wrong on trees is refused.
+
+Oracle: the probe compares the packed tree with its branches run alone with the model's own attention; a layer
+patched to mix tokens across the row (a cumulative sum over the sequence, as a recurrent mixer would) must be
+named in the ``ValueError``, and an exact model (Llama) must pass without changing RNG state or train/eval modes.
+"""
+
+from __future__ import annotations
+
+import os
+import types
+
+import pytest
+import torch
+import transformers
+
+from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.model_check import (
+    NOT_TREE_AWARE_MODULES,
+    SELF_CHECK_ENV_VAR,
+    check_model_for_trees,
+    probe_tree_exactness,
+    self_check_setting,
+)
+from tests.helpers import tiny_model
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def tree_batch():
+    tree = Tree.from_sequences([[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12]])
+    return TreeDataCollator(max_packed_tokens=16)([tree.to_dict()])
+
+
+def leak_across_the_row(model: torch.nn.Module, layer: int = 1) -> None:
+    """Make one decoder layer's MLP add a running sum over the sequence: siblings then see each other."""
+    mlp = model.model.layers[layer].mlp
+    plain = type(mlp).forward
+
+    def forward(self, x):
+        return plain(self, x) + 0.1 * x.cumsum(dim=1)
+
+    mlp.forward = types.MethodType(forward, mlp)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_exact_model_passes_without_side_effects(dtype):
+    model = tiny_model(dtype=dtype)
+    model.train()
+    model.model.layers[0].eval()  # a mixed state must come back as it was
+    modes = [m.training for m in model.modules()]
+    rng = torch.get_rng_state()
+    difference = probe_tree_exactness(model)
+    assert difference < 1e-5 if dtype == torch.float32 else difference < 5e-2
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert [m.training for m in model.modules()] == modes
+    assert model.config._attn_implementation == "tree_flash"
+
+
+def test_leaking_layer_is_refused_by_the_loss():
+    model = tiny_model(dtype=torch.float32)
+    leak_across_the_row(model, layer=1)
+    with pytest.raises(ValueError) as error:
+        tree_causal_lm_loss(model, tree_batch())
+    message = str(error.value)
+    assert "LlamaForCausalLM" in message
+    assert "layer 1 (LlamaDecoderLayer)" in message
+    assert "mlp (LlamaMLP)" in message  # the submodule whose input agrees but output does not
+    assert "self_attn" not in message  # layer 1's attention saw equal inputs and is exact
+    assert "differs from its branches" in message
+
+
+def test_leaking_layer_passes_with_the_opt_out(monkeypatch):
+    model = tiny_model(dtype=torch.float32)
+    leak_across_the_row(model)
+    assert torch.isfinite(tree_causal_lm_loss(model, tree_batch(), self_check=False))
+    other = tiny_model(dtype=torch.float32)
+    leak_across_the_row(other)
+    monkeypatch.setenv(SELF_CHECK_ENV_VAR, "0")
+    assert torch.isfinite(tree_causal_lm_loss(other, tree_batch()))
+    monkeypatch.setenv(SELF_CHECK_ENV_VAR, "1")
+    with pytest.raises(ValueError, match="not tree-exact"):  # an opted-out result does not excuse a later check
+        tree_causal_lm_loss(other, tree_batch())
+
+
+def test_check_runs_once_per_model_instance():
+    model = tiny_model(dtype=torch.float32)
+    calls = []
+    handle = model.model.register_forward_hook(lambda *args: calls.append(1))
+    check_model_for_trees(model)
+    first = len(calls)
+    assert first == 5  # head detection + tree + 3 branches
+    tree_causal_lm_loss(model, tree_batch())
+    assert len(calls) == first + 1  # only the loss's own forward
+    handle.remove()
+
+
+def test_peft_wrapped_leak_is_refused():
+    from peft import LoraConfig, get_peft_model
+
+    model = tiny_model(dtype=torch.float32)
+    leak_across_the_row(model, layer=0)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match=r"layer 0 \(LlamaDecoderLayer\)"):
+        tree_causal_lm_loss(peft_model, tree_batch())
+
+
+def test_known_non_tree_aware_mixer_is_refused_by_name():
+    config = transformers.AutoConfig.for_model(
+        "lfm2",
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        layer_types=["conv", "full_attention"],
+    )
+    model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="tree_flash")
+    assert "Lfm2ShortConv" in NOT_TREE_AWARE_MODULES
+    with pytest.raises(ValueError, match="Lfm2ShortConv: short causal convolution"):
+        tree_causal_lm_loss(model, tree_batch())
+
+
+def test_leak_is_caught_under_a_trainers_bf16_autocast():
+    """Trainers run the model under autocast. An autocast around the call is switched off for the probe (an exact
+    float32 check); accelerate's autocast inside the model's forward is not, so the probe fits its tolerance to the
+    autocast dtype: an exact model passes and a leaking one is still refused."""
+    exact, leaking = tiny_model(dtype=torch.float32), tiny_model(dtype=torch.float32)
+    leak_across_the_row(leaking)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ValueError, match="tolerance 1e-04 for torch.float32"):
+            tree_causal_lm_loss(leaking, tree_batch())
+    for model in (exact, leaking):  # what accelerate.prepare does with mixed_precision="bf16"
+        model.forward = torch.autocast("cpu", dtype=torch.bfloat16)(model.forward)
+    assert torch.isfinite(tree_causal_lm_loss(exact, tree_batch()))
+    with pytest.raises(ValueError, match="tolerance 5e-02 for torch.bfloat16"):
+        tree_causal_lm_loss(leaking, tree_batch(), self_check=True)
+
+
+def test_training_argument_opts_out(monkeypatch, tmp_path):
+    from hf_tree.trainer import TreeTrainingArguments
+
+    monkeypatch.setenv(SELF_CHECK_ENV_VAR, "1")
+    model = tiny_model(dtype=torch.float32)
+    leak_across_the_row(model)
+    on = TreeTrainingArguments(output_dir=str(tmp_path), report_to=[])
+    with pytest.raises(ValueError, match="not tree-exact"):
+        tree_causal_lm_loss(model, tree_batch(), self_check=self_check_setting(on.tree_self_check))
+    off = TreeTrainingArguments(output_dir=str(tmp_path), report_to=[], tree_self_check=False)
+    assert torch.isfinite(tree_causal_lm_loss(model, tree_batch(), self_check=self_check_setting(off.tree_self_check)))
+    assert os.environ[SELF_CHECK_ENV_VAR] == "1"  # the argument changes nothing process-wide
