@@ -22,8 +22,8 @@ from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.mixers import install_tree_mixers, uninstall_tree_mixers
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
 from tests.helpers import relative_error, word_tokenizer
-from tests.test_grpo import padded_batch, scenario, trainer_args, zero_reward
-from tests.test_hybrid_mixers import FLOAT32_FLOOR, hybrid_model
+from tests.test_grpo import one_step, padded_batch, scenario, trainer_args, zero_reward
+from tests.test_hybrid_mixers import FLOAT32_FLOOR, float32_floor_grad_error, hybrid_model
 from tests.test_trainer import (
     BRANCHES_PER_TREE,
     branch_dataset,
@@ -121,3 +121,21 @@ def test_grpo_logprobs_and_entropies_match_trl(grpo_trainers, name):
     for ours, theirs in [(logps, trl_logps), (entropy, trl_entropy), (ref_tree, ref_trl)]:
         assert relative_error(ours, theirs) <= LOGPROB_BOUND, relative_error(ours, theirs)
     assert relative_error(leaky, trl_logps) > 100 * LOGPROB_BOUND  # measured 6e-4 on random weights
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_grpo_one_step_matches_trl(tmp_path, monkeypatch, peft):
+    """One GRPO optimizer step (old policy, reference and policy passes, backward through the tree mixers; the
+    pattern of tests/test_grpo.py): same loss and parameter updates as TRL's to the float32 floor (measured: loss
+    equal, updates 1e-7 (LoRA) and 3e-5 (full: the tiny A_log/dt_bias updates))."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    hybrid_model(FAMILY, attn="sdpa").save_pretrained(tmp_path)
+    trl, trl_updates = one_step(GRPOTrainer, GRPOConfig, str(tmp_path), peft)
+    tree, tree_updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, str(tmp_path), peft)
+    assert tree.state.log_history[0]["tree/dedup_ratio"] > 1
+    assert tree.state.log_history[0]["loss"] == pytest.approx(trl.state.log_history[0]["loss"], rel=LOGPROB_BOUND)
+    assert trl_updates.keys() == tree_updates.keys()
+    # LoRA (q_proj/v_proj) trains the attention layer only, on hidden states the GatedDeltaNet layers computed
+    moved = [name for name, u in trl_updates.items() if u.norm() > 0]
+    assert moved and (peft or any(".linear_attn." in name for name in moved))
+    assert float32_floor_grad_error(tree_updates, trl_updates) <= FLOAT32_FLOOR
