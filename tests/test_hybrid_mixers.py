@@ -561,3 +561,15 @@ def test_tree_batches_refuse_a_cache(family):
     batch, _ = packed_batch()
     with pytest.raises(ValueError, match="use_cache=False"):
         model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"], use_cache=True)
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "bamba"])
+def test_context_parallel_is_refused(family):
+    """hf_tree context parallelism shards the row; these mixers need a token's ancestors on its rank: refused."""
+    from hf_tree.parallel import plan_context_parallel, shard_batch_for_context_parallel, tree_context_parallel
+
+    model = hybrid_model(family)
+    batch, _ = packed_batch()
+    plan = plan_context_parallel(batch["kv_end"], 1)
+    with tree_context_parallel(batch, plan, 0), pytest.raises(ValueError, match="without context parallelism"):
+        tree_causal_lm_loss(model, shard_batch_for_context_parallel(batch, plan, 0))

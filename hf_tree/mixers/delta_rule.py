@@ -26,6 +26,36 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + eps)
 
 
+def _unit_lower_inverse(matrix: torch.Tensor) -> torch.Tensor:
+    """Inverse of unit lower-triangular ``[..., C, C]`` matrices (C a power of two; the strictly upper part is
+    ignored): blockwise, ``inv([[A, 0], [X, B]]) = [[A^-1, 0], [-B^-1 X A^-1, B^-1]]`` for block sizes 1, 2, 4, ...
+    log2(C) rounds of batched matmuls; on CPU much faster than ``solve_triangular``, which solves each small matrix
+    with its own LAPACK call."""
+    size = matrix.shape[-1]
+    lead = matrix.shape[:-2]
+    blocks = torch.ones(*lead, size, 1, 1, dtype=matrix.dtype, device=matrix.device)  # inverses of 1x1 diagonals
+    width = 1
+    while width < size:
+        count = size // (2 * width)
+        diagonal = matrix.reshape(*lead, count, 2 * width, count, 2 * width).diagonal(dim1=-4, dim2=-2)
+        lower = diagonal.movedim(-1, -3)[..., width:, :width]  # [..., count, width, width]
+        first, second = blocks[..., 0::2, :, :], blocks[..., 1::2, :, :]
+        top = torch.cat([first, torch.zeros_like(first)], dim=-1)
+        bottom = torch.cat([-(second @ lower @ first), second], dim=-1)
+        blocks = torch.cat([top, bottom], dim=-2)
+        width *= 2
+    return blocks[..., 0, :, :]
+
+
+def _solve_unit_lower(matrix: torch.Tensor, *rights: torch.Tensor) -> list[torch.Tensor]:
+    """``matrix^-1 @ right`` for each right-hand side (unit lower-triangular ``matrix [..., C, C]``)."""
+    size = matrix.shape[-1]
+    if size & (size - 1) == 0:
+        inverse = _unit_lower_inverse(matrix)
+        return [inverse @ right for right in rights]
+    return [torch.linalg.solve_triangular(matrix, r, upper=False, unitriangular=True) for r in rights]
+
+
 def _level_delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -49,8 +79,7 @@ def _level_delta_rule(
     ut_system = (k_beta @ k.transpose(-1, -2)) * pairwise
     intra = (q @ k.transpose(-1, -2)) * pairwise
     decayed_k_beta = k_beta * cum_decay.exp()[..., None]
-    new_values = torch.linalg.solve_triangular(ut_system, v_beta, upper=False, unitriangular=True)
-    k_cumdecay = torch.linalg.solve_triangular(ut_system, decayed_k_beta, upper=False, unitriangular=True)
+    new_values, k_cumdecay = _solve_unit_lower(ut_system, v_beta, decayed_k_beta)
     q = q * cum_decay.exp()[..., None]
     k = k * (cum_decay[..., -1:] - cum_decay).exp()[..., None]
     chunk_decay = cum_decay[..., -1].exp()[..., None, None]
