@@ -255,8 +255,10 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
             f"{name}'s forward never called its output embedding on the backbone's output; hf_tree "
             "cannot reproduce its logits. This model is not supported."
         )
-    # The head's output dtype is the precision it ran in (under a trainer's autocast, lower than the parameters').
-    tolerance = HEAD_TOLERANCE.get(captured["raw"].dtype, 2e-2)
+    # The head's output dtype is the precision it ran in (under a trainer's autocast, lower than the parameters');
+    # logits cast to a narrower dtype (NemotronH's ``.float()`` in a float64 model) hold only that precision.
+    precision = max((captured["raw"].dtype, logits.dtype), key=lambda dtype: torch.finfo(dtype).eps)
+    tolerance = HEAD_TOLERANCE.get(precision, 2e-2)
     expected = logits.reshape(-1, logits.shape[-1]).double()
     raw = captured["raw"].double()
     # Undo the cap to fit a scale on the linear part: scale * raw == softcap * atanh(logits / softcap).

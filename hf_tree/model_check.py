@@ -48,27 +48,14 @@ SELF_CHECK_ENV_VAR = "HF_TREE_SELF_CHECK"
 # Module classes known to mix the tokens of a packed row regardless of kv_end, with why. The fast first line of
 # refusal (the probe would catch them too, with a less specific message). Drop a class once it is made tree-aware.
 NOT_TREE_AWARE_MODULES: dict[str, str] = {
-    **dict.fromkeys(
-        ("Qwen3NextGatedDeltaNet", "Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet", "OlmoHybridGatedDeltaNet"),
-        "GatedDeltaNet linear attention: a causal conv and a recurrent state run over the packed row",
-    ),
     **dict.fromkeys(("KimiDeltaAttention",), "Kimi delta attention: a recurrent state runs over the packed row"),
-    **dict.fromkeys(("Lfm2ShortConv", "Lfm2MoeShortConv"), "short causal convolution over the packed row"),
     **dict.fromkeys(
-        (
-            "MambaMixer",
-            "FalconMambaMixer",
-            "Mamba2Mixer",
-            "NemotronHMamba2Mixer",
-            "BambaMixer",
-            "FalconH1Mixer",
-            "GraniteMoeHybridMambaLayer",
-            "JambaMambaMixer",
-            "Zamba2MambaMixer",
-            "ZambaMambaMixer",
-        ),
-        "Mamba state-space mixer: a causal conv and a scan run over the packed row",
+        ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),
+        "Mamba (selective scan) mixer: a causal conv and a scan run over the packed row",
     ),
+    # Mamba2ForCausalLM does not pass the model's keyword arguments (kv_end) to its backbone, so the tree-aware
+    # Mamba2 scan of hf_tree.mixers never sees the tree (the hybrids' Mamba2 mixers, which do, are exact).
+    **dict.fromkeys(("Mamba2Mixer",), "Mamba2ForCausalLM does not pass kv_end to its mixers"),
     **dict.fromkeys(("RwkvSelfAttention", "RwkvFeedForward"), "RWKV time mixing: a recurrent state over the row"),
     **dict.fromkeys(("RecurrentGemmaRecurrentBlock",), "RG-LRU recurrence and conv over the packed row"),
     **dict.fromkeys(("MiniMaxLightningAttention",), "lightning (linear) attention: a running state over the row"),

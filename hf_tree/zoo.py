@@ -236,12 +236,18 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
 
+# A parameter whose true gradient is tiny is measured against this fraction of the largest gradient norm. Hybrid
+# models compute their decay gates in float32 even in a float64 model (Qwen3.5's ``A_log``/``dt_bias`` gradients,
+# ~1e-5 of the largest, carry ~4e-6 relative rounding per branch); a branch leak moves every gradient by >= 1e-4.
+GRAD_FLOOR = 1e-3
+
+
 def _max_grad_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    """Largest per-parameter relative error (a parameter whose true gradient is ~0 is measured against 1e-6 of the
-    largest gradient norm, as tests/helpers.max_grad_relative_error does)."""
+    """Largest per-parameter relative error; a gradient below ``GRAD_FLOOR`` of the largest norm is measured against
+    that floor."""
     if got.keys() != expected.keys():
         return float("inf")
-    floor = 1e-6 * max((float(g.double().norm()) for g in expected.values()), default=0.0)
+    floor = GRAD_FLOOR * max((float(g.double().norm()) for g in expected.values()), default=0.0)
     return max(
         (float((got[n].double() - g.double()).norm()) / max(float(g.double().norm()), floor, 1e-300))
         for n, g in expected.items()

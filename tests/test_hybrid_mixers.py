@@ -30,6 +30,7 @@ from hf_tree.mixers import (
     tree_mamba2_chunk_scan,
     uninstall_tree_mixers,
 )
+from hf_tree.model_check import SELF_CHECK_ENV_VAR
 from tests.helpers import float64_norms, grads_of, max_grad_relative_error, per_branch_loss, relative_error
 
 VOCAB = 97
@@ -512,12 +513,16 @@ def test_lfm2_is_exact_in_float64(max_packed_tokens):
     assert max_grad_relative_error(tree_grads, ref_grads) <= 1e-9
 
 
-def test_without_tree_mixers_the_same_check_fails():
-    """The oracle has teeth: with the models' own mixers (the row seen as one sequence) siblings leak."""
+def test_without_tree_mixers_the_same_check_fails(monkeypatch):
+    """The oracle has teeth: with the models' own mixers (the row seen as one sequence) siblings leak; the first-use
+    self-check refuses such a model, and with the check off the gradients are visibly wrong."""
     model = hybrid_model("qwen3_5_text")
     uninstall_tree_mixers()
     try:
-        loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(model)
+        with pytest.raises(ValueError, match="Qwen3_5GatedDeltaNet"):
+            tree_and_branch_gradients(model)
+        monkeypatch.setenv(SELF_CHECK_ENV_VAR, "0")
+        loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(hybrid_model("qwen3_5_text"))
     finally:
         install_tree_mixers()
     assert float32_floor_grad_error(tree_grads, ref_grads) > 1e-2

@@ -24,7 +24,8 @@ FAST_SUBSET = {
     "gpt_oss": "exact",  # attention sinks, MoE
     "cohere": "exact",  # logit_scale
     "granite": "exact",  # logits_scaling (and residual/attention multipliers)
-    "qwen3_next": "refused",  # GatedDeltaNet linear attention (hybrid)
+    "qwen3_next": "exact",  # GatedDeltaNet linear attention + conv (hybrid; hf_tree.mixers)
+    "bamba": "exact",  # Mamba2 mixers + attention (hybrid; hf_tree.mixers)
     "bloom": "refused",  # ALiBi: the model builds its bias outside the attention function
     "bert": "refused",  # a transform before the vocabulary projection
     "opt": "exact",  # learned positions; its forward runs the inner decoder, not base_model
