@@ -46,7 +46,9 @@ from hf_tree.model_check import check_model_for_trees, tree_self_check_field
 from hf_tree.packing import PackingStats, pack_and_place
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
 from hf_tree.tree import Tree
+from hf_tree.versions import require_tested_trl
 
+require_tested_trl()  # TRL internals below (ChunkedLogProbFunction, FusedCausalLMOutput) change between minors
 # Vocabulary tile of TRL's fused head (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``): the same tiling keeps the
 # float32 online-logsumexp of the kernel bit-compatible with TRL's.
 VOCAB_CHUNK_SIZE = 32768
