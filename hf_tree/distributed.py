@@ -23,12 +23,10 @@ import accelerate
 import torch
 from accelerate.state import AcceleratorState
 from accelerate.utils import DistributedType
-from packaging.version import Version
+
+from hf_tree.versions import TESTED_ACCELERATE, is_tested
 
 logger = logging.getLogger("hf_tree")
-
-# The versions whose AcceleratorState set-up this adjustment was read from and tested against.
-TESTED_ACCELERATE = (Version("1.10.0"), Version("2.0.0"))
 
 
 def _finish_fsdp2_setup(state: AcceleratorState, fsdp_plugin) -> None:
@@ -80,8 +78,9 @@ def enable_fsdp2_on_cpu() -> bool:
     Returns whether it is installed. Outside the tested accelerate versions it installs nothing and warns, so
     an FSDP2 config on CPU then runs as accelerate decides.
     """
-    version = Version(accelerate.__version__)
-    if not TESTED_ACCELERATE[0] <= version < TESTED_ACCELERATE[1]:
+    # TESTED_ACCELERATE: the versions whose AcceleratorState set-up this adjustment was read from.
+    version = accelerate.__version__
+    if not is_tested(version, TESTED_ACCELERATE):
         logger.warning(
             "hf_tree: FSDP2-on-CPU support was tested with accelerate in [%s, %s), found %s; not enabling it (an "
             "FSDP config on CPU will run as DDP).",

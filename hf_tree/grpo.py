@@ -121,8 +121,6 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
             )
         logps = outputs.log_probs[:, -logits_to_keep:]
         entropies = outputs.entropy[:, -logits_to_keep:] if compute_entropy else None
-        # The policy pass: log how much the trees saved. A pass may score nothing (mask_truncated_completions masks
-        # every completion of a micro-batch that was cut at max_completion_length); it packs nothing then.
-        if compute_entropy and bool((labels != -100).any()):
+        if compute_entropy:  # the policy pass: log how much the trees saved (nothing if it scored nothing)
             log_tree_stats(self, model)
         return logps, entropies, None

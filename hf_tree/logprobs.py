@@ -46,7 +46,9 @@ from hf_tree.model_check import check_model_for_trees, tree_self_check_field
 from hf_tree.packing import PackingStats, pack_and_place
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
 from hf_tree.tree import Tree
+from hf_tree.versions import require_tested_trl
 
+require_tested_trl()  # TRL internals below (ChunkedLogProbFunction, FusedCausalLMOutput) change between minors
 # Vocabulary tile of TRL's fused head (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``): the same tiling keeps the
 # float32 online-logsumexp of the kernel bit-compatible with TRL's.
 VOCAB_CHUNK_SIZE = 32768
@@ -297,6 +299,7 @@ def _tree_fused_call(
     tokens_per_forward = tokens_per_forward or input_ids.numel()
     layout = layout_scored_rows(input_ids, attention_mask, labels, settings["max_packed_tokens"] or tokens_per_forward)
     if layout.num_scored == 0:  # nothing to score: TRL's forward keeps the zero output connected to the model
+        model.hf_tree_layout_stats = None  # nothing packed: no (stale) ratio to log for this call
         return previous_forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
     values = tree_token_log_probs(
         model,
@@ -447,8 +450,12 @@ def prepare_trl_args(args: Any, config_class: type, model: Any, trainer_name: st
 
 
 def log_tree_stats(trainer: Any, model: torch.nn.Module) -> None:
-    """Append the last tree pass's dedup ratio (branch tokens / packed tokens) to a TRL trainer's metrics."""
+    """Append the last tree pass's dedup ratio (branch tokens / packed tokens) to a TRL trainer's metrics; nothing
+    when that pass scored no token (e.g. every completion masked by ``mask_truncated_completions``) or none ran."""
     unwrapped = trainer.accelerator.unwrap_model(model)
     base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+    stats = getattr(base, "hf_tree_layout_stats", None)
+    if stats is None:
+        return
     mode = "train" if trainer.model.training else "eval"
-    trainer._metrics[mode]["tree/dedup_ratio"].append(base.hf_tree_layout_stats.dedup_ratio)
+    trainer._metrics[mode]["tree/dedup_ratio"].append(stats.dedup_ratio)

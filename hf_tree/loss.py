@@ -59,35 +59,60 @@ class _WeightedCrossEntropy(torch.autograd.Function):
         return _logit_grad(log_probs, targets, weights * grad_total), None, None
 
 
+def _linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    softcap: float | None,
+    chunk_size: int,
+    need_hidden: bool = False,
+    need_weight: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Weighted CE of ``hidden [M, D] @ weight.T [D, V]``, chunk by chunk, and only the gradients asked for.
+
+    Returns the 0-dim float32/64 total, ``d total / d hidden`` ``[M, D]`` (if ``need_hidden``) and
+    ``d total / d weight`` ``[V, D]`` in the accumulation dtype (if ``need_weight``). With neither, each chunk
+    costs one matmul and no gradient buffer exists (evaluation).
+    """
+    accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    total = hidden.new_zeros((), dtype=accumulate)
+    grad_hidden = torch.empty_like(hidden) if need_hidden else None
+    grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
+    for start in range(0, hidden.shape[0], chunk_size):
+        chunk = hidden[start : start + chunk_size]
+        chunk_targets = targets[start : start + chunk_size]
+        chunk_weights = weights[start : start + chunk_size].to(accumulate)
+        log_probs, capped_tanh = _capped_log_probs(chunk @ weight.T, softcap)
+        total += -(log_probs.gather(1, chunk_targets[:, None]).squeeze(1) * chunk_weights).sum()
+        if not (need_hidden or need_weight):
+            continue
+        grad = _logit_grad(log_probs, chunk_targets, chunk_weights)
+        if capped_tanh is not None:
+            grad.mul_(1 - capped_tanh.square_())
+        grad = grad.to(weight.dtype)
+        if need_hidden:
+            grad_hidden[start : start + chunk_size] = grad @ weight
+        if need_weight:
+            grad_weight.add_((grad.T @ chunk).to(accumulate))
+    return total, grad_hidden, grad_weight
+
+
 class _FusedLinearCrossEntropy(torch.autograd.Function):
     """Weighted CE of ``hidden @ weight.T`` whose gradients are computed during forward, chunk by chunk.
 
     The checkpointed path computes every logit chunk twice (forward, then again in backward) to bound memory;
     with a plain linear head the chunk's gradients can be finished while its logits exist, so each chunk costs
-    three matmuls instead of four. Keeps ``[M, D]`` and ``[vocab, D]`` gradients until backward instead.
+    three matmuls instead of four. Keeps ``[M, D]`` and ``[vocab, D]`` gradients until backward instead, so
+    it is only applied when autograd will run backward (``weighted_cross_entropy``).
     """
 
     @staticmethod
     def forward(ctx, hidden, weight, targets, weights, softcap, chunk_size):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
-        accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-        total = hidden.new_zeros((), dtype=accumulate)
-        grad_hidden = torch.empty_like(hidden) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
-        for start in range(0, hidden.shape[0], chunk_size):
-            chunk = hidden[start : start + chunk_size]
-            chunk_targets = targets[start : start + chunk_size]
-            chunk_weights = weights[start : start + chunk_size].to(accumulate)
-            log_probs, capped_tanh = _capped_log_probs(chunk @ weight.T, softcap)
-            total += -(log_probs.gather(1, chunk_targets[:, None]).squeeze(1) * chunk_weights).sum()
-            grad = _logit_grad(log_probs, chunk_targets, chunk_weights)
-            if capped_tanh is not None:
-                grad.mul_(1 - capped_tanh.square_())
-            grad = grad.to(weight.dtype)
-            if need_hidden:
-                grad_hidden[start : start + chunk_size] = grad @ weight
-            if need_weight:
-                grad_weight.add_((grad.T @ chunk).to(accumulate))
+        total, grad_hidden, grad_weight = _linear_cross_entropy(
+            hidden, weight, targets, weights, softcap, chunk_size, need_hidden, need_weight
+        )
         ctx.save_for_backward(grad_hidden, grad_weight)
         ctx.weight_dtype = weight.dtype
         return total
@@ -147,7 +172,10 @@ def weighted_cross_entropy(
     if _is_plain_linear(head):
         # A bias-free linear head is linear in its input: the scale is folded into the hidden states.
         scaled = hidden if scale == 1.0 else hidden * scale
-        return _FusedLinearCrossEntropy.apply(scaled, head.weight, targets, weights, softcap, chunk_size)
+        if torch.is_grad_enabled() and (scaled.requires_grad or head.weight.requires_grad):
+            return _FusedLinearCrossEntropy.apply(scaled, head.weight, targets, weights, softcap, chunk_size)
+        # Evaluation: needs_input_grad ignores no_grad, so the Function would still build both gradients.
+        return _linear_cross_entropy(scaled, head.weight, targets, weights, softcap, chunk_size)[0]
     total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size

@@ -32,7 +32,9 @@ from hf_tree.row_batching import BATCH_UNITS, TreePartDataset, TreeRowBatchSampl
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.trainer import TreeTrainerMixin, pad_token_id_of, tree_model_init_kwargs, use_tree_attention
 from hf_tree.tree import TREE_KEYS, Tree
+from hf_tree.versions import require_tested_trl
 
+require_tested_trl()  # TreeSFTTrainer overrides SFTTrainer._prepare_dataset
 logger = logging.getLogger("hf_tree")
 
 

@@ -134,6 +134,39 @@ def test_blocked_on_worker_threads_matches_reference_and_is_deterministic(monkey
     assert torch.equal(first[0], second[0]) and all(torch.equal(a, b) for a, b in zip(first[1], second[1]))
 
 
+def test_failing_block_stops_the_other_workers_before_the_error_is_raised():
+    """A worker's error reaches the caller only once no block is running, and the queued blocks never start
+    afterwards (they would write into the failed call's outputs)."""
+    import threading
+    import time
+
+    lock, running, started = threading.Lock(), [0], []
+
+    def block(x: torch.Tensor, index: int) -> int:
+        with lock:
+            running[0] += 1
+            started.append(index)
+        try:
+            if index == 0:
+                raise RuntimeError("block 0 failed")
+            time.sleep(0.2)  # still running when block 0 fails
+            return index
+        finally:
+            with lock:
+                running[0] -= 1
+
+    items = ((torch.zeros(1), index) for index in range(8))
+    threads = torch.get_num_threads()
+    with pytest.raises(RuntimeError, match="block 0 failed"):
+        list(blocked._map_blocks(block, items, workers=2))
+    torch.set_num_threads(threads)  # _map_blocks restores the workers' count, the caller's by convention
+    with lock:
+        assert running[0] == 0
+        started_at_error = list(started)
+    time.sleep(0.5)
+    assert started == started_at_error and len(started) <= 3  # workers + the one queued beyond them
+
+
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("heads", HEADS)
 @pytest.mark.parametrize("case", CASES)

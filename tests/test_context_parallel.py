@@ -212,6 +212,34 @@ def test_the_context_refuses_an_unsharded_batch_and_nesting():
             model(**{k: batch[k][:, :-1] for k in ("input_ids", "position_ids", "kv_end")})
 
 
+def _torch_context_parallel_module():
+    """The module that defines torch's public ``context_parallel`` (and keeps its private swap record)."""
+    import inspect
+    import sys
+
+    from torch.distributed.tensor.experimental import context_parallel
+
+    return sys.modules[inspect.unwrap(context_parallel).__globals__["__name__"]]
+
+
+def test_torch_context_parallel_is_seen_through_its_swap_record(monkeypatch):
+    """Off: nothing raised. A recorded swap of ``F.scaled_dot_product_attention`` (what ``context_parallel``
+    does on entry; the real one runs in test_context_parallel_distributed.py): refused. A torch that no longer
+    keeps the record: refused loudly instead of passing silently."""
+    import torch.nn.functional as F
+
+    from hf_tree.parallel import refuse_torch_context_parallel
+
+    module = _torch_context_parallel_module()
+    refuse_torch_context_parallel()
+    monkeypatch.setitem(module._replaced_functions, F.scaled_dot_product_attention, ("sdpa", None))
+    with pytest.raises(ValueError, match="accelerate's context parallel"):
+        refuse_torch_context_parallel()
+    monkeypatch.delattr(module, "_replaced_functions")
+    with pytest.raises(ValueError, match=r"_replaced_functions.*Use the torch version"):
+        refuse_torch_context_parallel()
+
+
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [(dict(strategy="ring"), "strategy='ring'"), (dict(query_block_size=0), "query_block_size=0")],

@@ -18,7 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
-from hf_tree.logprobs import add_tree_fused_lm_head
+from hf_tree.logprobs import add_tree_fused_lm_head, log_tree_stats
 from tests.helpers import (
     TINY,
     TRL_TOLERANCE,
@@ -255,16 +255,27 @@ def test_model_instance_on_sdpa_is_switched(tmp_path, caplog):
 
 def test_a_pass_that_scores_nothing_works(tmp_path):
     """mask_truncated_completions zeroes the completion mask of truncated rows; a micro-batch of only truncated rows
-    scores nothing. The first such policy pass raised AttributeError ('hf_tree_layout_stats') when logging."""
+    scores nothing. The first such policy pass raised AttributeError ('hf_tree_layout_stats') when logging, a later
+    one logged the previous pass's dedup ratio again (``log_tree_stats``, also called by the DPO trainer)."""
     path = saved_tiny_model(tmp_path, torch.float64)
     setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
     trl = GRPOTrainer(path, zero_reward, trainer_args(GRPOConfig, path, torch.float64), **setup)
     tree = TreeGRPOTrainer(path, zero_reward, trainer_args(TreeGRPOConfig, path, torch.float64), **setup)
     ids, mask, keep = padded_batch(*scenario("full_group"))
+
+    def logged() -> int:
+        return sum(len(metrics.get("tree/dedup_ratio", [])) for metrics in tree._metrics.values())
+
+    log_tree_stats(tree, tree.model)  # before any tree pass
+    assert logged() == 0
+    with torch.no_grad():
+        tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, compute_entropy=True)
+    assert logged() == 1
     mask[:, -keep:] = 0  # every completion truncated and masked, as TRL's mask_truncated_completions does
     theirs, their_entropy, _ = trl._get_per_token_logps_and_entropies(trl.model, ids, mask, keep, compute_entropy=True)
     ours, entropy, _ = tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, compute_entropy=True)
     assert torch.equal(ours, theirs) and not ours.any()
     assert torch.equal(entropy * 0, their_entropy * 0)
-    assert "tree/dedup_ratio" not in tree._metrics["train"]  # nothing packed, nothing (stale) logged
+    log_tree_stats(tree, tree.model)  # as DPO's compute_loss does after every pass
+    assert logged() == 1  # nothing packed, nothing (stale) logged
     ours.sum().backward()  # the zero output stays connected to the model, as TRL's

@@ -228,6 +228,28 @@ def test_fused_cross_entropy_without_gradients_matches():
     assert head.weight.grad is None and torch.autograd.grad(total, hidden)[0].abs().sum() > 0
 
 
+@pytest.mark.parametrize("evaluation", ["no_grad", "detached"])
+def test_fused_cross_entropy_computes_no_gradients_in_evaluation(evaluation):
+    """Under ``no_grad`` (or with inputs that need no grad) the fused path does the logits matmul only: no
+    ``[M, D]``/``[vocab, D]`` gradient matmuls (counted by torch's FLOP counter), and still the exact loss."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    head, hidden, targets, weights = _ce_problem(torch.float64)
+    expected = _reference_weighted_ce(head, hidden, targets, weights, None).detach()
+    counter = FlopCounterMode(display=False)
+    if evaluation == "no_grad":
+        with torch.no_grad(), counter:
+            total = weighted_cross_entropy(head, hidden, targets, weights, chunk_size=3)
+    else:
+        head.weight.requires_grad_(False)
+        with counter:
+            total = weighted_cross_entropy(head, hidden.detach(), targets, weights, chunk_size=3)
+    logits_flops = 2 * hidden.numel() * head.out_features  # [M, D] @ [D, V]
+    assert counter.get_total_flops() == logits_flops
+    assert total.grad_fn is None
+    torch.testing.assert_close(total, expected, rtol=1e-12, atol=0)
+
+
 # ------------------------------------------------------------------ the model's own hidden -> logits step
 SCALED_HEADS = {
     "cohere": dict(logit_scale=0.0625),  # logits * logit_scale

@@ -21,7 +21,7 @@ import math
 import os
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from dataclasses import dataclass
 
 import torch
@@ -313,7 +313,8 @@ def _map_blocks(fn: Callable, items: Iterable[tuple], workers: int) -> Iterator:
     """``fn(*item)`` for each item, results in order; on ``workers`` threads, one item queued beyond them
     (finished results wait in order and hold their key/value gradient terms: keep few in flight).
 
-    The calling thread (which plans blocks and adds up results meanwhile) runs single-threaded too."""
+    The calling thread (which plans blocks and adds up results meanwhile) runs single-threaded too. The first
+    failing item's error is raised once no other item is running; the items still queued never run."""
     if workers <= 1:
         for item in items:
             yield _isolated(fn, item)
@@ -328,6 +329,11 @@ def _map_blocks(fn: Callable, items: Iterable[tuple], workers: int) -> Iterator:
         while pending:
             yield pending.popleft().result()
     finally:
+        # After a failed block (or an abandoned generator) the queued blocks would go on writing into the
+        # caller's outputs: drop them, and let the running ones finish before the error reaches the caller.
+        for future in pending:
+            future.cancel()
+        wait(pending)
         torch.set_num_threads(workers)
 
 

@@ -15,6 +15,7 @@ Loss edges are scored on the rank that owns the predicting position and every ra
 from __future__ import annotations
 
 import contextlib
+import inspect
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -56,17 +57,28 @@ def _all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> t
 def _torch_context_parallel_active() -> bool:
     """Whether torch's own context parallel (``accelerator.maybe_context_parallel`` / ``context_parallel``) is
     on: it swaps ``F.scaled_dot_product_attention`` for its ring version and records the swap in the private
-    ``_replaced_functions`` of its module. Looked up in ``sys.modules`` only: nothing is imported when torch's
-    context parallel was never used."""
-    for name in (
-        "torch.distributed.tensor.experimental._context_parallel._attention",  # newer torch (2.13 here)
-        "torch.distributed.tensor.experimental._attention",  # where older torch kept it
-    ):
-        module = sys.modules.get(name)
-        replaced = getattr(module, "_replaced_functions", None) if module is not None else None
-        if replaced and F.scaled_dot_product_attention in replaced:
-            return True
-    return False
+    ``_replaced_functions`` of the module defining the public ``context_parallel`` (found through the function
+    itself, wherever torch keeps it). Nothing is imported when torch's context parallel was never imported.
+
+    Raises:
+        ValueError: the installed torch no longer keeps that record (the refusal cannot see torch's context
+            parallel any more and must not pass silently).
+    """
+    experimental = sys.modules.get("torch.distributed.tensor.experimental")
+    if experimental is None:
+        return False
+    context_parallel = getattr(experimental, "context_parallel", None)
+    namespace = getattr(inspect.unwrap(context_parallel), "__globals__", {}) if context_parallel else {}
+    replaced = namespace.get("_replaced_functions")
+    if not isinstance(replaced, dict):
+        raise ValueError(
+            f"torch {torch.__version__} no longer records its context parallel's swap of "
+            "F.scaled_dot_product_attention in _replaced_functions next to "
+            "torch.distributed.tensor.experimental.context_parallel, so hf_tree cannot check that it is off "
+            "during a tree forward (it would break the tree mask). Use the torch version hf_tree was tested "
+            "with (2.13) or update hf_tree.parallel.context._torch_context_parallel_active."
+        )
+    return F.scaled_dot_product_attention in replaced
 
 
 def refuse_torch_context_parallel() -> None:
