@@ -22,6 +22,7 @@ from transformers import AutoModelForCausalLM
 
 from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.data.formats import to_builder_rows
+from hf_tree.data.sources import AGENT_TEMPLATE, chat_template_file
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
 from tests.helpers import tiny_model
 from tests.test_fsdp import launch_command, max_relative_error
@@ -254,3 +255,28 @@ def test_launcher_and_hf_tree_stats_build_the_same_trees_from_one_file(tmp_path)
     )
     from_launcher = trainer.train_dataset.select_columns(list(TREE_KEYS)).to_list()
     assert len(from_stats) == 2 and from_launcher == from_stats
+
+
+def test_builtin_datasets_and_their_template_in_the_launcher():
+    """The launcher reads the CLI's built-in names (and its old spelling), and gives agent data the template
+    `hf-tree stats` gives it, whatever the model."""
+    options = [
+        "--synthetic_num_conversations",
+        "2",
+        "--synthetic_max_user_turns",
+        "1",
+        "--synthetic_max_tool_steps",
+        "1",
+    ]
+    rows = {}
+    for name in ("builtin:synthetic-agent", "synthetic:agent"):
+        model_args, data_args, _, _ = train.parse_arguments(
+            ["--model_name_or_path", "some/model", "--dataset_name", name, *options]
+        )
+        rows[name] = train.load_split(data_args, "train").to_list()
+        assert train.default_chat_template_path(model_args, data_args) == chat_template_file(AGENT_TEMPLATE)
+    assert len(rows["synthetic:agent"]) == 2 and rows["synthetic:agent"] == rows["builtin:synthetic-agent"]
+    model_args, data_args, _, _ = train.parse_arguments(
+        ["--model_name_or_path", "some/model", "--dataset_name", "x.jsonl"]
+    )
+    assert train.default_chat_template_path(model_args, data_args) is None  # the model's own template
