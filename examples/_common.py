@@ -1,4 +1,4 @@
-"""What the examples share: their command line, their model and a chat template. Not an example itself.
+"""What the examples share: their command line, their model, their data and chat template. Not an example itself.
 
 Each example imports it from its own folder (``python examples/<name>.py`` puts that folder on ``sys.path``).
 """
@@ -6,15 +6,16 @@ Each example imports it from its own folder (``python examples/<name>.py`` puts 
 from __future__ import annotations
 
 import argparse
-import importlib.resources
 
+import datasets
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 from hf_tree.assets import load_smollm2_model
+from hf_tree.data.sources import AGENT_TEMPLATE, chat_template_file, read_rows
 
 # TRL's copy of Qwen3's chat template: it renders reasoning and tool calls (SmolLM2's own renders neither)
-QWEN3_TEMPLATE = str(importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja")
+QWEN3_TEMPLATE = chat_template_file(AGENT_TEMPLATE)
 
 
 def example_parser(description: str) -> argparse.ArgumentParser:
@@ -35,3 +36,10 @@ def load_model(tiny: bool, vocab_size: int) -> torch.nn.Module:
             LlamaConfig(vocab_size=vocab_size, **shape), attn_implementation="tree_flash"
         )
     return load_smollm2_model(dtype=torch.float32)
+
+
+def agent_dataset() -> datasets.Dataset:
+    """8 short synthetic agent trajectories (``messages`` with reasoning and tool calls, ``tools``): the built-in
+    ``builtin:synthetic-agent`` read by the resolver ``launch/train.py`` and ``hf-tree stats`` use."""
+    options = dict(max_user_turns=2, max_tool_steps=1)
+    return read_rows("builtin:synthetic-agent", limit=8, synthetic_options=options)[0]

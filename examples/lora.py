@@ -10,11 +10,10 @@ the model with FSDP2 (on CPU too, see docs/training.md).
 from __future__ import annotations
 
 import torch
-from _common import QWEN3_TEMPLATE, example_parser, load_model  # what the examples share (examples/_common.py)
+from _common import QWEN3_TEMPLATE, agent_dataset, example_parser, load_model  # shared: examples/_common.py
 from peft import LoraConfig, PeftModel
 
 from hf_tree.assets import load_smollm2_tokenizer
-from hf_tree.data.synthetic_agent import synthetic_agent_dataset
 from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
 
 
@@ -41,7 +40,7 @@ def main() -> None:
     trainer = TreeSFTTrainer(
         model=load_model(options.tiny, len(tokenizer)),
         args=args,
-        train_dataset=synthetic_agent_dataset(num_conversations=8, seed=0, max_user_turns=2, max_tool_steps=1),
+        train_dataset=agent_dataset(),
         processing_class=tokenizer,
         peft_config=lora,
     )

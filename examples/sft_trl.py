@@ -11,10 +11,9 @@ turns of a conversation share their history, so they are computed once.
 from __future__ import annotations
 
 import torch
-from _common import QWEN3_TEMPLATE, example_parser, load_model  # what the examples share (examples/_common.py)
+from _common import QWEN3_TEMPLATE, agent_dataset, example_parser, load_model  # shared: examples/_common.py
 
 from hf_tree.assets import load_smollm2_tokenizer
-from hf_tree.data.synthetic_agent import synthetic_agent_dataset
 
 # from trl import SFTConfig, SFTTrainer                        # before
 from hf_tree.sft import TreeSFTConfig as SFTConfig  # after
@@ -27,7 +26,7 @@ def main() -> None:
     model = load_model(options.tiny, len(tokenizer))
 
     # --- an ordinary TRL SFT script from here on ---
-    dataset = synthetic_agent_dataset(num_conversations=8, seed=0, max_user_turns=2, max_tool_steps=1)
+    dataset = agent_dataset()
     args = SFTConfig(
         output_dir="outputs/example-sft",
         max_steps=options.max_steps,

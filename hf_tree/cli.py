@@ -12,6 +12,7 @@ from typing import Any
 
 from hf_tree.attention import render_mask
 from hf_tree.collator import TreeDataCollator
+from hf_tree.data.sources import AGENT_TEMPLATE, BUILTIN_DATASETS
 from hf_tree.packing import OVERLONG_POLICIES
 from hf_tree.tree import Tree
 
@@ -62,7 +63,7 @@ def _load_tokenizer(name: str):
 
 def _load(args: argparse.Namespace):
     """(trees, drop counts by reason) of the DATA argument; the tokenizer is loaded only if DATA needs it."""
-    from hf_tree.data.sources import load_tree_rows, tree_rows_summary
+    from hf_tree.data.sources import load_tree_rows, tree_rows_summary  # the resolver launch/train.py uses too
 
     loaded = load_tree_rows(
         args.data,
@@ -136,8 +137,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "data",
         help="a saved tree dataset folder (Dataset.save_to_disk), a .jsonl/.json/.parquet file in a user "
-        "format (messages; prompt+completions; prompt+completion; prompt/chosen/rejected), or builtin:champ, "
-        "builtin:bfcl, builtin:synthetic-agent",
+        "format (messages; prompt+completions; prompt+completion; prompt/chosen/rejected), or a built-in dataset: "
+        + ", ".join(BUILTIN_DATASETS),
     )
     parser.add_argument(
         "--tokenizer",
@@ -147,7 +148,7 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--chat-template",
         default=None,
-        help="a .jinja file or a TRL template name (e.g. qwen3); builtin agent data defaults to qwen3",
+        help=f"a .jinja file or a TRL template name (e.g. qwen3); builtin agent data defaults to {AGENT_TEMPLATE}",
     )
     parser.add_argument("--group-by", default=None, help="build_tree_dataset's group_by (a column name)")
     parser.add_argument(

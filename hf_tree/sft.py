@@ -26,12 +26,13 @@ from trl.data_utils import maybe_convert_to_chatml
 from hf_tree.builders import TRAIN_ON, build_tree_dataset
 from hf_tree.builders.dataset import detect_format
 from hf_tree.config import TreeArguments
+from hf_tree.data.sources import is_tree_dataset
 from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.dropout import warn_if_dropout
 from hf_tree.row_batching import BATCH_UNITS, TreePartDataset, TreeRowBatchSampler
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.trainer import TreeTrainerMixin, pad_token_id_of, tree_model_init_kwargs, use_tree_attention
-from hf_tree.tree import TREE_KEYS, Tree
+from hf_tree.tree import Tree
 from hf_tree.versions import require_tested_trl
 
 require_tested_trl()  # TreeSFTTrainer overrides SFTTrainer._prepare_dataset
@@ -100,11 +101,6 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
         if self.max_branch_tokens is None and self.max_length is not None:
             self.max_branch_tokens = min(self.max_length, self.max_packed_tokens)
         super().check_tree_arguments()
-
-
-def is_tree_dataset(dataset: datasets.Dataset | datasets.IterableDataset) -> bool:
-    """Whether the rows are already ``Tree.to_dict()`` rows."""
-    return set(TREE_KEYS) <= set(dataset.column_names or ())
 
 
 def train_every_token(row: dict) -> dict:

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.resources
 import json
 import logging
 import os
@@ -43,15 +42,20 @@ from transformers.utils import (
 
 from hf_tree import Tree
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
+from hf_tree.data.sources import (
+    AGENT_TEMPLATE,
+    BUILTIN_DATASETS,
+    builtin_name,
+    chat_template_file,
+    default_chat_template,
+    read_rows,
+)
 from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
 
 logger = logging.getLogger("hf_tree.launch")
 
 OFFLINE_MODEL = "offline:smollm2-135m-instruct"
-SYNTHETIC_DATASET = "synthetic:agent"
-# TRL's copy of Qwen3's template: renders reasoning and tool calls, and strips the reasoning of earlier user
-# turns, so per-turn samples fork into trees. SmolLM2's own template renders neither.
-QWEN3_TEMPLATE = str(importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja")
+SYNTHETIC_DATASET = "builtin:synthetic-agent"  # "synthetic:agent" (the old spelling) is an alias of it
 
 
 @dataclass
@@ -80,8 +84,10 @@ class DataArguments:
         default=SYNTHETIC_DATASET,
         metadata={
             "help": "A hub dataset id, a local .jsonl/.json/.parquet file, a folder saved with "
-            f"Dataset.save_to_disk, or {SYNTHETIC_DATASET!r} (the project's offline agent dataset). Rows in "
-            "TRL formats (messages, prompt/completion, prompt/completions) or already tree rows."
+            f"Dataset.save_to_disk, or a built-in dataset {list(BUILTIN_DATASETS)} ({SYNTHETIC_DATASET!r}: the "
+            "project's offline agent dataset). Rows in TRL formats (messages, prompt/completion, "
+            "prompt/completions, prompt/chosen/rejected) or already tree rows; read as `hf-tree stats` reads them "
+            "(hf_tree.data.sources.read_rows)."
         },
     )
     dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
@@ -211,29 +217,33 @@ def load_model_and_tokenizer(args: ModelArguments, trust_remote_code: bool):
 
 
 def load_split(args: DataArguments, split: str) -> datasets.Dataset:
-    """A split from the synthetic generator, a local file or saved folder, or the hub."""
-    name = args.dataset_name
-    if name == SYNTHETIC_DATASET:
-        from hf_tree.data.synthetic_agent import synthetic_agent_dataset
-
-        seed = 0 if split == args.dataset_train_split else 1  # a held-out split is another seed
-        return synthetic_agent_dataset(
-            args.synthetic_num_conversations,
-            seed=seed,
-            max_user_turns=args.synthetic_max_user_turns,
-            max_tool_steps=args.synthetic_max_tool_steps,
+    """A split of ``args.dataset_name``, read by the data resolver ``hf-tree stats`` uses
+    (``hf_tree.data.sources.read_rows``); a hub id goes to ``datasets.load_dataset``."""
+    synthetic = builtin_name(args.dataset_name) == "synthetic-agent"
+    rows, _ = read_rows(
+        args.dataset_name,
+        split=split,
+        dataset_config=args.dataset_config,
+        limit=args.synthetic_num_conversations if synthetic else None,
+        seed=0 if split == args.dataset_train_split else 1,  # a held-out synthetic split is another seed
+        synthetic_options=dict(
+            max_user_turns=args.synthetic_max_user_turns, max_tool_steps=args.synthetic_max_tool_steps
         )
-    path = Path(name)
-    if path.is_dir() and ((path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists()):
-        loaded = datasets.load_from_disk(str(path))
-        return loaded[split] if isinstance(loaded, datasets.DatasetDict) else loaded
-    if path.is_file():
-        suffix = path.suffix.lower()
-        builder = {".jsonl": "json", ".json": "json", ".parquet": "parquet"}.get(suffix)
-        if builder is None:
-            raise ValueError(f"dataset_name={name!r}: unsupported file type {suffix!r}; use .jsonl, .json or .parquet.")
-        return datasets.load_dataset(builder, data_files=str(path), split="train")
-    return datasets.load_dataset(name, args.dataset_config, split=split)
+        if synthetic
+        else None,
+        allow_hub=True,
+    )
+    return rows
+
+
+def default_chat_template_path(model_args: ModelArguments, data_args: DataArguments) -> str | None:
+    """The template used when ``chat_template_path`` is unset: built-in agent data and the offline SmolLM2 (whose
+    own template renders neither reasoning nor tool calls) get TRL's Qwen3 template, which also strips the
+    reasoning of earlier user turns, so per-turn samples fork into trees."""
+    name = default_chat_template(data_args.dataset_name)
+    if name is None and model_args.model_name_or_path == OFFLINE_MODEL:
+        name = AGENT_TEMPLATE
+    return None if name is None else chat_template_file(name)
 
 
 def missing_saved_files(output_dir: str, peft: bool) -> list[str]:
@@ -305,8 +315,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if not argv:
         print(f"hf_tree: no arguments, running the offline default: {json.dumps(DEFAULT_RUN)}", flush=True)
     started = time.perf_counter()
-    if model_args.model_name_or_path == OFFLINE_MODEL and config.chat_template_path is None:
-        config.chat_template_path = QWEN3_TEMPLATE
+    if config.chat_template_path is None:
+        config.chat_template_path = default_chat_template_path(model_args, data_args)
     model, tokenizer = load_model_and_tokenizer(model_args, config.trust_remote_code)
     train = load_split(data_args, data_args.dataset_train_split)
     if data_args.max_train_samples is not None:

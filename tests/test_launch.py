@@ -4,6 +4,7 @@ YAML config). The no-argument default (SmolLM2 + LoRA, minutes) is the README's 
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import os
@@ -11,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 import yaml
@@ -19,6 +21,8 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
 from hf_tree.assets import load_smollm2_tokenizer
+from hf_tree.data.formats import to_builder_rows
+from hf_tree.data.sources import AGENT_TEMPLATE, chat_template_file
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
 from tests.helpers import tiny_model
 from tests.test_fsdp import launch_command, max_relative_error
@@ -78,7 +82,9 @@ def test_local_datasets_load(tmp_path, suffix):
     else:
         dataset.save_to_disk(path)
     loaded = train.load_split(train.DataArguments(dataset_name=str(path)), "train")
-    assert loaded.to_list() == dataset.to_list()
+    # files are read as `hf-tree stats` reads them (messages normalised); a saved folder is used as is
+    expected = dataset if suffix == "folder" else to_builder_rows(dataset.to_list())[0]
+    assert loaded.to_list() == expected.to_list()
 
 
 def test_full_fine_tuning_run_in_process(tmp_path, tiny_model_dir):
@@ -194,3 +200,83 @@ def test_lora_run_under_fsdp2_launch_saves_the_single_process_adapter(tmp_path, 
     adapter = {n.replace(".default", ""): p.detach() for n, p in reloaded.named_parameters() if "lora_" in n}
     assert max_relative_error(adapter, saved) == 0.0
     assert all(p.abs().sum() > 0 for n, p in adapter.items() if "lora_B" in n)
+
+
+# Tool-call arguments as objects, one with a non-ASCII value: `formats.normalize_messages` stores them as JSON text
+# (`json.dumps`, so "\u00fc"), while the rows `datasets.load_dataset("json")` returns keep the object, which the
+# template renders with `tojson` ("ü"); so a loader that skips the normaliser builds other tokens. The first
+# assistant turn's content is null (the normaliser makes it "").
+TOOL_CALL_RECORDS = [
+    {
+        "messages": [
+            {"role": "user", "content": "Weather in Zürich, then find a cafe."},
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [{"type": "function", "function": {"name": "weather", "arguments": {"city": "Zürich"}}}],
+            },
+            {"role": "tool", "content": "sunny"},
+            {
+                "role": "assistant",
+                "content": "",
+                "tool_calls": [{"type": "function", "function": {"name": "search", "arguments": {"query": "cafe"}}}],
+            },
+            {"role": "tool", "content": "Cafe de Flore"},
+            {"role": "assistant", "content": "Sunny; try Cafe de Flore."},
+        ]
+    },
+    {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello!"}]},
+]
+
+
+def test_launcher_and_hf_tree_stats_build_the_same_trees_from_one_file(tmp_path):
+    """The launcher's data path (load_split -> TreeSFTTrainer) and `hf-tree stats --save-trees` on one messages
+    file give identical trees: both read it through hf_tree.data.sources."""
+    from hf_tree.cli import main as cli_main
+    from hf_tree.sft import TreeSFTTrainer
+    from hf_tree.tree import TREE_KEYS
+
+    path = tmp_path / "agent.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in TOOL_CALL_RECORDS) + "\n")
+    saved = tmp_path / "stats-trees"
+    cli_main(["stats", str(path), "--chat-template", "qwen3", "--json", "--save-trees", str(saved)])
+    from_stats = datasets.load_from_disk(str(saved)).select_columns(list(TREE_KEYS)).to_list()
+
+    tokenizer = load_smollm2_tokenizer()
+    model_args, data_args, _, config = train.parse_arguments(
+        ["--dataset_name", str(path), "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+    )
+    config.chat_template_path = train.default_chat_template_path(model_args, data_args)  # as main() does: qwen3
+    trainer = TreeSFTTrainer(
+        model=tiny_model(vocab_size=len(tokenizer), dtype=torch.float32),
+        args=config,
+        train_dataset=train.load_split(data_args, data_args.dataset_train_split),
+        processing_class=copy.deepcopy(tokenizer),
+    )
+    from_launcher = trainer.train_dataset.select_columns(list(TREE_KEYS)).to_list()
+    assert len(from_stats) == 2 and from_launcher == from_stats
+
+
+def test_builtin_datasets_and_their_template_in_the_launcher():
+    """The launcher reads the CLI's built-in names (and its old spelling), and gives agent data the template
+    `hf-tree stats` gives it, whatever the model."""
+    options = [
+        "--synthetic_num_conversations",
+        "2",
+        "--synthetic_max_user_turns",
+        "1",
+        "--synthetic_max_tool_steps",
+        "1",
+    ]
+    rows = {}
+    for name in ("builtin:synthetic-agent", "synthetic:agent"):
+        model_args, data_args, _, _ = train.parse_arguments(
+            ["--model_name_or_path", "some/model", "--dataset_name", name, *options]
+        )
+        rows[name] = train.load_split(data_args, "train").to_list()
+        assert train.default_chat_template_path(model_args, data_args) == chat_template_file(AGENT_TEMPLATE)
+    assert len(rows["synthetic:agent"]) == 2 and rows["synthetic:agent"] == rows["builtin:synthetic-agent"]
+    model_args, data_args, _, _ = train.parse_arguments(
+        ["--model_name_or_path", "some/model", "--dataset_name", "x.jsonl"]
+    )
+    assert train.default_chat_template_path(model_args, data_args) is None  # the model's own template

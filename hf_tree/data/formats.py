@@ -31,6 +31,8 @@ from typing import Any
 import datasets
 from trl.data_utils import extract_prompt
 
+from hf_tree.builders.dataset import detect_format
+
 USER_FORMATS = ("messages", "prompt/completions", "prompt/completion", "preference")
 MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls")
 OPTIONAL_MESSAGE_KEYS = ("tool_call_id", "name")
@@ -68,19 +70,17 @@ def read_records(path: str | pathlib.Path) -> list[dict[str, Any]]:
 
 
 def detect_user_format(record: Mapping[str, Any]) -> str:
-    """One of ``USER_FORMATS`` from a record's keys."""
-    if "messages" in record:
-        return "messages"
-    if "chosen" in record and "rejected" in record:
+    """One of ``USER_FORMATS`` from a record's keys: the builders' detector (``detect_format``, the one that
+    ``TreeSFTTrainer`` applies to columns) plus the preference format, which ``to_builder_rows`` converts."""
+    if "messages" not in record and "chosen" in record and "rejected" in record:
         return "preference"
-    if "prompt" in record and "completions" in record:
-        return "prompt/completions"
-    if "prompt" in record and "completion" in record:
-        return "prompt/completion"
-    raise ValueError(
-        f"a record with keys {sorted(record)} matches no supported format: expected 'messages', 'prompt' with "
-        "'completions' or 'completion', or 'chosen' and 'rejected' (optionally with 'prompt')."
-    )
+    try:
+        return detect_format(list(record))
+    except ValueError:
+        raise ValueError(
+            f"a record with keys {sorted(record)} matches no supported format: expected 'messages', 'prompt' with "
+            "'completions' or 'completion', or 'chosen' and 'rejected' (optionally with 'prompt')."
+        ) from None
 
 
 def _tool_call(call: Mapping[str, Any], where: str) -> dict[str, Any]:

@@ -1,7 +1,18 @@
-"""Resolve a data argument (a saved tree dataset, a user file, or a built-in source) into tree rows.
+"""The one data resolver: a data argument (a saved dataset, a user file, a built-in source or a hub id) -> rows,
+and rows -> tree rows. ``hf-tree stats``/``show``, ``launch/train.py``, ``TreeSFTTrainer`` and the examples all
+use it, so that every entry point reads the same file into the same rows (and, with the same tokenizer and
+template, the same trees).
 
-``load_tree_rows`` is what ``hf-tree stats``/``hf-tree show`` call. Built-in sources read real data from
-installed packages (``builtin:champ``, ``builtin:bfcl``) or generate it (``builtin:synthetic-agent``).
+What lives here and nowhere else:
+
+- ``is_tree_dataset``: whether rows are already ``Tree.to_dict()`` rows (``hf_tree.tree.TREE_KEYS``);
+- input-format detection: ``read_rows`` reads files through ``hf_tree.data.formats`` (``to_builder_rows``:
+  detection, and ``normalize_messages`` for one Arrow schema), whose detector extends the builders' own
+  (``hf_tree.builders.dataset.detect_format``) by the preference format only;
+- the built-in dataset names: ``builtin:champ``, ``builtin:bfcl``, ``builtin:synthetic-agent``
+  (``synthetic:agent``, the launcher's spelling before, is kept as an alias of ``builtin:synthetic-agent``);
+- the chat-template lookup (``chat_template_file``/``chat_template_text``; agent sources default to
+  ``AGENT_TEMPLATE``).
 """
 
 from __future__ import annotations
@@ -10,7 +21,7 @@ import importlib.resources
 import json
 import logging
 import pathlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,13 +30,20 @@ from transformers import PreTrainedTokenizerBase
 
 from hf_tree.builders import TREE_FEATURES, TreeBuildStats, build_tree_dataset, render_ids
 from hf_tree.data.packages import ConversionStats
+from hf_tree.tree import TREE_KEYS
 
 logger = logging.getLogger("hf_tree")
 
 BUILTIN_PREFIX = "builtin:"
 BUILTIN_SOURCES = ("champ", "bfcl", "synthetic-agent")
+BUILTIN_DATASETS = tuple(BUILTIN_PREFIX + name for name in BUILTIN_SOURCES)
+# Older spellings that stay accepted (launch configs may hold them) -> the built-in name they mean.
+BUILTIN_ALIASES = {"synthetic:agent": "builtin:synthetic-agent"}
 # Built-in agent data needs a template that renders tool calls; SmolLM2's own ChatML template drops them.
 AGENT_TEMPLATE = "qwen3"
+_AGENT_SOURCES = ("bfcl", "synthetic-agent")
+SAVED_DATASET_FILES = ("dataset_info.json", "dataset_dict.json")
+"""A folder holding one of these was written by ``save_to_disk`` (else it is read as a hub-style folder)."""
 
 
 @dataclass
@@ -40,28 +58,54 @@ class LoadedTrees:
     """Built-in sources: source items read and skipped by reason."""
 
 
-def chat_template_text(value: str | None) -> str | None:
-    """A Jinja chat template from a file path, or by name from TRL's ``trl/chat_templates/<name>.jinja``
-    (e.g. ``"qwen3"``); ``None`` keeps the tokenizer's own.
+def chat_template_file(value: str) -> str:
+    """The path of a Jinja chat template: ``value`` itself when it is a file, else TRL's
+    ``trl/chat_templates/<value>.jinja`` (e.g. ``"qwen3"``). A path is what ``SFTConfig.chat_template_path`` takes.
 
     Raises:
         ValueError: when ``value`` is neither an existing file nor a template TRL ships (listing those).
     """
-    if value is None:
-        return None
-    path = pathlib.Path(value)
-    if path.is_file():
-        return path.read_text(encoding="utf-8")
+    if pathlib.Path(value).is_file():
+        return value
     folder = importlib.resources.files("trl") / "chat_templates"
     candidate = folder / f"{value}.jinja"
     if candidate.is_file():
-        return candidate.read_text(encoding="utf-8")
+        return str(candidate)
     names = sorted(p.name.removesuffix(".jinja") for p in folder.iterdir() if p.name.endswith(".jinja"))
     raise ValueError(f"chat template {value!r} is neither a file nor one of TRL's templates: {names}.")
 
 
-def is_tree_dataset(dataset: datasets.Dataset) -> bool:
-    return all(name in dataset.column_names for name in ("node_tokens", "node_parents", "branch_end_nodes"))
+def chat_template_text(value: str | None) -> str | None:
+    """The text of ``chat_template_file(value)``; ``None`` keeps the tokenizer's own."""
+    if value is None:
+        return None
+    return pathlib.Path(chat_template_file(value)).read_text(encoding="utf-8")
+
+
+def is_tree_dataset(dataset: datasets.Dataset | datasets.IterableDataset) -> bool:
+    """Whether the rows are already ``Tree.to_dict()`` rows (every key of ``TREE_KEYS`` is a column)."""
+    return set(TREE_KEYS) <= set(dataset.column_names or ())
+
+
+def builtin_name(source: str) -> str | None:
+    """The built-in source ``source`` names (``"champ"``, ``"bfcl"``, ``"synthetic-agent"``; aliases resolved),
+    or ``None`` when it names none.
+
+    Raises:
+        ValueError: on ``builtin:<unknown>``, listing the built-in names.
+    """
+    source = BUILTIN_ALIASES.get(source, source)
+    if not source.startswith(BUILTIN_PREFIX):
+        return None
+    name = source[len(BUILTIN_PREFIX) :]
+    if name not in BUILTIN_SOURCES:
+        raise ValueError(f"unknown built-in dataset {source!r}; choose one of {list(BUILTIN_DATASETS)}.")
+    return name
+
+
+def default_chat_template(source: str) -> str | None:
+    """``AGENT_TEMPLATE`` for built-in agent sources (their tool calls need it), else ``None``."""
+    return AGENT_TEMPLATE if builtin_name(source) in _AGENT_SOURCES else None
 
 
 def warn_if_template_drops_tool_calls(
@@ -91,9 +135,23 @@ def warn_if_template_drops_tool_calls(
         return
 
 
-def builtin_rows(name: str, subset: str | None, limit: int | None) -> tuple[datasets.Dataset, ConversionStats]:
-    """Rows of a built-in source. ``subset``: CHAMP prompt type (e.g. ``"0-Shot"``) or BFCL category;
-    ``limit``: CHAMP problems, BFCL tasks or synthetic conversations."""
+def builtin_rows(
+    name: str,
+    subset: str | None = None,
+    limit: int | None = None,
+    *,
+    seed: int = 0,
+    synthetic_options: Mapping[str, int] | None = None,
+) -> tuple[datasets.Dataset, ConversionStats]:
+    """Rows of a built-in source (``name`` as ``builtin_name`` returns it).
+
+    Args:
+        subset: CHAMP prompt type (e.g. ``"0-Shot"``) or BFCL category.
+        limit: CHAMP problems, BFCL tasks or synthetic conversations (synthetic default: 64).
+        seed, synthetic_options: ``synthetic-agent`` only: its seed and ``max_user_turns``/``max_tool_steps``.
+    """
+    if name != "synthetic-agent" and synthetic_options:
+        raise ValueError(f"synthetic_options {dict(synthetic_options)} apply to builtin:synthetic-agent only.")
     if name == "champ":
         from hf_tree.data.champ import champ_dataset
 
@@ -107,9 +165,66 @@ def builtin_rows(name: str, subset: str | None, limit: int | None) -> tuple[data
 
         if subset is not None:
             raise ValueError("builtin:synthetic-agent has no subsets; leave subset unset.")
-        rows = synthetic_agent_dataset(limit or 64)
+        rows = synthetic_agent_dataset(limit or 64, seed=seed, **(synthetic_options or {}))
         return rows, ConversionStats(num_source_items=len(rows), num_rows=len(rows))
     raise ValueError(f"unknown built-in source {name!r}; choose one of {BUILTIN_SOURCES}.")
+
+
+def read_rows(
+    source: str,
+    *,
+    split: str | None = None,
+    dataset_config: str | None = None,
+    subset: str | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+    synthetic_options: Mapping[str, int] | None = None,
+    allow_hub: bool = False,
+) -> tuple[datasets.Dataset, ConversionStats | None]:
+    """``(rows, conversion stats)`` of ``source``, untokenized: tree rows, or rows in a builder format.
+
+    - a built-in name (``BUILTIN_DATASETS`` or an alias; ``subset``/``limit``/``seed``/``synthetic_options`` as
+      in ``builtin_rows``);
+    - a folder written by ``save_to_disk`` (a ``DatasetDict`` needs ``split``), used as is;
+    - a ``.parquet`` file of tree rows, used as is;
+    - a ``.jsonl``/``.json``/``.parquet`` file in a user format, read by ``hf_tree.data.formats``
+      (``to_builder_rows``: format detection and message normalisation);
+    - with ``allow_hub``, anything else goes to ``datasets.load_dataset(source, dataset_config, split=split)``.
+
+    Raises:
+        ValueError: on a missing path (without ``allow_hub``), an unknown built-in name, an unsupported file type,
+            a ``DatasetDict`` without ``split``, or records no format matches.
+    """
+    name = builtin_name(source)
+    if name is not None:
+        if source in BUILTIN_ALIASES:
+            logger.info("hf_tree: dataset %r is read as %r.", source, BUILTIN_ALIASES[source])
+        return builtin_rows(name, subset, limit, seed=seed, synthetic_options=synthetic_options)
+    path = pathlib.Path(source)
+    if path.is_dir() and any((path / f).exists() for f in SAVED_DATASET_FILES):
+        loaded = datasets.load_from_disk(str(path))
+        if isinstance(loaded, datasets.DatasetDict):
+            if split is None or split not in loaded:
+                raise ValueError(
+                    f"{source} holds a DatasetDict with splits {list(loaded)}; split={split!r} is none of them: "
+                    "pass one of those splits (or one split's folder)."
+                )
+            loaded = loaded[split]
+        return loaded, None
+    if path.is_file():
+        if path.suffix.lower() == ".parquet":
+            table = datasets.Dataset.from_parquet(str(path))
+            if is_tree_dataset(table):
+                return table, None
+        from hf_tree.data.formats import read_records, to_builder_rows
+
+        return to_builder_rows(read_records(path), where=str(path))[0], None
+    if allow_hub:
+        return datasets.load_dataset(source, dataset_config, split=split), None
+    raise ValueError(
+        f"data {source!r} does not exist; pass a saved tree dataset folder, a .jsonl/.json/.parquet "
+        f"file, or one of {list(BUILTIN_DATASETS)}."
+    )
 
 
 def load_tree_rows(
@@ -122,57 +237,28 @@ def load_tree_rows(
     limit: int | None = None,
     num_proc: int | None = None,
 ) -> LoadedTrees:
-    """Tree rows from ``source``:
-
-    - a folder written by ``datasets.Dataset.save_to_disk`` holding ``Tree.to_dict()`` columns (used as is);
-    - a ``.parquet`` file holding such columns (used as is);
-    - a ``.jsonl``/``.json``/``.parquet`` file in a user format (``hf_tree.data.formats``), converted and built
-      with ``tokenizer``;
-    - ``builtin:champ``, ``builtin:bfcl`` or ``builtin:synthetic-agent`` (``subset``/``limit`` as in
-      ``builtin_rows``), built with ``tokenizer``; agent sources default to TRL's ``qwen3`` template.
+    """Tree rows from ``source`` (anything ``read_rows`` reads but a hub id): tree rows are used as is, other rows
+    are built with ``tokenizer``; agent sources default to ``AGENT_TEMPLATE``.
 
     Args:
         tokenizer: the tokenizer, or a function returning it (called only when the data needs tokenizing).
-        chat_template: a template file or TRL template name (see ``chat_template_text``).
+        chat_template: a template file or TRL template name (see ``chat_template_file``).
         group_by, num_proc: passed to ``build_tree_dataset``.
 
     Raises:
-        ValueError: on a missing path, an unknown source, or when a tokenizer is needed but not given.
+        ValueError: as ``read_rows``, or when a tokenizer is needed but not given.
     """
-    conversion = None
-    if source.startswith(BUILTIN_PREFIX):
-        name = source[len(BUILTIN_PREFIX) :]
-        rows, conversion = builtin_rows(name, subset, limit)
-        if chat_template is None and name in ("bfcl", "synthetic-agent"):
-            chat_template = AGENT_TEMPLATE
-    else:
-        path = pathlib.Path(source)
-        if not path.exists():
-            raise ValueError(
-                f"data {source!r} does not exist; pass a saved tree dataset folder, a .jsonl/.json/.parquet "
-                f"file, or one of {[BUILTIN_PREFIX + s for s in BUILTIN_SOURCES]}."
-            )
-        if path.is_dir():
-            trees = datasets.load_from_disk(str(path))
-            if isinstance(trees, datasets.DatasetDict):
-                raise ValueError(f"{source} holds a DatasetDict with splits {list(trees)}; pass one split's folder.")
-            if not is_tree_dataset(trees):
-                raise ValueError(
-                    f"{source} holds columns {trees.column_names}, not Tree.to_dict() rows ({sorted(TREE_FEATURES)})."
-                )
-            return LoadedTrees(trees)
-        if path.suffix.lower() == ".parquet":
-            table = datasets.Dataset.from_parquet(str(path))
-            if is_tree_dataset(table):
-                return LoadedTrees(table)
-        from hf_tree.data.formats import read_records, to_builder_rows
-
-        rows, _ = to_builder_rows(read_records(path), where=str(path))
+    rows, conversion = read_rows(source, subset=subset, limit=limit)
+    if is_tree_dataset(rows):
+        return LoadedTrees(rows)
     if tokenizer is None:
-        raise ValueError(f"{source} needs tokenizing: pass a tokenizer (hf-tree: --tokenizer).")
+        raise ValueError(
+            f"{source} holds columns {rows.column_names}, not Tree.to_dict() rows ({sorted(TREE_FEATURES)}): "
+            "building trees needs a tokenizer (hf-tree: --tokenizer)."
+        )
     if not isinstance(tokenizer, PreTrainedTokenizerBase):
         tokenizer = tokenizer()
-    template = chat_template_text(chat_template)
+    template = chat_template_text(chat_template or default_chat_template(source))
     warn_if_template_drops_tool_calls(rows, tokenizer, template)
     trees, build_stats = build_tree_dataset(
         rows, tokenizer, chat_template=template, group_by=group_by, num_proc=num_proc, return_stats=True
