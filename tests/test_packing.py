@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
@@ -153,3 +154,23 @@ def test_collator_keywords_and_packing_config_are_the_same_options():
 def test_bad_packing_options_name_the_field(options, message):
     with pytest.raises(ValueError, match=message):
         TreeDataCollator(**options)
+
+
+def test_tree_arguments_take_their_packing_fields_from_packing_config():
+    """``TreeArguments``' flat fields (HfArgumentParser flags) are ``PackingConfig``'s: names, types, defaults, help."""
+    from typing import get_type_hints
+
+    from transformers import HfArgumentParser
+
+    from hf_tree.config import TreeArguments
+    from hf_tree.trainer import TreeTrainingArguments
+
+    mine = {f.name: f for f in dataclasses.fields(TreeArguments)}
+    config_hints, argument_hints = get_type_hints(PackingConfig), get_type_hints(TreeArguments)
+    for f in dataclasses.fields(PackingConfig):
+        assert (mine[f.name].default, dict(mine[f.name].metadata)) == (f.default, dict(f.metadata)), f.name
+        assert argument_hints[f.name] == config_hints[f.name], f.name
+    flags = {a.dest: a for a in HfArgumentParser(TreeTrainingArguments)._actions}
+    assert tuple(flags["overlong"].choices) == ("error", "drop", "truncate")
+    assert tuple(flags["normalization"].choices) == ("token", "sequence")
+    assert flags["max_branch_tokens"].help == PackingConfig.__dataclass_fields__["max_branch_tokens"].metadata["help"]
