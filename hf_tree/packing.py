@@ -80,8 +80,7 @@ class PackingConfig:
                 f"max_branch_tokens={limit!r} must be an integer in [2, max_packed_tokens="
                 f"{self.max_packed_tokens}]: a branch must fit in one row."
             )
-        for name in ("overlong", "normalization"):
-            choices = PackingConfig.field_choices(name)
+        for name, choices in (("overlong", OVERLONG_POLICIES), ("normalization", NORMALIZATIONS)):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}.")
         multiple = self.pad_to_multiple_of
@@ -92,11 +91,6 @@ class PackingConfig:
     def branch_limit(self) -> int:
         """``max_branch_tokens``, defaulting to ``max_packed_tokens``."""
         return self.max_packed_tokens if self.max_branch_tokens is None else self.max_branch_tokens
-
-    @staticmethod
-    def field_choices(name: str) -> tuple[str, ...]:
-        """The allowed values of a ``Literal`` field (empty for the others)."""
-        return tuple(next(f for f in fields(PackingConfig) if f.name == name).metadata.get("choices", ()))
 
 
 @dataclass

@@ -67,11 +67,6 @@ class DatasetPlan:
         return [row for plan in self.batches for row in plan.rows]
 
     @property
-    def batch_of_row(self) -> list[int]:
-        """Index of the collator call (batch of trees) each row belongs to."""
-        return [b for b, plan in enumerate(self.batches) for _ in plan.rows]
-
-    @property
     def stats(self) -> PackingStats:
         """The collator's counters summed over the batches (splits, truncated/dropped branches, padding)."""
         total = PackingStats()
