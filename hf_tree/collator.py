@@ -42,6 +42,8 @@ class TreeDataCollator:
     def __init__(self, *args: Any, pad_token_id: int = 0, packing: PackingConfig | None = None, **options: Any):
         if packing is not None and (args or options):
             raise ValueError("TreeDataCollator: pass either packing=PackingConfig(...) or its fields, not both.")
+        if packing is None and not args and "max_packed_tokens" not in options:
+            raise TypeError("TreeDataCollator needs max_packed_tokens=... (or packing=PackingConfig(...)).")
         self.packing = packing if packing is not None else PackingConfig(*args, **options)
         self.pad_token_id = pad_token_id
 
