@@ -34,9 +34,9 @@ from hf_tree.config import TreeArguments
 from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.model_check import self_check_setting
+from hf_tree.packing import PackingStats
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.tree import dedup_ratio
 
 logger = logging.getLogger("hf_tree")
 
@@ -247,15 +247,14 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         now = time.perf_counter()
         elapsed = max(now - (self._tree_log_start or now), 1e-9)
         steps = max(self._tree_log_steps, 1)
-        s = dict(zip(STEP_SUM_KEYS, self._tree_log_sums.tolist()))
-        packed = s["num_tree_tokens"] + s["num_padding_tokens"]
+        s = PackingStats(**dict(zip(STEP_SUM_KEYS[1:], self._tree_log_sums[1:].tolist())))  # counters as floats
         metrics = {
-            "trees_per_step": s["num_trees"] / steps,
-            "rows_per_step": s["num_rows"] / steps,
-            "dedup_ratio": dedup_ratio(s["num_branch_tokens"], s["num_tree_tokens"]),
-            "padding_fraction": s["num_padding_tokens"] / packed if packed else 0.0,
-            "tree_tokens_per_second": s["num_tree_tokens"] / elapsed,
-            "branch_tokens_per_second": s["num_branch_tokens"] / elapsed,
+            "trees_per_step": s.num_trees / steps,
+            "rows_per_step": s.num_rows / steps,
+            "dedup_ratio": s.dedup_ratio,
+            "padding_fraction": s.padding_fraction,
+            "tree_tokens_per_second": s.num_tree_tokens / elapsed,
+            "branch_tokens_per_second": s.num_branch_tokens / elapsed,
         }
         totals = dict(zip(STEP_SUM_KEYS, self._tree_total_sums.tolist()))
         metrics.update({name: totals[name] for name in LOSS_OF_DATA_KEYS if totals[name]})
