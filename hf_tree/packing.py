@@ -1,7 +1,9 @@
 """Packing trees into rows: branch limits, splitting oversized trees, best-fit bin packing, DFS layout.
 
-The output of ``pack_trees`` is exactly the batch contract of docs/design.md: ``input_ids``, depth
-``position_ids``, ``kv_end`` and the loss gather (``loss_positions``/``loss_targets``/``loss_weights``).
+``PackingConfig`` holds the options, ``plan_packing`` decides the rows (``TreeDataCollator`` and ``hf-tree stats``
+both use it) and ``lay_out`` writes a plan as a batch. The output of ``pack_trees`` is exactly the batch contract
+of docs/design.md: ``input_ids``, depth ``position_ids``, ``kv_end`` and the loss gather
+(``loss_positions``/``loss_targets``/``loss_weights``).
 """
 
 from __future__ import annotations
