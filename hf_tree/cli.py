@@ -8,12 +8,12 @@ import json
 import random
 import sys
 from collections.abc import Sequence
-from typing import Any
+from dataclasses import fields, replace
 
 from hf_tree.attention import render_mask
-from hf_tree.collator import TreeDataCollator
+from hf_tree.collator import TreeDataCollator, pop_packing_stats
 from hf_tree.data.sources import AGENT_TEMPLATE, BUILTIN_DATASETS
-from hf_tree.packing import OVERLONG_POLICIES
+from hf_tree.packing import PackingConfig
 from hf_tree.tree import Tree
 
 DEFAULT_TOKENIZER = "smollm2"
@@ -39,7 +39,7 @@ def _demo(args: argparse.Namespace) -> None:
         )
     collator = TreeDataCollator(max_packed_tokens=args.max_packed_tokens)
     batch = collator([group.to_dict(), trajectory.to_dict()])
-    stats = collator.stats
+    stats = pop_packing_stats(batch)
     print(
         f"packed into {stats.num_rows} row(s) of {batch['input_ids'].shape[1]} tokens: "
         f"{int(batch['loss_positions'].numel())} loss edges, padding {stats.padding_fraction:.1%}, "
@@ -80,14 +80,13 @@ def _load(args: argparse.Namespace):
     return trees, tree_rows_summary(loaded)
 
 
-def _packing_options(args: argparse.Namespace) -> dict[str, Any]:
-    """The packing flags of ``_add_data_arguments`` as ``plan_rows`` / ``compute_stats`` keywords."""
-    return dict(
-        max_packed_tokens=args.max_packed_tokens,
-        max_branch_tokens=args.max_branch_tokens,
-        overlong=args.overlong,
-        trees_per_batch=args.trees_per_batch,
-    )
+# The stats/show commands count what a lossy policy does instead of stopping at the first overlong branch.
+CLI_PACKING = replace(PackingConfig(), overlong="drop")
+
+
+def _packing(args: argparse.Namespace) -> PackingConfig:
+    """The ``PackingConfig`` of the packing flags (``_add_packing_arguments``)."""
+    return PackingConfig(**{f.name: getattr(args, f.name) for f in fields(PackingConfig)})
 
 
 def _stats(args: argparse.Namespace) -> None:
@@ -95,7 +94,7 @@ def _stats(args: argparse.Namespace) -> None:
     from hf_tree.stats import compute_stats, format_report
 
     trees, dropped = _load(args)
-    stats = compute_stats(trees, **_packing_options(args), dropped=dropped)
+    stats = compute_stats(trees, _packing(args), trees_per_batch=args.trees_per_batch, dropped=dropped)
     print(json.dumps(stats.to_dict(), indent=2, default=str) if args.json else format_report(stats))
     if args.plot:
         from hf_tree.plots import plot_stats
@@ -110,7 +109,7 @@ def _show(args: argparse.Namespace) -> None:
     from hf_tree.stats import plan_rows
 
     trees, _ = _load(args)
-    plan = plan_rows(trees, **_packing_options(args))
+    plan = plan_rows(trees, _packing(args), trees_per_batch=args.trees_per_batch)
     if not -len(plan.rows) <= args.index < len(plan.rows):
         raise SystemExit(f"--index {args.index} is out of range: DATA packs into {len(plan.rows)} rows.")
     parts = plan.rows[args.index]
@@ -161,20 +160,26 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         help="builtin sources: CHAMP problems, BFCL tasks or synthetic conversations to read",
     )
     parser.add_argument("--num-proc", type=int, default=None, help="tokenizing worker processes")
-    parser.add_argument("--max-packed-tokens", type=int, default=4096, help="row capacity for packing")
-    parser.add_argument("--max-branch-tokens", type=int, default=None, help="longest branch (default: row capacity)")
-    parser.add_argument(
-        "--overlong",
-        choices=OVERLONG_POLICIES,
-        default="drop",
-        help="what packing does with a longer branch (counted in the report)",
-    )
+    _add_packing_arguments(parser)
     parser.add_argument(
         "--trees-per-batch",
         type=int,
         default=None,
         help="pack consecutive batches of this many trees, as the trainer's collator does (default: all trees at once)",
     )
+
+
+def _add_packing_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per ``PackingConfig`` field (``--max-packed-tokens``, ...), with its help and choices."""
+    for f in fields(PackingConfig):
+        choices = f.metadata.get("choices")
+        parser.add_argument(
+            "--" + f.name.replace("_", "-"),
+            type=str if choices else int,
+            choices=choices,
+            default=getattr(CLI_PACKING, f.name),
+            help=f.metadata["help"],
+        )
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -7,54 +7,35 @@ base class has parsed its own fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
+from typing import Any
 
 from hf_tree.collator import TreeDataCollator
 from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.model_check import tree_self_check_field
-from hf_tree.packing import NORMALIZATIONS, OVERLONG_POLICIES, check_packing_options
+from hf_tree.packing import Normalization, OverlongPolicy, PackingConfig
+
+
+def packing_field(name: str) -> Any:
+    """A flat ``TrainingArguments`` field for ``PackingConfig.<name>``: its default, help and choices (the
+    ``HfArgumentParser`` flag reads them), so the options are described once, in ``PackingConfig``."""
+    spec = PackingConfig.__dataclass_fields__[name]
+    return field(default=spec.default, metadata=dict(spec.metadata))
 
 
 @dataclass
 class TreeArguments:
-    """Packing and loss options of tree training (mixin for ``TrainingArguments`` subclasses)."""
+    """Packing and loss options of tree training (mixin for ``TrainingArguments`` subclasses).
 
-    max_packed_tokens: int = field(
-        default=4096,
-        metadata={
-            "help": "Capacity of one packed row in tokens. The trees of a micro-batch are bin-packed into rows of at "
-            "most this many (deduplicated) tokens; a larger tree is split by its branches (exact, the shared prefix "
-            "is repeated). Bounds activation memory the way max_length does for flat sequences."
-        },
-    )
-    max_branch_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Longest allowed branch (one sample) in tokens; defaults to max_packed_tokens. Longer branches "
-            "follow `overlong`."
-        },
-    )
-    overlong: str = field(
-        default="error",
-        metadata={
-            "help": f"What to do with a branch longer than max_branch_tokens: one of {OVERLONG_POLICIES}. 'truncate' "
-            "and 'drop' are counted, warned about and logged (num_truncated_branches / num_dropped_branches).",
-            "choices": list(OVERLONG_POLICIES),
-        },
-    )
-    normalization: str = field(
-        default="token",
-        metadata={
-            "help": f"Loss normalization, one of {NORMALIZATIONS}. 'token' (HF/TRL default): mean over all trained "
-            "tokens of the optimizer step (all micro-batches and ranks). 'sequence': mean over trained branches of "
-            "each branch's mean token loss.",
-            "choices": list(NORMALIZATIONS),
-        },
-    )
-    pad_to_multiple_of: int | None = field(
-        default=None,
-        metadata={"help": "Round each batch's row length up to a multiple of this (e.g. 64 for GPU kernels)."},
-    )
+    The packing fields mirror ``PackingConfig`` (same names, types, defaults and help); ``packing_config()``
+    gathers them.
+    """
+
+    max_packed_tokens: int = packing_field("max_packed_tokens")
+    max_branch_tokens: int | None = packing_field("max_branch_tokens")
+    overlong: OverlongPolicy = packing_field("overlong")
+    normalization: Normalization = packing_field("normalization")
+    pad_to_multiple_of: int | None = packing_field("pad_to_multiple_of")
     tree_self_check: bool = tree_self_check_field()
     remove_unused_columns: bool = field(
         default=False,
@@ -70,22 +51,17 @@ class TreeArguments:
 
     def check_tree_arguments(self) -> None:
         """Raise ``ValueError`` naming the field, the value and the fix."""
-        check_packing_options(
-            self.max_packed_tokens, self.max_branch_tokens, self.overlong, self.normalization, self.pad_to_multiple_of
-        )
+        self.packing_config()
         if self.remove_unused_columns:
             raise ValueError(
                 "remove_unused_columns=True would drop the tree columns (node_tokens, node_parents, ...) before the "
                 "tree collator sees them; set remove_unused_columns=False."
             )
 
+    def packing_config(self) -> PackingConfig:
+        """The ``PackingConfig`` of these arguments (validated: ``ValueError`` naming the field)."""
+        return PackingConfig(**{f.name: getattr(self, f.name) for f in fields(PackingConfig)})
+
     def make_tree_collator(self, pad_token_id: int | None = None) -> TreeDataCollator:
         """The ``TreeDataCollator`` these arguments describe (``pad_token_id`` defaults to 0)."""
-        return TreeDataCollator(
-            max_packed_tokens=self.max_packed_tokens,
-            normalization=self.normalization,
-            max_branch_tokens=self.max_branch_tokens,
-            overlong=self.overlong,
-            pad_to_multiple_of=self.pad_to_multiple_of,
-            pad_token_id=0 if pad_token_id is None else pad_token_id,
-        )
+        return TreeDataCollator(packing=self.packing_config(), pad_token_id=0 if pad_token_id is None else pad_token_id)

@@ -1,7 +1,9 @@
 """Packing trees into rows: branch limits, splitting oversized trees, best-fit bin packing, DFS layout.
 
-The output of ``pack_trees`` is exactly the batch contract of docs/design.md: ``input_ids``, depth
-``position_ids``, ``kv_end`` and the loss gather (``loss_positions``/``loss_targets``/``loss_weights``).
+``PackingConfig`` holds the options, ``plan_packing`` decides the rows (``TreeDataCollator`` and ``hf-tree stats``
+both use it) and ``lay_out`` writes a plan as a batch. The output of ``pack_trees`` is exactly the batch contract
+of docs/design.md: ``input_ids``, depth ``position_ids``, ``kv_end`` and the loss gather
+(``loss_positions``/``loss_targets``/``loss_weights``).
 """
 
 from __future__ import annotations
@@ -9,20 +11,88 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
-from typing import Literal
+from dataclasses import dataclass, field, fields
+from typing import Literal, get_args
 
 import numpy as np
 import torch
 
-from hf_tree.tree import Tree
+from hf_tree.tree import Tree, dedup_ratio
 
 logger = logging.getLogger("hf_tree")
 
 Normalization = Literal["token", "sequence"]
 OverlongPolicy = Literal["error", "drop", "truncate"]
-NORMALIZATIONS = ("token", "sequence")
-OVERLONG_POLICIES = ("error", "drop", "truncate")
+NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
+OVERLONG_POLICIES: tuple[str, ...] = get_args(OverlongPolicy)
+
+
+@dataclass(frozen=True)
+class PackingConfig:
+    """The packing options, defined once: the collator, the trainers' arguments (``TreeArguments`` derives its
+    flat fields from these), the ``hf-tree`` CLI flags and ``hf-tree stats`` all read them from here.
+
+    Each field's ``metadata`` holds its ``help`` and, for ``Literal`` fields, its ``choices`` (``get_args``).
+    """
+
+    max_packed_tokens: int = field(
+        default=4096,
+        metadata={
+            "help": "Capacity of one packed row in tokens. The trees of a micro-batch are bin-packed into rows of at "
+            "most this many (deduplicated) tokens; a larger tree is split by its branches (exact, the shared prefix "
+            "is repeated). Bounds activation memory the way max_length does for flat sequences."
+        },
+    )
+    normalization: Normalization = field(
+        default="token",
+        metadata={
+            "help": f"Loss normalization, one of {NORMALIZATIONS}. 'token' (HF/TRL default): mean over all trained "
+            "tokens of the optimizer step (all micro-batches and ranks). 'sequence': mean over trained branches of "
+            "each branch's mean token loss.",
+            "choices": list(NORMALIZATIONS),
+        },
+    )
+    max_branch_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Longest allowed branch (one sample) in tokens; defaults to max_packed_tokens. Longer branches "
+            "follow `overlong`."
+        },
+    )
+    overlong: OverlongPolicy = field(
+        default="error",
+        metadata={
+            "help": f"What to do with a branch longer than max_branch_tokens: one of {OVERLONG_POLICIES}. 'truncate' "
+            "and 'drop' are counted, warned about and logged (num_truncated_branches / num_dropped_branches).",
+            "choices": list(OVERLONG_POLICIES),
+        },
+    )
+    pad_to_multiple_of: int | None = field(
+        default=None,
+        metadata={"help": "Round each batch's row length up to a multiple of this (e.g. 64 for GPU kernels)."},
+    )
+
+    def __post_init__(self) -> None:
+        """Raise ``ValueError`` naming the field, the bad value and the fix."""
+        if not isinstance(self.max_packed_tokens, int) or self.max_packed_tokens < 2:
+            raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} must be an integer >= 2.")
+        limit = self.branch_limit
+        if not isinstance(limit, int) or not 2 <= limit <= self.max_packed_tokens:
+            raise ValueError(
+                f"max_branch_tokens={limit!r} must be an integer in [2, max_packed_tokens="
+                f"{self.max_packed_tokens}]: a branch must fit in one row."
+            )
+        for name, choices in (("overlong", OVERLONG_POLICIES), ("normalization", NORMALIZATIONS)):
+            if getattr(self, name) not in choices:
+                raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}.")
+        multiple = self.pad_to_multiple_of
+        if multiple is not None and (not isinstance(multiple, int) or multiple < 1):
+            raise ValueError(f"pad_to_multiple_of={multiple!r} must be a positive integer or None.")
+
+    @property
+    def branch_limit(self) -> int:
+        """``max_branch_tokens``, defaulting to ``max_packed_tokens``."""
+        return self.max_packed_tokens if self.max_branch_tokens is None else self.max_branch_tokens
 
 
 @dataclass
@@ -59,33 +129,55 @@ class PackingStats:
 
     @property
     def dedup_ratio(self) -> float:
-        return self.num_branch_tokens / self.num_tree_tokens if self.num_tree_tokens else 1.0
+        return dedup_ratio(self.num_branch_tokens, self.num_tree_tokens)
 
 
-def check_packing_options(
-    max_packed_tokens: int,
-    max_branch_tokens: int | None,
-    overlong: str,
-    normalization: str,
-    pad_to_multiple_of: int | None,
-) -> int:
-    """Validate packing options (raising ``ValueError`` naming the field) and return ``max_branch_tokens``."""
-    if not isinstance(max_packed_tokens, int) or max_packed_tokens < 2:
-        raise ValueError(f"max_packed_tokens={max_packed_tokens!r} must be an integer >= 2.")
-    if max_branch_tokens is None:
-        max_branch_tokens = max_packed_tokens
-    if not isinstance(max_branch_tokens, int) or not 2 <= max_branch_tokens <= max_packed_tokens:
-        raise ValueError(
-            f"max_branch_tokens={max_branch_tokens!r} must be an integer in [2, max_packed_tokens="
-            f"{max_packed_tokens}]: a branch must fit in one row."
-        )
-    if overlong not in OVERLONG_POLICIES:
-        raise ValueError(f"overlong={overlong!r} must be one of {OVERLONG_POLICIES}.")
-    if normalization not in NORMALIZATIONS:
-        raise ValueError(f"normalization={normalization!r} must be one of {NORMALIZATIONS}.")
-    if pad_to_multiple_of is not None and (not isinstance(pad_to_multiple_of, int) or pad_to_multiple_of < 1):
-        raise ValueError(f"pad_to_multiple_of={pad_to_multiple_of!r} must be a positive integer or None.")
-    return max_branch_tokens
+@dataclass
+class PackingPlan:
+    """What one collator call packs: the rows' tree parts in layout order, the padded row length and the counters.
+
+    ``TreeDataCollator`` lays this plan out (``lay_out``) and ``hf-tree stats`` reports it, so both agree by
+    construction.
+    """
+
+    rows: list[list[Tree]]
+    """Tree parts of each row, in layout order (an empty batch is one padding row)."""
+    row_length: int
+    """``N``: the longest row rounded up to ``pad_to_multiple_of`` (at least 1)."""
+    stats: PackingStats
+
+
+def plan_packing(trees: Sequence[Tree], packing: PackingConfig, where: str = "tree", first: int = 0) -> PackingPlan:
+    """Apply the branch limit, split oversized trees and bin-pack the parts into rows.
+
+    Args:
+        trees: one batch of trees (one collator call).
+        packing: the options.
+        where, first: tree ``i`` is named ``f"{where} {first + i}"`` in errors about overlong branches.
+
+    Raises:
+        ValueError: on a branch longer than ``max_branch_tokens`` with ``overlong="error"``.
+    """
+    stats = PackingStats(num_trees=len(trees))
+    parts: list[Tree] = []
+    for i, tree in enumerate(trees):
+        limited = limit_branch_length(tree, packing.branch_limit, packing.overlong, stats, where=f"{where} {first + i}")
+        if limited is None:
+            continue
+        split = split_tree(limited, packing.max_packed_tokens)
+        stats.num_split_trees += len(split) > 1
+        parts.extend(split)
+    bins = best_fit_decreasing([p.num_tokens for p in parts], packing.max_packed_tokens) or [[]]
+    rows = [[parts[i] for i in b] for b in bins]
+    row_length = max(sum(p.num_tokens for p in row) for row in rows) or 1
+    if packing.pad_to_multiple_of:
+        row_length = -(-row_length // packing.pad_to_multiple_of) * packing.pad_to_multiple_of
+    stats.num_tree_parts = len(parts)
+    stats.num_rows = len(rows)
+    stats.num_tree_tokens = sum(p.num_tokens for p in parts)
+    stats.num_branch_tokens = sum(p.num_branch_tokens for p in parts)
+    stats.num_padding_tokens = len(rows) * row_length - stats.num_tree_tokens
+    return PackingPlan(rows, row_length, stats)
 
 
 def limit_branch_length(
@@ -163,57 +255,26 @@ def best_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:
     return [sorted(b) for b in bins]
 
 
-def pack_trees(
-    trees: Sequence[Tree],
-    max_packed_tokens: int,
-    normalization: Normalization = "token",
-    pad_to_multiple_of: int | None = None,
-    pad_token_id: int = 0,
-) -> tuple[dict[str, torch.Tensor], PackingStats]:
-    """Split, bin-pack and lay out trees (each already within the branch limit) into a batch.
+def lay_out(
+    plan: PackingPlan, normalization: Normalization = "token", pad_token_id: int = 0
+) -> tuple[dict[str, torch.Tensor], list[tuple[int, int]]]:
+    """The batch of a plan, and the ``(row, offset)`` where each part starts (parts in row order).
 
     Returns:
         The batch of docs/design.md (``input_ids``/``position_ids``/``kv_end`` ``[B, N]``; ``loss_positions``,
-        ``loss_targets`` ``[M]`` int64; ``loss_weights`` ``[M]`` float64; ``num_loss_items`` 0-dim
-        float64) and the packing statistics.
+        ``loss_targets`` ``[M]`` int64; ``loss_weights`` ``[M]`` float64; ``num_loss_items`` 0-dim float64).
     """
-    batch, stats, _, _ = pack_and_place(trees, max_packed_tokens, normalization, pad_to_multiple_of, pad_token_id)
-    return batch, stats
-
-
-def pack_and_place(
-    trees: Sequence[Tree],
-    max_packed_tokens: int,
-    normalization: Normalization = "token",
-    pad_to_multiple_of: int | None = None,
-    pad_token_id: int = 0,
-) -> tuple[dict[str, torch.Tensor], PackingStats, list[Tree], list[tuple[int, int]]]:
-    """``pack_trees``, also returning the packed parts (trees after splitting) and the ``(row, offset)`` where each
-    part starts, for callers that map per-part values back to the rows."""
-    stats = PackingStats(num_trees=len(trees))
-    parts: list[Tree] = []
-    for tree in trees:
-        split = split_tree(tree, max_packed_tokens)
-        stats.num_split_trees += len(split) > 1
-        parts.extend(split)
-    stats.num_tree_parts = len(parts)
-    rows = best_fit_decreasing([p.num_tokens for p in parts], max_packed_tokens) or [[]]
-    longest = max(sum(parts[i].num_tokens for i in row) for row in rows) or 1
-    if pad_to_multiple_of:
-        longest = -(-longest // pad_to_multiple_of) * pad_to_multiple_of
-    num_rows = len(rows)
-
+    num_rows, longest = len(plan.rows), plan.row_length
     input_ids = np.full((num_rows, longest), pad_token_id, dtype=np.int64)
     position_ids = np.zeros((num_rows, longest), dtype=np.int64)
     kv_end = np.tile(np.arange(1, longest + 1, dtype=np.int64), (num_rows, 1))  # padding sees itself only
     loss_positions, loss_targets, loss_weights = [], [], []
-    placements: list[tuple[int, int]] = [(0, 0)] * len(parts)
+    placements: list[tuple[int, int]] = []
     num_loss_items = 0.0
-    for r, row in enumerate(rows):
+    for r, row in enumerate(plan.rows):
         offset = 0
-        for i in row:
-            part = parts[i]
-            placements[i] = (r, offset)
+        for part in row:
+            placements.append((r, offset))
             span = slice(offset, offset + part.num_tokens)
             input_ids[r, span] = part.input_ids
             position_ids[r, span] = part.position_ids
@@ -224,11 +285,7 @@ def pack_and_place(
             loss_targets.append(part.input_ids[trained])
             loss_weights.append(weights[trained].astype(np.float64))
             num_loss_items += float(weights.sum()) if normalization == "token" else part.num_trained_branches
-            stats.num_tree_tokens += part.num_tokens
-            stats.num_branch_tokens += part.num_branch_tokens
             offset += part.num_tokens
-    stats.num_rows = num_rows
-    stats.num_padding_tokens = num_rows * longest - stats.num_tree_tokens
 
     def cat(chunks: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
         return np.concatenate(chunks).astype(dtype) if chunks else np.zeros(0, dtype=dtype)
@@ -242,4 +299,32 @@ def pack_and_place(
         "loss_weights": torch.from_numpy(cat(loss_weights, np.float64)),
         "num_loss_items": torch.tensor(num_loss_items, dtype=torch.float64),
     }
-    return batch, stats, parts, placements
+    return batch, placements
+
+
+def pack_trees(
+    trees: Sequence[Tree],
+    max_packed_tokens: int,
+    normalization: Normalization = "token",
+    pad_to_multiple_of: int | None = None,
+    pad_token_id: int = 0,
+) -> tuple[dict[str, torch.Tensor], PackingStats]:
+    """Split, bin-pack and lay out trees (each already within ``max_packed_tokens`` per branch) into a batch
+    (``lay_out``) and its packing statistics."""
+    batch, stats, _, _ = pack_and_place(trees, max_packed_tokens, normalization, pad_to_multiple_of, pad_token_id)
+    return batch, stats
+
+
+def pack_and_place(
+    trees: Sequence[Tree],
+    max_packed_tokens: int,
+    normalization: Normalization = "token",
+    pad_to_multiple_of: int | None = None,
+    pad_token_id: int = 0,
+) -> tuple[dict[str, torch.Tensor], PackingStats, list[Tree], list[tuple[int, int]]]:
+    """``pack_trees``, also returning the packed parts (in row order) and the ``(row, offset)`` where each part
+    starts, for callers that map per-part values back to the rows."""
+    packing = PackingConfig(max_packed_tokens, normalization, pad_to_multiple_of=pad_to_multiple_of)
+    plan = plan_packing(trees, packing)
+    batch, placements = lay_out(plan, normalization, pad_token_id)
+    return batch, plan.stats, [part for row in plan.rows for part in row], placements

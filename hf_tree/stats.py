@@ -11,8 +11,8 @@ FLOP estimate (forward + backward = 3x forward, 2 FLOPs per multiply-add, as in 
   are left out (the tree loss applies the head only to trained positions; per-branch HF training applies it
   to every position, so the real saving is a little larger).
 
-Packing is planned with the collator's own functions (``limit_branch_length``, ``split_tree``,
-``best_fit_decreasing``), in the collator's order, so ``plan_rows`` reproduces its rows exactly.
+Packing is planned by ``plan_packing``, the function whose plan ``TreeDataCollator`` lays out, once per collator
+call, so the reported rows, splits and padding are what training does by construction.
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from hf_tree.packing import PackingStats, best_fit_decreasing, check_packing_options, limit_branch_length, split_tree
-from hf_tree.tree import Tree
+from hf_tree.packing import PackingConfig, PackingPlan, PackingStats, plan_packing
+from hf_tree.tree import Tree, dedup_ratio
 
 
 @dataclass(frozen=True)
@@ -55,57 +55,46 @@ class ModelShape:
 
 
 @dataclass
-class PackingPlan:
-    """Rows as the collator would pack them: each row a list of tree parts, laid out in this order."""
+class DatasetPlan:
+    """The collator's plans for a dataset fed to it in consecutive batches of trees."""
 
-    rows: list[list[Tree]]
-    stats: PackingStats
-    """The collator's counters (splits, truncated/dropped branches, dropped trees, padding)."""
-    batch_of_row: list[int]
-    """Index of the collator call (batch of trees) each row belongs to."""
+    batches: list[PackingPlan]
+    """One ``plan_packing`` result per collator call."""
+
+    @property
+    def rows(self) -> list[list[Tree]]:
+        """Every row's tree parts, in layout order, batch after batch."""
+        return [row for plan in self.batches for row in plan.rows]
+
+    @property
+    def stats(self) -> PackingStats:
+        """The collator's counters summed over the batches (splits, truncated/dropped branches, padding)."""
+        total = PackingStats()
+        for plan in self.batches:
+            total.add(plan.stats)
+        return total
 
 
 def plan_rows(
-    trees: Sequence[Tree],
-    max_packed_tokens: int,
-    *,
-    max_branch_tokens: int | None = None,
-    overlong: str = "error",
-    trees_per_batch: int | None = None,
-) -> PackingPlan:
-    """Pack ``trees`` as ``TreeDataCollator`` would, calling it on consecutive batches of ``trees_per_batch``
-    trees (``None``: one call on all trees, the fewest rows possible).
+    trees: Sequence[Tree], packing: PackingConfig | int, *, trees_per_batch: int | None = None, **options: Any
+) -> DatasetPlan:
+    """Plan ``trees`` as ``TreeDataCollator`` packs them, called on consecutive batches of ``trees_per_batch`` trees
+    (``None``: one call on all trees, the fewest rows possible).
+
+    Args:
+        packing: the options, or ``max_packed_tokens`` with the other ``PackingConfig`` fields in ``options``.
 
     Raises:
         ValueError: on bad options (as the collator), or on an overlong branch with ``overlong="error"``.
     """
-    max_branch_tokens = check_packing_options(max_packed_tokens, max_branch_tokens, overlong, "token", None)
+    if not isinstance(packing, PackingConfig):
+        packing = PackingConfig(packing, **options)
+    elif options:
+        raise ValueError(f"plan_rows: pass the packing options in the PackingConfig, not as {sorted(options)}.")
     if trees_per_batch is not None and (not isinstance(trees_per_batch, int) or trees_per_batch < 1):
         raise ValueError(f"trees_per_batch={trees_per_batch!r} must be a positive integer or None.")
-    stats = PackingStats(num_trees=len(trees))
-    rows: list[list[Tree]] = []
-    batch_of_row: list[int] = []
     step = trees_per_batch or max(len(trees), 1)
-    for batch, start in enumerate(range(0, len(trees), step)):
-        parts: list[Tree] = []
-        for i, tree in enumerate(trees[start : start + step], start=start):
-            limited = limit_branch_length(tree, max_branch_tokens, overlong, stats, where=f"tree {i}")
-            if limited is None:
-                continue
-            split = split_tree(limited, max_packed_tokens)
-            stats.num_split_trees += len(split) > 1
-            parts.extend(split)
-        bins = best_fit_decreasing([p.num_tokens for p in parts], max_packed_tokens)
-        batch_rows = [[parts[i] for i in b] for b in bins]
-        lengths = [sum(p.num_tokens for p in row) for row in batch_rows]
-        stats.num_tree_parts += len(parts)
-        stats.num_tree_tokens += sum(lengths)
-        stats.num_branch_tokens += sum(p.num_branch_tokens for p in parts)
-        stats.num_padding_tokens += len(lengths) * max(lengths, default=0) - sum(lengths)  # padded to the longest
-        rows.extend(batch_rows)
-        batch_of_row.extend([batch] * len(batch_rows))
-    stats.num_rows = len(rows)
-    return PackingPlan(rows, stats, batch_of_row)
+    return DatasetPlan([plan_packing(trees[i : i + step], packing, first=i) for i in range(0, len(trees), step)])
 
 
 def attention_pairs(tree: Tree) -> tuple[int, int]:
@@ -148,12 +137,14 @@ class DatasetStats:
     max_packed_tokens: int | None = None
     packing: PackingStats | None = None
     """What packing at ``max_packed_tokens`` did (rows, splits, drops, padding)."""
+    packing_config: PackingConfig | None = None
+    """The options packing was planned with."""
     dropped: dict[str, Any] = field(default_factory=dict)
     """Counts left out before the trees existed (conversion and building), by reason."""
 
     @property
     def dedup_ratio(self) -> float:
-        return self.num_branch_tokens / self.num_tree_tokens if self.num_tree_tokens else 1.0
+        return dedup_ratio(self.num_branch_tokens, self.num_tree_tokens)
 
     @property
     def linear_flop_saving(self) -> float:
@@ -189,19 +180,17 @@ class DatasetStats:
 
 def compute_stats(
     trees: Iterable[Tree],
-    max_packed_tokens: int | None = None,
+    packing: PackingConfig | None = None,
     *,
-    max_branch_tokens: int | None = None,
-    overlong: str = "error",
     trees_per_batch: int | None = None,
     model_shape: ModelShape | None = None,
     dropped: dict[str, Any] | None = None,
 ) -> DatasetStats:
-    """Statistics of ``trees``; with ``max_packed_tokens``, also what packing them does (``plan_rows``).
+    """Statistics of ``trees``; with ``packing``, also what packing them does (``plan_rows``).
 
     Args:
         trees: the dataset's trees (e.g. ``Tree.from_dict(row)`` for each row).
-        max_packed_tokens, max_branch_tokens, overlong, trees_per_batch: as ``TreeDataCollator`` / ``plan_rows``.
+        packing, trees_per_batch: as ``TreeDataCollator`` / ``plan_rows``.
         model_shape: dimensions for ``total_flop_saving`` (default SmolLM2-135M).
         dropped: counts by reason from conversion/building, carried into the report.
     """
@@ -221,15 +210,9 @@ def compute_stats(
         stats.fan_outs.extend(fan_outs(tree))
         stats.branches_per_tree.append(tree.num_branches)
         stats.tree_dedup_ratios.append(tree.dedup_ratio)
-    if max_packed_tokens is not None:
-        stats.max_packed_tokens = max_packed_tokens
-        stats.packing = plan_rows(
-            trees,
-            max_packed_tokens,
-            max_branch_tokens=max_branch_tokens,
-            overlong=overlong,
-            trees_per_batch=trees_per_batch,
-        ).stats
+    if packing is not None:
+        stats.packing_config, stats.max_packed_tokens = packing, packing.max_packed_tokens
+        stats.packing = plan_rows(trees, packing, trees_per_batch=trees_per_batch).stats
     return stats
 
 

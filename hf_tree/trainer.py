@@ -29,11 +29,12 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import EvalLoopOutput
 
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
-from hf_tree.collator import STATS_KEYS
+from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
 from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.model_check import self_check_setting
+from hf_tree.packing import PackingStats
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
 from hf_tree.saving import FSDPFullSaveMixin
 
@@ -159,8 +160,8 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     @staticmethod
     def _pop_batch_sums(batch: dict[str, Any]) -> torch.Tensor:
         """``[len(STEP_SUM_KEYS)]`` float64 sums of one batch; removes the stats keys so the model never sees them."""
-        stats = [batch.pop(name) for name in STATS_KEYS]
-        values = [batch["num_loss_items"], batch["input_ids"].shape[0], *stats]
+        stats = pop_packing_stats(batch)
+        values = [batch["num_loss_items"], stats.num_rows, *(getattr(stats, name) for name in STATS_KEYS)]
         return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
     def get_batch_samples(self, epoch_iterator, num_batches: int, device: torch.device):
@@ -192,8 +193,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``tree_causal_lm_loss``; with the step's global divisor, scaled by the number of processes because
         DDP/FSDP average gradients over ranks (under context parallel the CP ranks' shares add up the same way)."""
-        for name in STATS_KEYS:
-            inputs.pop(name, None)
+        pop_packing_stats(inputs)  # counted in get_batch_samples when training; only dropped here
         loss = tree_causal_lm_loss(
             model,
             inputs,
@@ -209,8 +209,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         """The tree loss of one batch (no logits: a tree batch has several children per position)."""
         inputs = self._prepare_inputs(inputs)
-        for name in STATS_KEYS:
-            inputs.pop(name, None)
+        pop_packing_stats(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
             total = tree_causal_lm_loss(
                 model,
@@ -248,15 +247,14 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         now = time.perf_counter()
         elapsed = max(now - (self._tree_log_start or now), 1e-9)
         steps = max(self._tree_log_steps, 1)
-        s = dict(zip(STEP_SUM_KEYS, self._tree_log_sums.tolist()))
-        packed = s["num_tree_tokens"] + s["num_padding_tokens"]
+        s = PackingStats(**dict(zip(STEP_SUM_KEYS[1:], self._tree_log_sums[1:].tolist())))  # counters as floats
         metrics = {
-            "trees_per_step": s["num_trees"] / steps,
-            "rows_per_step": s["num_rows"] / steps,
-            "dedup_ratio": s["num_branch_tokens"] / s["num_tree_tokens"] if s["num_tree_tokens"] else 1.0,
-            "padding_fraction": s["num_padding_tokens"] / packed if packed else 0.0,
-            "tree_tokens_per_second": s["num_tree_tokens"] / elapsed,
-            "branch_tokens_per_second": s["num_branch_tokens"] / elapsed,
+            "trees_per_step": s.num_trees / steps,
+            "rows_per_step": s.num_rows / steps,
+            "dedup_ratio": s.dedup_ratio,
+            "padding_fraction": s.padding_fraction,
+            "tree_tokens_per_second": s.num_tree_tokens / elapsed,
+            "branch_tokens_per_second": s.num_branch_tokens / elapsed,
         }
         totals = dict(zip(STEP_SUM_KEYS, self._tree_total_sums.tolist()))
         metrics.update({name: totals[name] for name in LOSS_OF_DATA_KEYS if totals[name]})

@@ -53,6 +53,14 @@ class _BuildNode:
         self.add_child(tail)
 
 
+def dedup_ratio(num_branch_tokens: float, num_tree_tokens: float) -> float:
+    """Branch tokens (per-branch training) over tree tokens (after deduplication); 1.0 when there are none.
+
+    The one definition behind every reported dedup ratio (trees, datasets, packing counters, training logs).
+    """
+    return num_branch_tokens / num_tree_tokens if num_tree_tokens else 1.0
+
+
 def common_prefix_length(a: Sequence[int], b: Sequence[int]) -> int:
     """Number of leading items ``a`` and ``b`` share."""
     n = min(len(a), len(b))
@@ -321,7 +329,7 @@ class Tree:
     @property
     def dedup_ratio(self) -> float:
         """``num_branch_tokens / num_tokens``: how many times fewer tokens the tree computes."""
-        return self.num_branch_tokens / self.num_tokens
+        return dedup_ratio(self.num_branch_tokens, self.num_tokens)
 
     @property
     def num_trained_branches(self) -> int:

@@ -51,6 +51,7 @@ from hf_tree.data.sources import (
     read_rows,
 )
 from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
+from hf_tree.tree import dedup_ratio
 
 logger = logging.getLogger("hf_tree.launch")
 
@@ -332,9 +333,10 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     trees = [Tree.from_dict(row) for row in trainer.train_dataset]
     branch_tokens, tree_tokens = sum(t.num_branch_tokens for t in trees), sum(t.num_tokens for t in trees)
+    ratio = dedup_ratio(branch_tokens, tree_tokens)
     if trainer.is_world_process_zero():
         print(
-            f"hf_tree: {len(train)} rows -> {len(trees)} trees, dedup ratio {branch_tokens / tree_tokens:.2f} "
+            f"hf_tree: {len(train)} rows -> {len(trees)} trees, dedup ratio {ratio:.2f} "
             f"({branch_tokens} branch tokens computed as {tree_tokens} tree tokens)",
             flush=True,
         )
@@ -347,7 +349,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tree_logs = [log for log in trainer.state.log_history if "tree_tokens_per_second" in log]
     summary = {
         "train_loss": result.training_loss,
-        "dedup_ratio": branch_tokens / tree_tokens,
+        "dedup_ratio": ratio,
         "tree_tokens_per_second": sum(x["tree_tokens_per_second"] for x in tree_logs) / max(len(tree_logs), 1),
         "branch_tokens_per_second": sum(x["branch_tokens_per_second"] for x in tree_logs) / max(len(tree_logs), 1),
         "train_seconds": train_seconds,

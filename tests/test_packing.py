@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 
@@ -13,7 +14,8 @@ from hypothesis import strategies as st
 
 from hf_tree import Tree, TreeDataCollator, split_tree
 from hf_tree.attention import dense_tree_mask
-from hf_tree.packing import best_fit_decreasing
+from hf_tree.collator import pop_packing_stats
+from hf_tree.packing import PackingConfig, best_fit_decreasing
 
 
 @given(st.lists(st.integers(1, 50), min_size=1, max_size=40), st.integers(50, 120))
@@ -73,11 +75,11 @@ def test_rows_hold_at_most_max_packed_tokens_and_report_padding():
     batch = collator([t.to_dict() for t in trees])
     lengths = (batch["kv_end"] != torch.arange(1, batch["kv_end"].shape[1] + 1)).sum(1)
     assert batch["input_ids"].shape[1] <= 12
-    assert int(batch["num_tree_tokens"]) == sum(t.num_tokens for t in trees)
-    assert collator.stats.padding_fraction == pytest.approx(
-        int(batch["num_padding_tokens"]) / batch["input_ids"].numel()
-    )
-    assert lengths.sum() <= int(batch["num_tree_tokens"])
+    stats = pop_packing_stats(batch)
+    assert stats.num_tree_tokens == sum(t.num_tokens for t in trees)
+    assert stats.padding_fraction == pytest.approx(stats.num_padding_tokens / batch["input_ids"].numel())
+    assert stats.num_padding_tokens == batch["input_ids"].numel() - stats.num_tree_tokens
+    assert lengths.sum() <= stats.num_tree_tokens
 
 
 def overlong_trees():
@@ -107,7 +109,7 @@ def test_overlong_drop_and_truncate_are_counted_and_logged(caplog):
     assert int(truncated["num_truncated_branches"]) == 2
     assert int(truncated["num_dropped_trees"]) == 1  # its trained tokens all lay past the cut
     assert int(truncated["num_branch_tokens"]) == 10 + 3 + 3
-    assert collator.stats.num_truncated_branches == 2
+    assert pop_packing_stats(truncated).num_truncated_branches == 2 and "num_truncated_branches" not in truncated
 
 
 def test_all_trees_dropped_gives_an_empty_but_valid_batch():
@@ -125,3 +127,42 @@ def test_sequence_normalization_counts_trained_branches():
     token = TreeDataCollator(max_packed_tokens=16)([tree.to_dict()])
     assert float(token["num_loss_items"]) == 3.0
     np.testing.assert_array_equal(np.sort(token["loss_weights"].numpy()), [1.0, 1.0, 1.0])
+
+
+def test_collator_keywords_and_packing_config_are_the_same_options():
+    """The keyword construction (the public contract) builds the same ``PackingConfig`` as passing it."""
+    options = dict(max_packed_tokens=16, normalization="sequence", max_branch_tokens=8, overlong="drop")
+    collator = TreeDataCollator(**options, pad_to_multiple_of=4)
+    assert collator.packing == PackingConfig(**options, pad_to_multiple_of=4)
+    assert (collator.max_packed_tokens, collator.max_branch_tokens, collator.pad_to_multiple_of) == (16, 8, 4)
+    tree = Tree.from_sequences([[1, 2, 3], [1, 2, 4, 5]]).to_dict()
+    a, b = collator([tree]), TreeDataCollator(packing=collator.packing)([tree])
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert a["input_ids"].shape[1] == 8  # 5 tokens rounded up to a multiple of 4
+
+
+def test_collator_needs_a_row_capacity():
+    with pytest.raises(TypeError, match="needs max_packed_tokens"):
+        TreeDataCollator(overlong="drop")
+    with pytest.raises(ValueError, match="either packing=PackingConfig"):
+        TreeDataCollator(max_packed_tokens=8, packing=PackingConfig(8))
+
+
+def test_tree_arguments_take_their_packing_fields_from_packing_config():
+    """``TreeArguments``' flat fields (HfArgumentParser flags) are ``PackingConfig``'s: names, types, defaults, help."""
+    from typing import get_type_hints
+
+    from transformers import HfArgumentParser
+
+    from hf_tree.config import TreeArguments
+    from hf_tree.trainer import TreeTrainingArguments
+
+    mine = {f.name: f for f in dataclasses.fields(TreeArguments)}
+    config_hints, argument_hints = get_type_hints(PackingConfig), get_type_hints(TreeArguments)
+    for f in dataclasses.fields(PackingConfig):
+        assert (mine[f.name].default, dict(mine[f.name].metadata)) == (f.default, dict(f.metadata)), f.name
+        assert argument_hints[f.name] == config_hints[f.name], f.name
+    flags = {a.dest: a for a in HfArgumentParser(TreeTrainingArguments)._actions}
+    assert tuple(flags["overlong"].choices) == ("error", "drop", "truncate")
+    assert tuple(flags["normalization"].choices) == ("token", "sequence")
+    assert flags["max_branch_tokens"].help == PackingConfig.__dataclass_fields__["max_branch_tokens"].metadata["help"]

@@ -9,6 +9,8 @@ import random
 import pytest
 
 from hf_tree import Tree, TreeDataCollator
+from hf_tree.collator import pop_packing_stats
+from hf_tree.packing import PackingConfig, PackingStats
 from hf_tree.stats import ModelShape, compute_stats, format_report, plan_rows, text_histogram
 
 
@@ -88,35 +90,40 @@ def test_flop_savings_follow_the_stated_formulas(dataset):
     assert stats.total_flop_saving == pytest.approx(expected)
 
 
-def _collated_rows(collator: TreeDataCollator, trees: list[Tree]) -> list[list[int]]:
-    """The real collator's rows without their padding (pad id 0; the test's tokens are >= 1)."""
-    rows = collator([t.to_dict() for t in trees])["input_ids"].tolist()
-    return [[t for t in row if t != 0] for row in rows]
-
-
 @pytest.mark.parametrize("overlong", ["drop", "truncate"])
-@pytest.mark.parametrize("trees_per_batch", [None, 7])
-def test_packing_plan_reproduces_the_collator(dataset, overlong, trees_per_batch):
+@pytest.mark.parametrize(("trees_per_batch", "pad_to_multiple_of"), [(None, None), (7, None), (7, 5)])
+def test_packing_plan_equals_the_collators_packing(dataset, overlong, trees_per_batch, pad_to_multiple_of):
+    """``hf-tree stats``'s plan is what the real collator packs on the same trees: the same rows (tokens, in layout
+    order), the same splits and drops, and the same padding (row length included)."""
     groups, trees = dataset
-    capacity, max_branch = 24, 10
-    plan = plan_rows(trees, capacity, max_branch_tokens=max_branch, overlong=overlong, trees_per_batch=trees_per_batch)
-    collator = TreeDataCollator(max_packed_tokens=capacity, max_branch_tokens=max_branch, overlong=overlong)
+    packing = PackingConfig(16, max_branch_tokens=10, overlong=overlong, pad_to_multiple_of=pad_to_multiple_of)
+    plan = plan_rows(trees, packing, trees_per_batch=trees_per_batch)
+    collator = TreeDataCollator(packing=packing)
     step = trees_per_batch or len(trees)
-    collated = [row for i in range(0, len(trees), step) for row in _collated_rows(collator, trees[i : i + step])]
-    planned = [[t for part in row for t in part.input_ids.tolist()] for row in plan.rows]
-    assert planned == collated
-    for name in ("num_rows", "num_split_trees", "num_tree_parts", "num_truncated_branches", "num_dropped_branches",
-                 "num_dropped_trees", "num_tree_tokens", "num_branch_tokens", "num_padding_tokens"):  # fmt: skip
-        assert getattr(plan.stats, name) == getattr(collator.stats, name), name
-    overlong_branches = sum(len(b) > max_branch for g in groups for b in g)
+    collated_rows, collated = [], PackingStats()
+    for start, planned in zip(range(0, len(trees), step), plan.batches, strict=True):
+        batch = collator([t.to_dict() for t in trees[start : start + step]])
+        assert batch["input_ids"].shape[1] == planned.row_length  # same padding per batch
+        collated.add(pop_packing_stats(batch))
+        collated_rows += batch["input_ids"].tolist()
+    planned_rows = [[t for part in row for t in part.input_ids.tolist()] for row in plan.rows]
+    assert len(planned_rows) == len(collated_rows)
+    for planned, collated_row in zip(planned_rows, collated_rows):  # the test's tokens are >= 1, padding is 0
+        assert collated_row[: len(planned)] == planned and not any(collated_row[len(planned) :])
+    assert plan.stats == collated
+    assert compute_stats(trees, packing, trees_per_batch=trees_per_batch).packing == collated
+    if pad_to_multiple_of:
+        assert all(p.row_length % pad_to_multiple_of == 0 for p in plan.batches)
+    overlong_branches = sum(len(b) > 10 for g in groups for b in g)
     counted = plan.stats.num_dropped_branches if overlong == "drop" else plan.stats.num_truncated_branches
-    assert counted == overlong_branches > 0
-    assert all(sum(p.num_tokens for p in row) <= capacity for row in plan.rows)
+    assert counted == overlong_branches > 0 and plan.stats.num_split_trees > 0
+    assert all(sum(p.num_tokens for p in row) <= 16 for row in plan.rows)
 
 
 def test_report_and_histograms_show_the_numbers(dataset):
     _, trees = dataset
-    stats = compute_stats(trees, 24, max_branch_tokens=10, overlong="drop", dropped={"rows dropped": {"empty": 2}})
+    packing = PackingConfig(24, max_branch_tokens=10, overlong="drop")
+    stats = compute_stats(trees, packing, dropped={"rows dropped": {"empty": 2}})
     report = format_report(stats)
     expected = [
         f"trees                  {stats.num_trees}",

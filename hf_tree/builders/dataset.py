@@ -24,7 +24,7 @@ from hf_tree.builders.completions import (
     completions_to_branches,
     is_empty_completion,
 )
-from hf_tree.tree import Tree, mask_to_spans, spans_to_mask
+from hf_tree.tree import Tree, dedup_ratio, mask_to_spans, spans_to_mask
 
 logger = logging.getLogger("hf_tree")
 
@@ -72,7 +72,7 @@ class TreeBuildStats:
 
     @property
     def dedup_ratio(self) -> float:
-        return self.num_branch_tokens / self.num_tree_tokens if self.num_tree_tokens else 1.0
+        return dedup_ratio(self.num_branch_tokens, self.num_tree_tokens)
 
     def summary(self) -> str:
         def counts(by_reason: dict[str, int]) -> str:
