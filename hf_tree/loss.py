@@ -149,6 +149,26 @@ def _weighted_ce_chunk(
     return _WeightedCrossEntropy.apply(logits, targets, weights.to(logits.dtype))
 
 
+def chunked_token_loss(
+    chunk_loss: Callable[..., torch.Tensor],
+    head: torch.nn.Module,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    chunk_size: int,
+    *args: object,
+) -> torch.Tensor:
+    """``sum`` over row chunks of ``chunk_loss(head, hidden[c], targets[c], weights[c], *args)``, each chunk's
+    ``[chunk, vocab]`` logits recomputed in backward (checkpointed), so ``[M, vocab]`` never exists. Returns a 0-dim
+    float32 tensor (float64 for float64 hidden states)."""
+    total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    for start in range(0, hidden.shape[0], chunk_size):
+        end = start + chunk_size
+        chunk = (hidden[start:end], targets[start:end], weights[start:end])
+        total = total + checkpoint(chunk_loss, head, *chunk, *args, use_reentrant=False)
+    return total
+
+
 def weighted_cross_entropy(
     head: torch.nn.Module,
     hidden: torch.Tensor,
@@ -176,19 +196,7 @@ def weighted_cross_entropy(
             return _FusedLinearCrossEntropy.apply(scaled, head.weight, targets, weights, softcap, chunk_size)
         # Evaluation: needs_input_grad ignores no_grad, so the Function would still build both gradients.
         return _linear_cross_entropy(scaled, head.weight, targets, weights, softcap, chunk_size)[0]
-    total = hidden.new_zeros((), dtype=torch.float32 if hidden.dtype != torch.float64 else torch.float64)
-    for start in range(0, hidden.shape[0], chunk_size):
-        end = start + chunk_size
-        total = total + checkpoint(
-            _weighted_ce_chunk,
-            head,
-            hidden[start:end],
-            targets[start:end],
-            weights[start:end],
-            logit_head,
-            use_reentrant=False,
-        )
-    return total
+    return chunked_token_loss(_weighted_ce_chunk, head, hidden, targets, weights, chunk_size, logit_head)
 
 
 def tree_causal_lm_loss(

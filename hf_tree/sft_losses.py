@@ -19,10 +19,9 @@ import functools
 from collections.abc import Callable
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
 from hf_tree.head import LogitHead
-from hf_tree.loss import DEFAULT_LOSS_CHUNK_SIZE
+from hf_tree.loss import DEFAULT_LOSS_CHUNK_SIZE, chunked_token_loss
 
 SFT_LOSS_TYPES = ("nll", "dft")
 
@@ -66,21 +65,9 @@ def smoothed_dft_cross_entropy(
     plus ``dft`` and ``label_smoothing``; returns a 0-dim float32 (float64 for float64 hidden states) tensor.
     """
     logit_head = LogitHead(scale=scale, softcap=softcap)
-    total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-    for start in range(0, hidden.shape[0], chunk_size):
-        end = start + chunk_size
-        total = total + checkpoint(
-            _smoothed_dft_chunk,
-            head,
-            hidden[start:end],
-            targets[start:end],
-            weights[start:end],
-            logit_head,
-            dft,
-            label_smoothing,
-            use_reentrant=False,
-        )
-    return total
+    return chunked_token_loss(
+        _smoothed_dft_chunk, head, hidden, targets, weights, chunk_size, logit_head, dft, label_smoothing
+    )
 
 
 def sft_token_loss(loss_type: str, label_smoothing_factor: float) -> Callable[..., torch.Tensor] | None:
