@@ -221,7 +221,13 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             dataset = dataset.map(maybe_convert_to_chatml, remove_columns="conversations")
         data_format = detect_format(dataset.column_names)
         if data_format == "messages" and not args.assistant_only_loss:
-            logger.info("hf_tree: 'messages' rows train their assistant turns only (one branch per turn).")
+            # Not TRL's objective: TRL trains every token of a conversation unless assistant_only_loss=True.
+            logger.warning(
+                "hf_tree: 'messages' rows train their assistant turns only (one branch per turn, train_on=%r), as "
+                "TRL does with assistant_only_loss=True; TRL's default (False) would also train system, user and "
+                "tool tokens. Set assistant_only_loss=True to say so and silence this warning.",
+                args.train_on,
+            )
         tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
         with args.main_process_first(desc=f"building trees of the {dataset_name} dataset"):
             trees = build_tree_dataset(
