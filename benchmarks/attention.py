@@ -44,6 +44,7 @@ import torch.nn.functional as F
 
 from hf_tree import Tree, pack_trees
 from hf_tree.attention import ENGINES, dense_tree_mask, select_backend
+from hf_tree.attention.mask import visible_keys_per_query
 
 
 @dataclass
@@ -219,8 +220,7 @@ def memory_row(row: Row, args: argparse.Namespace) -> dict[str, int]:
 def visible_fraction(row: Row) -> float:
     """Visible (query, key) pairs of the tree over those of a causal mask of the same length."""
     n = row.kv_end.shape[1]
-    kv_end = row.kv_end[0].long()
-    return float((kv_end - torch.arange(n)).sum()) / (n * (n + 1) / 2)
+    return float(visible_keys_per_query(row.kv_end[0]).sum()) / (n * (n + 1) / 2)
 
 
 def rows_for(args: argparse.Namespace) -> list[Row]:

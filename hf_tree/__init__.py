@@ -7,7 +7,8 @@ are imported lazily (they pull in ``transformers.Trainer`` and TRL, a few second
 import importlib
 from typing import Any
 
-from hf_tree.attention.registration import TREE_ATTENTION_NAME, register_tree_attention
+from hf_tree.attention.names import TREE_ATTENTION_NAME
+from hf_tree.attention.registration import register_tree_attention
 from hf_tree.collator import TreeDataCollator
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.mixers import install_tree_mixers

@@ -27,6 +27,8 @@ import torch
 from accelerate.utils import extract_model_from_parallel, is_peft_model
 from transformers import PreTrainedModel
 
+from hf_tree.attention.mask import compute_dtype
+
 # Detection input: a few token ids (deterministic, no global RNG draw).
 PROBE_LENGTH = 8
 # Largest accepted ``max |reconstructed - model logits| / max |model logits|`` per dtype: the reconstruction runs
@@ -62,8 +64,7 @@ class LogitHead:
 
     def scored(self, logits: torch.Tensor) -> torch.Tensor:
         """The output embedding's ``[M, vocab]`` output -> the model's logits (half precision promoted)."""
-        if logits.dtype in (torch.float16, torch.bfloat16):
-            logits = logits.float()  # the log-softmax over a large vocabulary needs float32
+        logits = logits.to(compute_dtype(logits.dtype))  # the log-softmax over a large vocabulary needs float32
         if self.scale != 1.0:
             logits = logits * self.scale
         if self.softcap is not None:

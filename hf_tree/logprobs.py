@@ -40,7 +40,7 @@ from transformers import PreTrainedModel
 from trl.kernels import ChunkedLogProbFunction
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
-from hf_tree.attention.registration import TREE_ATTENTION_NAME
+from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.head import LogitHead, backbone_of, detect_logit_head
 from hf_tree.model_check import check_model_for_trees, tree_self_check_field
 from hf_tree.packing import PackingStats, pack_and_place

@@ -12,7 +12,8 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch.utils.checkpoint import checkpoint
 
-from hf_tree.attention.registration import TREE_ATTENTION_NAME
+from hf_tree.attention.mask import compute_dtype
+from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.head import LogitHead, capture_last_hidden_state, causal_lm_of
 from hf_tree.model_check import check_model_for_trees
 
@@ -32,7 +33,7 @@ def _logit_grad(log_probs: torch.Tensor, targets: torch.Tensor, scaled: torch.Te
 
 def _float_logits(logits: torch.Tensor) -> torch.Tensor:
     """Half-precision logits in float32 (the log-softmax over a large vocabulary needs it); others unchanged."""
-    return logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    return logits.to(compute_dtype(logits.dtype))
 
 
 def _capped_log_probs(logits: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from hf_tree.attention.registration import TREE_ATTENTION_NAME
+from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.head import (
     LogitHead,
     backbone_of,
@@ -157,13 +157,10 @@ def _recording(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, tuple[
 @contextlib.contextmanager
 def _without_context_parallel() -> Iterator[None]:
     """The probe runs whole on every rank: suspend an enclosing tree context parallel block for its duration."""
-    from hf_tree.parallel import context
+    from hf_tree.parallel.context import suspend_context_parallel
 
-    active, context._active = context._active, None
-    try:
+    with suspend_context_parallel():
         yield
-    finally:
-        context._active = active
 
 
 def _compare(tree_out: torch.Tensor, branch_outs: list[torch.Tensor], index: list[torch.Tensor]) -> float:

@@ -22,7 +22,9 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
+import torch
 
+from hf_tree.attention.mask import visible_keys_per_query
 from hf_tree.packing import PackingConfig, PackingPlan, PackingStats, plan_packing
 from hf_tree.tree import Tree, dedup_ratio
 
@@ -100,7 +102,7 @@ def plan_rows(
 def attention_pairs(tree: Tree) -> tuple[int, int]:
     """(visible query-key pairs per branch alone, pairs in the tree) — see the module docstring."""
     lengths = tree.branch_lengths
-    return int((lengths * (lengths + 1) // 2).sum()), int((tree.position_ids + 1).sum())
+    return int((lengths * (lengths + 1) // 2).sum()), int(visible_keys_per_query(torch.from_numpy(tree.kv_end)).sum())
 
 
 def fan_outs(tree: Tree) -> list[int]:

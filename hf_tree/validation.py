@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from hf_tree.tree import Tree
+# The tree class is passed in (``Tree.from_dict`` calls ``validate_tree_dict(cls, ...)``): ``hf_tree.tree``
+# imports this module, so this one must not import it back.
+TreeT = TypeVar("TreeT")
 
 
 def _is_int(value: Any) -> bool:
@@ -52,7 +53,7 @@ def _check_list(data: dict[str, Any], key: str, where: str) -> list[Any]:
     return list(value)
 
 
-def _check_stored(stored: Any, expected: np.ndarray, key: str, where: str, tree: Tree) -> None:
+def _check_stored(stored: Any, expected: np.ndarray, key: str, where: str, tree: Any) -> None:
     """Stored derived values must match what the structure implies (stale or edited rows are rejected)."""
     if stored is None:
         return
@@ -71,7 +72,7 @@ def _check_stored(stored: Any, expected: np.ndarray, key: str, where: str, tree:
         )
 
 
-def validate_tree_dict(cls: type[Tree], data: dict[str, Any], where: str) -> Tree:
+def validate_tree_dict(cls: type[TreeT], data: dict[str, Any], where: str) -> TreeT:
     """Validate a ``Tree.to_dict()`` row and build the tree. See ``Tree.from_dict``."""
     if not isinstance(data, dict):
         raise ValueError(f"{where}: expected a dict from Tree.to_dict(), got {type(data).__name__}.")

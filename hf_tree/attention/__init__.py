@@ -11,8 +11,10 @@ from the device, unless forced with ``HF_TREE_ATTENTION_BACKEND`` or ``set_atten
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 
@@ -22,7 +24,7 @@ from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.mask import dense_tree_mask, render_mask, tree_mask_mod
 from hf_tree.attention.options import tree_mode_options
 from hf_tree.attention.reference import reference_tree_attention
-from hf_tree.parallel.context import active_context_parallel, refuse_torch_context_parallel
+from hf_tree.attention.torch_cp import refuse_torch_context_parallel
 
 TreeAttentionEngine = Callable[..., torch.Tensor]
 
@@ -33,6 +35,37 @@ ENGINES: dict[str, TreeAttentionEngine] = {
 }
 BACKEND_ENV_VAR = "HF_TREE_ATTENTION_BACKEND"
 _forced_backend: str | None = None
+_UNSET = object()
+# The engine of an enclosing ``attention_engine_scope`` (tree context parallel registers its per-batch engine
+# here); a ContextVar, so that threads and async tasks each see their own scope.
+_scoped_engine: contextvars.ContextVar[TreeAttentionEngine | None] = contextvars.ContextVar(
+    "hf_tree_scoped_attention_engine"
+)
+
+
+@contextlib.contextmanager
+def attention_engine_scope(engine: TreeAttentionEngine | None) -> Iterator[None]:
+    """Run every tree-mode attention call of the block (forward and its backward recomputation) on ``engine``
+    (same signature as ``ENGINES``' entries); ``None`` restores the automatic choice inside an outer scope."""
+    token = _scoped_engine.set(engine)
+    try:
+        yield
+    finally:
+        _scoped_engine.reset(token)
+
+
+def scoped_attention_engine() -> TreeAttentionEngine | None:
+    """The engine of the enclosing ``attention_engine_scope``, or ``None``.
+
+    Checkpoint recomputation runs on autograd's device threads, which do not enter the context of the thread
+    that called ``backward()``; torch keeps a copy of that context in its thread-local state (propagated to
+    those threads), so a scope the current thread never set is looked up there.
+    """
+    engine = _scoped_engine.get(_UNSET)
+    if engine is _UNSET and torch._C._is_key_in_tls("context"):
+        launched = torch._C._get_obj_in_tls("context")  # contextvars.Context of the backward() caller
+        engine = launched.get(_scoped_engine, None) if launched is not None else None
+    return None if engine is _UNSET else engine
 
 
 def set_attention_backend(name: str | None) -> None:
@@ -78,14 +111,16 @@ def tree_attention_forward(
     engine_options = dict(
         scaling=options.scaling, sliding_window=options.sliding_window, softcap=options.softcap, sinks=options.sinks
     )
-    if (context_parallel := active_context_parallel()) is not None:  # hf_tree.parallel: local rows, all keys
-        return context_parallel.attention(query, key, value, kv_end, **engine_options), None
-    engine = ENGINES[select_backend(query.device)]
+    engine = scoped_attention_engine()  # e.g. hf_tree.parallel's context parallel: local rows, all keys
+    if engine is None:
+        engine = ENGINES[select_backend(query.device)]
     return engine(query, key, value, kv_end, position_ids=options.position_ids, **engine_options), None
 
 
 __all__ = [
     "ENGINES",
+    "attention_engine_scope",
+    "scoped_attention_engine",
     "blocked_tree_attention",
     "DeferredMask",
     "dense_tree_mask",

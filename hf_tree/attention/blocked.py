@@ -26,7 +26,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_tree.attention.mask import check_sinks, check_window_depths
+from hf_tree.attention.mask import check_sinks, check_window_depths, tree_mask_mod, visible_keys_per_query
+from hf_tree.attention.mask import compute_dtype as _compute_dtype  # its local variables keep the short name
 
 # Default score-tile size: the live tiles of all workers (about two per block, in the compute dtype) take
 # as many bytes as one row of the query, so attention memory stays ~1.1x causal SDPA's
@@ -61,11 +62,8 @@ def _block_bounds(kv_end: torch.Tensor, num_heads: int, tile_elements: int) -> l
     start a new block instead of masking the keys of the one that ended.
     """
     n = kv_end.shape[0]
-    positions = torch.arange(n)
-    sorted_ends = torch.sort(kv_end).values
-    # Ancestors of i: keys j < i with kv_end[j] > i, i.e. i minus the keys whose subtree ended by i.
-    num_ancestors = (positions - torch.searchsorted(sorted_ends, positions, right=True)).tolist()
-    subtree_ends = torch.unique_consecutive(sorted_ends).tolist()
+    num_ancestors = (visible_keys_per_query(kv_end) - 1).tolist()  # every query sees itself and its ancestors
+    subtree_ends = torch.unique(kv_end).tolist()
     rows = max(tile_elements // num_heads, 1)
     bounds, q0 = [], 0
     while q0 < n:
@@ -105,10 +103,8 @@ def _plan_row(
         partial = keys[num_full:]
         hidden = None
         if partial.numel():
-            queries = torch.arange(q0, q1)[:, None]
-            visible = (partial[None, :] <= queries) & (queries < kv_end[partial][None, :])
-            if window is not None:
-                visible &= block_depth[:, None] - depth[partial][None, :] < window
+            mask_mod = tree_mask_mod(kv_end[None], None if depth is None else depth[None], window)
+            visible = mask_mod(0, None, torch.arange(q0, q1)[:, None], partial[None, :])
             hidden = (~visible).to(device)
         first, last = int(keys[0]), int(keys[-1])
         if last - first + 1 == keys.numel() and bool((keys[1:] > keys[:-1]).all()):
@@ -172,11 +168,6 @@ def _with_sink_column(scores: torch.Tensor, sinks: torch.Tensor, block: _Block) 
     kv_heads, rows, _ = scores.shape
     column = sinks.to(scores.dtype).view(kv_heads, -1, 1, 1).expand(-1, -1, block.q1 - block.q0, 1)
     return torch.cat([scores, column.reshape(kv_heads, rows, 1)], dim=-1)
-
-
-def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Softmax and accumulation dtype: float32 for half types (as HF eager attention does)."""
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def _token_major(x: torch.Tensor) -> torch.Tensor:

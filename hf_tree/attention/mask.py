@@ -1,8 +1,11 @@
 """The tree mask as a small pure factory over ``kv_end`` (one int per key; see DESIGN.md).
 
 Query ``i`` sees key ``j`` iff ``j <= i < kv_end[j]`` (and, with a sliding window, iff
-``depth(i) - depth(j) < window``). Only tests, the reference engine and debugging pictures may
-materialise the ``N x N`` mask.
+``depth(i) - depth(j) < window``). This module holds the only definitions of that rule
+(``tree_mask_mod``), of the number of keys a query sees (``visible_keys_per_query``) and of the dtype
+attention computes its softmax in (``compute_dtype``); dense masks, block masks, the engines' per-block
+masks and the pictures are derived from them (the attention-gym pattern). Only tests, the reference
+engine and debugging pictures may materialise the ``N x N`` mask.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ def tree_mask_mod(kv_end: torch.Tensor, position_ids: torch.Tensor | None = None
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
+        # Any broadcastable index tensors work: FlexAttention's scalars, or whole grids (dense_tree_mask).
         visible = (kv_idx <= q_idx) & (q_idx < kv_end[b, kv_idx])
         if sliding_window is not None:
             visible = visible & (position_ids[b, q_idx] - position_ids[b, kv_idx] < sliding_window)
@@ -48,13 +52,34 @@ def dense_tree_mask(
 ) -> torch.Tensor:
     """``[B, N, N]`` bool mask, ``True`` where query (dim 1) sees key (dim 2). For tests and the reference."""
     check_window_depths("dense_tree_mask", position_ids, sliding_window)
+    batch, n = kv_end.shape
+    rows = torch.arange(batch, device=kv_end.device)[:, None, None]
+    positions = torch.arange(n, device=kv_end.device)
+    return tree_mask_mod(kv_end, position_ids, sliding_window)(rows, None, positions[:, None], positions[None, :])
+
+
+def visible_keys_per_query(kv_end: torch.Tensor) -> torch.Tensor:
+    """Keys each query sees under the tree mask, in O(N) (a difference array over ``kv_end``).
+
+    Args:
+        kv_end: ``[..., N]`` integer subtree ends (``j < kv_end[j] <= N``).
+
+    Returns:
+        ``[..., N]`` int64: ``#{j <= i : kv_end[j] > i}`` for every query ``i`` (its depth + 1 in a packed row).
+    """
+    kv_end = kv_end.long()
     n = kv_end.shape[-1]
-    q = torch.arange(n, device=kv_end.device)[None, :, None]
-    kv = torch.arange(n, device=kv_end.device)[None, None, :]
-    visible = (kv <= q) & (q < kv_end[:, None, :])
-    if sliding_window is not None:
-        visible = visible & (position_ids[:, :, None] - position_ids[:, None, :] < sliding_window)
-    return visible
+    # Key j is seen by queries [j, kv_end[j]): +1 at j, -1 at kv_end[j], then a running sum.
+    delta = torch.zeros(*kv_end.shape[:-1], n + 1, dtype=torch.int64, device=kv_end.device)
+    delta[..., :n] = 1
+    delta.scatter_add_(-1, kv_end, torch.full_like(kv_end, -1))
+    return delta.cumsum(-1)[..., :n]
+
+
+def compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype scores are soft-maxed and accumulated in: float32 for half types (as HF eager attention and
+    the log-softmax over a vocabulary need), the input dtype otherwise (float32, float64)."""
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
 def render_mask(kv_end: torch.Tensor, max_size: int = 64) -> str:

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_tree.attention.mask import check_sinks, dense_tree_mask
+from hf_tree.attention.mask import check_sinks, compute_dtype, dense_tree_mask
 
 
 def reference_tree_attention(
@@ -50,7 +50,7 @@ def reference_tree_attention(
     if sinks is not None:
         sink_column = sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)
         scores = torch.cat([scores, sink_column], dim=-1)
-    probs = torch.softmax(scores.float() if scores.dtype in (torch.float16, torch.bfloat16) else scores, dim=-1)
+    probs = torch.softmax(scores, dim=-1, dtype=compute_dtype(scores.dtype))
     if sinks is not None:
         probs = probs[..., :-1]  # the sink takes its share of each row and contributes no value
     out = torch.matmul(probs.to(value.dtype), value)

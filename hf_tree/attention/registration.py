@@ -9,8 +9,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from hf_tree.attention import tree_attention_forward
 from hf_tree.attention.dual import tree_mask_function
-
-TREE_ATTENTION_NAME = "tree_flash"
+from hf_tree.attention.names import TREE_ATTENTION_NAME
 
 
 def _allow_tree_flash(check):

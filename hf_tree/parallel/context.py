@@ -15,8 +15,6 @@ Loss edges are scored on the rank that owns the predicting position and every ra
 from __future__ import annotations
 
 import contextlib
-import inspect
-import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -25,7 +23,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
-from hf_tree.attention.mask import check_sinks, tree_mask_mod
+from hf_tree.attention import attention_engine_scope, scoped_attention_engine
+from hf_tree.attention.mask import check_sinks, compute_dtype, tree_mask_mod
+from hf_tree.attention.torch_cp import refuse_torch_context_parallel as refuse_torch_context_parallel  # re-export
 from hf_tree.parallel.plan import ContextParallelPlan
 
 # Query rows per attention call; bounds the [rows, keys] mask and score tiles of one call.
@@ -33,12 +33,20 @@ DEFAULT_QUERY_BLOCK_SIZE = 1024
 # Batch keys sharded along the sequence; every other key except the loss gather passes through unchanged.
 SEQUENCE_KEYS = ("input_ids", "position_ids", "kv_end")
 
-_active: ContextParallelAttention | None = None
-
 
 def active_context_parallel() -> ContextParallelAttention | None:
-    """The tree context parallel attention of the enclosing ``tree_context_parallel`` block, if any."""
-    return _active
+    """The tree context parallel attention of the enclosing ``tree_context_parallel`` block, if any (the
+    attention engine scoped by ``hf_tree.attention.attention_engine_scope``)."""
+    engine = scoped_attention_engine()
+    return engine if isinstance(engine, ContextParallelAttention) else None
+
+
+@contextlib.contextmanager
+def suspend_context_parallel() -> Iterator[None]:
+    """Run the block's tree forwards whole (the ordinary engines), even inside ``tree_context_parallel``: for
+    work every rank does on the full row, such as ``hf_tree.model_check``'s probe."""
+    with attention_engine_scope(None):
+        yield
 
 
 def _all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tensor:
@@ -52,47 +60,6 @@ def _all_gather_rows(tensor: torch.Tensor, group: dist.ProcessGroup | None) -> t
         gather = funcol.all_gather_tensor_autograd
     out = gather(tensor, 0, group if group is not None else dist.group.WORLD)
     return funcol.wait_tensor(out)
-
-
-def _torch_context_parallel_active() -> bool:
-    """Whether torch's own context parallel (``accelerator.maybe_context_parallel`` / ``context_parallel``) is
-    on: it swaps ``F.scaled_dot_product_attention`` for its ring version and records the swap in the private
-    ``_replaced_functions`` of the module defining the public ``context_parallel`` (found through the function
-    itself, wherever torch keeps it). Nothing is imported when torch's context parallel was never imported.
-
-    Raises:
-        ValueError: the installed torch no longer keeps that record (the refusal cannot see torch's context
-            parallel any more and must not pass silently).
-    """
-    experimental = sys.modules.get("torch.distributed.tensor.experimental")
-    if experimental is None:
-        return False
-    context_parallel = getattr(experimental, "context_parallel", None)
-    namespace = getattr(inspect.unwrap(context_parallel), "__globals__", {}) if context_parallel else {}
-    replaced = namespace.get("_replaced_functions")
-    if not isinstance(replaced, dict):
-        raise ValueError(
-            f"torch {torch.__version__} no longer records its context parallel's swap of "
-            "F.scaled_dot_product_attention in _replaced_functions next to "
-            "torch.distributed.tensor.experimental.context_parallel, so hf_tree cannot check that it is off "
-            "during a tree forward (it would break the tree mask). Use the torch version hf_tree was tested "
-            "with (2.13) or update hf_tree.parallel.context._torch_context_parallel_active."
-        )
-    return F.scaled_dot_product_attention in replaced
-
-
-def refuse_torch_context_parallel() -> None:
-    """``ValueError`` when torch's/accelerate's context parallel is active around a tree forward: it shards
-    the row and forces a causal mask, so sibling branches would silently see each other."""
-    if _torch_context_parallel_active():
-        raise ValueError(
-            "accelerate's context parallel (accelerator.maybe_context_parallel, i.e. torch's context_parallel) is "
-            "active during a tree_flash forward with kv_end. It shards the row evenly and forces a causal mask, "
-            "which breaks the tree mask (sibling branches would see each other). Do not enter "
-            "accelerator.maybe_context_parallel for tree batches; keep ParallelismConfig(cp_size=...) and use "
-            "hf_tree's tree context parallel instead (hf_tree.parallel.TreeContextParallel; see "
-            "docs/context_parallel.md)."
-        )
 
 
 @dataclass
@@ -165,8 +132,7 @@ def _block_attention(
     scores = scores.masked_fill(~visible, float("-inf"))
     if sinks is not None:  # one more softmax column per head, dropped after the softmax (as eager attention does)
         scores = torch.cat([scores, sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
-    compute = torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else scores.dtype
-    probs = torch.softmax(scores, dim=-1, dtype=compute)
+    probs = torch.softmax(scores, dim=-1, dtype=compute_dtype(scores.dtype))
     if sinks is not None:
         probs = probs[..., :-1]
     return torch.matmul(probs.to(value.dtype), value)
@@ -227,6 +193,20 @@ class ContextParallelAttention:
         """``key/value [B, Hkv, L, D]`` of this rank -> ``[cp_size * L, 2, B, Hkv, D]`` of all ranks, rank-major."""
         rows = torch.stack([key, value]).movedim(3, 0).contiguous()  # slots first: the all-gather concatenates dim 0
         return _all_gather_rows(rows, self.group) if self.plan.cp_size > 1 else rows
+
+    def __call__(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        kv_end: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        **options,
+    ) -> torch.Tensor:
+        """The engine signature of ``hf_tree.attention.ENGINES`` (see ``attention``): ``position_ids`` are
+        ignored, the depths of the whole row come from the batch given at construction."""
+        return self.attention(query, key, value, kv_end, **options)
 
     def attention(
         self,
@@ -333,11 +313,8 @@ def tree_context_parallel(
 
     Run forward *and backward* inside the block (gradient checkpointing recomputes attention in backward).
     """
-    global _active
-    if _active is not None:
+    if active_context_parallel() is not None:
         raise ValueError("tree_context_parallel blocks cannot be nested.")
-    _active = ContextParallelAttention(batch, plan, rank, group, query_block_size)
-    try:
-        yield _active
-    finally:
-        _active = None
+    context_parallel = ContextParallelAttention(batch, plan, rank, group, query_block_size)
+    with attention_engine_scope(context_parallel):
+        yield context_parallel

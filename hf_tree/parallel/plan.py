@@ -27,26 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_tree.attention.mask import visible_keys_per_query
+
 STRATEGIES = ("balanced", "zigzag", "contiguous", "naive")
 DEFAULT_CHUNKS_PER_RANK = 8
-
-
-def visible_keys_per_query(kv_end: torch.Tensor) -> torch.Tensor:
-    """Keys each query sees under the tree mask, in O(N) (a difference array over ``kv_end``).
-
-    Args:
-        kv_end: ``[..., N]`` integer subtree ends (``j < kv_end[j] <= N``).
-
-    Returns:
-        ``[..., N]`` int64: ``#{j <= i : kv_end[j] > i}`` for every query ``i``.
-    """
-    kv_end = kv_end.long()
-    n = kv_end.shape[-1]
-    # Key j is seen by queries [j, kv_end[j]): +1 at j, -1 at kv_end[j], then a running sum.
-    delta = torch.zeros(*kv_end.shape[:-1], n + 1, dtype=torch.int64, device=kv_end.device)
-    delta[..., :n] = 1
-    delta.scatter_add_(-1, kv_end, torch.full_like(kv_end, -1))
-    return delta.cumsum(-1)[..., :n]
 
 
 def check_kv_end(kv_end: torch.Tensor) -> None:
