@@ -11,7 +11,9 @@ from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
+import torch
 
+from hf_tree.attention.mask import tree_mask_mod
 from hf_tree.stats import DatasetStats
 from hf_tree.tree import Tree
 
@@ -158,10 +160,10 @@ def plot_packed_row(
         or f"{len(parts)} trees, {sum(p.num_branches for p in parts)} branches, {num_tokens} tokens (dark: trained)"
     )
 
-    # The mask: query i sees key j iff j <= i < kv_end[j]; sampled on a grid for long windows.
+    # The mask (hf_tree.attention.mask's rule), sampled on a grid for long windows.
     index = np.unique(np.linspace(start, end - 1, min(end - start, MASK_PIXELS)).round().astype(np.int64))
-    q, key = index[:, None], index[None, :]
-    visible = (key <= q) & (q < kv_end[index][None, :])
+    grid = torch.from_numpy(index)
+    visible = tree_mask_mod(torch.from_numpy(kv_end)[None])(0, None, grid[:, None], grid[None, :]).numpy()
     extent = (start - 0.5, end - 0.5, end - 0.5, start - 0.5)
     mask_ax.imshow(visible, cmap="Greys", interpolation="nearest", extent=extent, aspect="auto")
     for b in np.cumsum([p.num_tokens for p in parts])[:-1]:
