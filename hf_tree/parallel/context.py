@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hf_tree.attention import attention_engine_scope, scoped_attention_engine
-from hf_tree.attention.mask import check_sinks, compute_dtype, tree_mask_mod
+from hf_tree.attention.mask import check_sinks, tree_mask_mod
+from hf_tree.attention.reference import masked_attention
 from hf_tree.attention.torch_cp import refuse_torch_context_parallel as refuse_torch_context_parallel  # re-export
 from hf_tree.parallel.plan import ContextParallelPlan
 
@@ -124,18 +125,7 @@ def _block_attention(
         return F.scaled_dot_product_attention(
             query, key, value, attn_mask=visible, scale=scaling, enable_gqa=query.shape[1] != key.shape[1]
         )
-    groups = query.shape[1] // key.shape[1]
-    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
-    scores = torch.matmul(query, key.transpose(-1, -2)) * scaling
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    scores = scores.masked_fill(~visible, float("-inf"))
-    if sinks is not None:  # one more softmax column per head, dropped after the softmax (as eager attention does)
-        scores = torch.cat([scores, sinks.to(scores.dtype).view(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
-    probs = torch.softmax(scores, dim=-1, dtype=compute_dtype(scores.dtype))
-    if sinks is not None:
-        probs = probs[..., :-1]
-    return torch.matmul(probs.to(value.dtype), value)
+    return masked_attention(query, key, value, visible, scaling=scaling, softcap=softcap, sinks=sinks)
 
 
 class ContextParallelAttention:
