@@ -41,6 +41,7 @@ from hf_tree.head import (
     raised_by_hf_tree,
 )
 from hf_tree.packing import pack_and_place
+from hf_tree.parallel.context import suspend_context_parallel
 from hf_tree.tree import Tree
 
 SELF_CHECK_ENV_VAR = "HF_TREE_SELF_CHECK"
@@ -154,15 +155,6 @@ def _recording(modules: dict[str, torch.nn.Module]) -> Iterator[dict[str, tuple[
             handle.remove()
 
 
-@contextlib.contextmanager
-def _without_context_parallel() -> Iterator[None]:
-    """The probe runs whole on every rank: suspend an enclosing tree context parallel block for its duration."""
-    from hf_tree.parallel.context import suspend_context_parallel
-
-    with suspend_context_parallel():
-        yield
-
-
 def _compare(tree_out: torch.Tensor, branch_outs: list[torch.Tensor], index: list[torch.Tensor]) -> float:
     """Relative max difference between the tree's ``[1, N, ...]`` output at each branch's tokens and the branch's."""
     got = torch.cat([tree_out[0, i] for i in index]).double()
@@ -232,7 +224,7 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None) -> float:
     modules["backbone"] = backbone_of(causal_lm)
     dtype = causal_lm.get_input_embeddings().weight.dtype
     tolerance = PROBE_TOLERANCE.get(dtype, 5e-2)
-    with eval_mode_no_grad(model), _without_context_parallel():
+    with eval_mode_no_grad(model), suspend_context_parallel():  # the probe runs whole on every rank
         try:
             tree_records, branch_records, index, autocast = _run_probe(forward or model, causal_lm, modules)
         except Exception as error:
@@ -272,7 +264,7 @@ def _leaking_submodules(model: torch.nn.Module, forward, causal_lm: PreTrainedMo
     modules = {n or type(layer).__name__: m for n, m in layer.named_modules()}
     dtype = causal_lm.get_input_embeddings().weight.dtype
     tolerance = PROBE_TOLERANCE.get(dtype, 5e-2)
-    with eval_mode_no_grad(model), _without_context_parallel():
+    with eval_mode_no_grad(model), suspend_context_parallel():  # the probe runs whole on every rank
         tree_records, branch_records, index, autocast = _run_probe(forward, causal_lm, modules)
     if autocast is not None:
         tolerance = max(tolerance, PROBE_TOLERANCE.get(autocast, 5e-2))

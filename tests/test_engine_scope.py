@@ -11,6 +11,7 @@ import torch
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.attention import attention_engine_scope, reference_tree_attention, scoped_attention_engine
+from hf_tree.model_check import check_model_for_trees
 from hf_tree.parallel import plan_context_parallel, tree_context_parallel
 from hf_tree.parallel.context import active_context_parallel, suspend_context_parallel
 from tests.helpers import float64_norms, grads_of, max_grad_relative_error, relative_error, tiny_model
@@ -68,6 +69,7 @@ def test_suspend_context_parallel_runs_the_whole_row_inside_a_context_parallel_b
             assert active_context_parallel() is None
             torch.testing.assert_close(model(**inputs).logits, expected, rtol=0, atol=0)
         assert active_context_parallel() is context_parallel
+        check_model_for_trees(tiny_model(seed=1))  # its probe tree runs whole: suspended inside
     assert active_context_parallel() is None
 
 
