@@ -14,13 +14,28 @@ from hf_tree.collator import TreeDataCollator
 from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.model_check import tree_self_check_field
 from hf_tree.packing import Normalization, OverlongPolicy, PackingConfig
+from hf_tree.parallel.integration import ContextParallelConfig
+
+# ContextParallelConfig fields reachable as ``context_parallel_<name>`` (pad_token_id comes from the tokenizer).
+CONTEXT_PARALLEL_FIELDS = ("strategy", "chunks_per_rank", "query_block_size")
+CONTEXT_PARALLEL_PREFIX = "context_parallel_"
+
+
+def config_field(config_class: type, name: str) -> Any:
+    """A flat ``TrainingArguments`` field for ``config_class.<name>``: its default, help and choices (the
+    ``HfArgumentParser`` flag reads them), so each option is described once, in its config dataclass."""
+    spec = config_class.__dataclass_fields__[name]
+    return field(default=spec.default, metadata=dict(spec.metadata))
 
 
 def packing_field(name: str) -> Any:
-    """A flat ``TrainingArguments`` field for ``PackingConfig.<name>``: its default, help and choices (the
-    ``HfArgumentParser`` flag reads them), so the options are described once, in ``PackingConfig``."""
-    spec = PackingConfig.__dataclass_fields__[name]
-    return field(default=spec.default, metadata=dict(spec.metadata))
+    """The flat field of ``PackingConfig.<name>`` (same name)."""
+    return config_field(PackingConfig, name)
+
+
+def context_parallel_field(name: str) -> Any:
+    """The flat field ``context_parallel_<name>`` of ``ContextParallelConfig.<name>``."""
+    return config_field(ContextParallelConfig, name)
 
 
 @dataclass
@@ -28,7 +43,9 @@ class TreeArguments:
     """Packing and loss options of tree training (mixin for ``TrainingArguments`` subclasses).
 
     The packing fields mirror ``PackingConfig`` (same names, types, defaults and help); ``packing_config()``
-    gathers them.
+    gathers them. The ``context_parallel_*`` fields mirror ``ContextParallelConfig`` the same way (prefixed);
+    ``context_parallel_config()`` gathers them for ``TreeContextParallel`` (used when ``parallelism_config.cp_size``
+    is above 1).
     """
 
     max_packed_tokens: int = packing_field("max_packed_tokens")
@@ -36,6 +53,9 @@ class TreeArguments:
     overlong: OverlongPolicy = packing_field("overlong")
     normalization: Normalization = packing_field("normalization")
     pad_to_multiple_of: int | None = packing_field("pad_to_multiple_of")
+    context_parallel_strategy: str = context_parallel_field("strategy")
+    context_parallel_chunks_per_rank: int = context_parallel_field("chunks_per_rank")
+    context_parallel_query_block_size: int = context_parallel_field("query_block_size")
     tree_self_check: bool = tree_self_check_field()
     remove_unused_columns: bool = field(
         default=False,
@@ -52,6 +72,7 @@ class TreeArguments:
     def check_tree_arguments(self) -> None:
         """Raise ``ValueError`` naming the field, the value and the fix."""
         self.packing_config()
+        self.context_parallel_config()
         if self.remove_unused_columns:
             raise ValueError(
                 "remove_unused_columns=True would drop the tree columns (node_tokens, node_parents, ...) before the "
@@ -61,6 +82,18 @@ class TreeArguments:
     def packing_config(self) -> PackingConfig:
         """The ``PackingConfig`` of these arguments (validated: ``ValueError`` naming the field)."""
         return PackingConfig(**{f.name: getattr(self, f.name) for f in fields(PackingConfig)})
+
+    def context_parallel_config(self, pad_token_id: int = 0) -> ContextParallelConfig:
+        """The ``ContextParallelConfig`` of the ``context_parallel_*`` fields (used when
+        ``parallelism_config.cp_size > 1``); ``ValueError`` naming the field."""
+        for name in CONTEXT_PARALLEL_FIELDS:  # one at a time, so the error names the argument that is wrong
+            value = getattr(self, CONTEXT_PARALLEL_PREFIX + name)
+            try:
+                ContextParallelConfig(**{name: value})
+            except ValueError as error:
+                raise ValueError(f"{CONTEXT_PARALLEL_PREFIX}{name}={value!r} is invalid: {error}") from error
+        options = {name: getattr(self, CONTEXT_PARALLEL_PREFIX + name) for name in CONTEXT_PARALLEL_FIELDS}
+        return ContextParallelConfig(pad_token_id=pad_token_id, **options)
 
     def make_tree_collator(self, pad_token_id: int | None = None) -> TreeDataCollator:
         """The ``TreeDataCollator`` these arguments describe (``pad_token_id`` defaults to 0)."""

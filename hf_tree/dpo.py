@@ -16,15 +16,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from accelerate.utils import is_peft_model
 from datasets import Dataset
 from trl import DPOConfig, DPOTrainer
 
 from hf_tree.dropout import warn_if_dropout
-from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
-from hf_tree.model_check import self_check_setting
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trainer import use_tree_attention
+from hf_tree.trl_glue import TreeLogProbArguments, install_tree_heads, log_tree_stats, prepare_trl_args
 
 # Per-token fields TRL's DPO reads from the policy's fused head (``DPOTrainer.__init__``); the reference needs only
 # ``log_probs``.
@@ -64,26 +62,7 @@ class TreeDPOTrainer(FSDPFullSaveMixin, DPOTrainer):
             raise ValueError(
                 "tree log-probs support text datasets only (this one has images); set tree_logprobs=False."
             )
-        if self.aux_loss_enabled:
-            raise ValueError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef} enables the MoE load-balancing loss, which the tree "
-                "log-prob passes do not compute. Set router_aux_loss_coef=0.0 or tree_logprobs=False."
-            )
-        outputs = POLICY_OUTPUTS + (("log_sum_sq_probs",) if self.use_weighting else ())
-        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        add_tree_fused_lm_head(
-            policy,
-            outputs=outputs,
-            max_packed_tokens=self.args.max_packed_tokens,
-            self_check=self_check_setting(self.args.tree_self_check),
-        )
-        if self.ref_model is not None:
-            add_tree_fused_lm_head(
-                self.accelerator.unwrap_model(self.ref_model),
-                max_packed_tokens=self.args.max_packed_tokens,
-                self_check=self_check_setting(self.args.tree_self_check),
-                name="ref_model",
-            )
+        install_tree_heads(self, POLICY_OUTPUTS + (("log_sum_sq_probs",) if self.use_weighting else ()))
         self._tree_heads_ready = True
 
     def compute_loss(

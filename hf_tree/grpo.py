@@ -18,14 +18,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import is_peft_model
 from trl import GRPOConfig, GRPOTrainer
 from trl.extras.profiling import profiling_decorator
 
 from hf_tree.dropout import warn_if_dropout
-from hf_tree.logprobs import TreeLogProbArguments, add_tree_fused_lm_head, log_tree_stats, prepare_trl_args
-from hf_tree.model_check import self_check_setting
 from hf_tree.saving import FSDPFullSaveMixin
+from hf_tree.trl_glue import TreeLogProbArguments, install_tree_heads, log_tree_stats, prepare_trl_args
 
 
 @dataclass
@@ -48,31 +46,13 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
         super().__init__(model, reward_funcs, args, **kwargs)
         if not self.args.tree_logprobs:
             return
-        if self.aux_loss_enabled:
-            raise ValueError(
-                f"router_aux_loss_coef={self.router_aux_loss_coef} enables the MoE load-balancing loss, which the tree "
-                "log-prob passes do not compute (packed rows change which tokens the routers see). Set "
-                "router_aux_loss_coef=0.0 or tree_logprobs=False."
-            )
-        warn_if_dropout(self.model, "set disable_dropout=True (it also zeroes LoRA's dropout)")
-        policy = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        add_tree_fused_lm_head(
-            policy,
+        install_tree_heads(
+            self,
+            ("log_probs", "entropy"),
             temperature=self.temperature,
-            outputs=("log_probs", "entropy"),
-            max_packed_tokens=self.args.max_packed_tokens,
-            self_check=self_check_setting(self.args.tree_self_check),
             cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
         )
-        if self.ref_model is not None:
-            add_tree_fused_lm_head(
-                self.accelerator.unwrap_model(self.ref_model),
-                temperature=self.temperature,
-                max_packed_tokens=self.args.max_packed_tokens,
-                self_check=self_check_setting(self.args.tree_self_check),
-                cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
-                name="ref_model",
-            )
+        warn_if_dropout(self.model, "set disable_dropout=True (it also zeroes LoRA's dropout)")
 
     @profiling_decorator
     def _get_per_token_logps_and_entropies(

@@ -15,10 +15,11 @@ from __future__ import annotations
 import functools
 import logging
 from dataclasses import dataclass, field
+from typing import Any
 
 import datasets
 from torch.utils.data import DataLoader
-from transformers import ProcessorMixin
+from transformers import ProcessorMixin, TrainingArguments
 from transformers.trainer_utils import seed_worker
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import maybe_convert_to_chatml
@@ -27,11 +28,10 @@ from hf_tree.builders import TRAIN_ON, build_tree_dataset
 from hf_tree.builders.dataset import detect_format
 from hf_tree.config import TreeArguments
 from hf_tree.data.sources import is_tree_dataset
-from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.dropout import warn_if_dropout
 from hf_tree.row_batching import BATCH_UNITS, TreePartDataset, TreeRowBatchSampler
 from hf_tree.sft_losses import sft_token_loss
-from hf_tree.trainer import TreeTrainerMixin, pad_token_id_of, tree_model_init_kwargs, use_tree_attention
+from hf_tree.trainer import TreeTrainerMixin
 from hf_tree.tree import Tree
 from hf_tree.versions import require_tested_trl
 
@@ -118,19 +118,12 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
     with ``attn_implementation="tree_flash"``; a model instance is switched to it.
     """
 
-    def __init__(
-        self,
-        model,
-        args: TreeSFTConfig | None = None,
-        data_collator=None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        **kwargs,
-    ) -> None:
+    def _tree_training_arguments(
+        self, model: Any, args: TrainingArguments | None, data_collator: Any, kwargs: dict[str, Any]
+    ) -> TreeSFTConfig:
         if args is None:
             name = model if isinstance(model, str) else model.config._name_or_path
-            args = TreeSFTConfig(output_dir=f"{str(name).split('/')[-1]}-TreeSFT")
+            return TreeSFTConfig(output_dir=f"{str(name).split('/')[-1]}-TreeSFT")
         if not isinstance(args, TreeSFTConfig):
             raise ValueError(
                 f"args is a {type(args).__name__}; TreeSFTTrainer needs hf_tree.sft.TreeSFTConfig (SFTConfig plus "
@@ -141,28 +134,12 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 "formatting_func cannot apply: trees are built from 'messages' or 'prompt'/'completion(s)' columns; "
                 "map your dataset into one of those formats first."
             )
-        if isinstance(model, str):
-            args.model_init_kwargs = tree_model_init_kwargs(args.model_init_kwargs)
-        else:
-            use_tree_attention(model)
-        if data_collator is None:
-            data_collator = args.make_tree_collator(pad_token_id_of(processing_class))
-        enable_fsdp2_on_cpu()  # before Trainer creates the Accelerator
-        super().__init__(
-            model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        pad_token_id = pad_token_id_of(self.processing_class)
-        if pad_token_id is not None and hasattr(self.data_collator, "pad_token_id"):
-            self.data_collator.pad_token_id = pad_token_id  # cosmetic: padding is never attended to nor scored
+        return args
+
+    def _init_tree_training(self) -> None:
         self.tree_token_loss = sft_token_loss(self.args.loss_type, self.args.label_smoothing_factor)
         warn_if_dropout(self.model, "set lora_dropout=0 (LoRA) and the model's dropout probabilities to 0")
-        self._init_tree_training()
+        super()._init_tree_training()
 
     def get_train_dataloader(self) -> DataLoader:
         """Trainer's loader; with ``batch_unit="rows"`` each optimizer step holds whole trees adding up to about

@@ -119,7 +119,10 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     """Tree loss, exact step divisor, tree eval loss, packing logs and complete FSDP2 saves, for ``Trainer``
     subclasses.
 
-    Place it before the ``Trainer`` class in the bases; call ``_init_tree_training()`` at the end of ``__init__``.
+    Place it before the ``Trainer`` class in the bases. Its ``__init__`` (the same arguments as ``Trainer``'s, in
+    the same order) is the one init path of the tree trainers: subclasses adapt it through
+    ``_tree_training_arguments`` (the default and accepted ``args``) and ``_init_tree_training`` (set-up after the base
+    ``__init__``).
     """
 
     # compute_loss divides by the whole optimizer step's divisor, so Trainer must not divide by the
@@ -128,7 +131,51 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     # Per-token loss replacing the weighted cross-entropy (``tree_causal_lm_loss``'s ``token_loss``); None: plain CE.
     tree_token_loss: Callable[..., torch.Tensor] | None = None
 
+    def __init__(
+        self,
+        model: PreTrainedModel | torch.nn.Module | str | None = None,
+        args: TrainingArguments | None = None,
+        data_collator: Callable | None = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        args = self._tree_training_arguments(model, args, data_collator, kwargs)
+        if isinstance(model, str):  # loaded by the base class (TRL) from model_init_kwargs
+            args.model_init_kwargs = tree_model_init_kwargs(args.model_init_kwargs)
+        elif model is not None:
+            use_tree_attention(model)
+        collator_is_ours = data_collator is None
+        if collator_is_ours:
+            data_collator = args.make_tree_collator(pad_token_id_of(processing_class))
+        enable_fsdp2_on_cpu()  # before Trainer creates the Accelerator
+        super().__init__(
+            model=model,
+            args=args,
+            data_collator=data_collator,
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
+            processing_class=processing_class,
+            **kwargs,
+        )
+        pad_token_id = pad_token_id_of(self.processing_class)  # the base class may have loaded a tokenizer
+        if collator_is_ours and pad_token_id is not None:
+            self.data_collator.pad_token_id = pad_token_id  # cosmetic: padding is never attended to nor scored
+        self._init_tree_training()
+
+    def _tree_training_arguments(
+        self, model: Any, args: TrainingArguments | None, data_collator: Any, kwargs: dict[str, Any]
+    ) -> TrainingArguments:
+        """The arguments to train with: ``args``, or the subclass's default when ``None``.
+
+        Raises:
+            ValueError: for arguments (or other ``__init__`` keywords) the subclass cannot train with.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define _tree_training_arguments")
+
     def _init_tree_training(self) -> None:
+        """Checks and state after the base ``__init__``; subclasses extend it (calling ``super()`` last)."""
         if self.args.n_gpu > 1:
             raise ValueError(
                 f"{type(self).__name__} does not support nn.DataParallel (n_gpu={self.args.n_gpu}): it splits the "
@@ -151,10 +198,12 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         self._tree_log_start: float | None = None
         self._tree_eval_sums: torch.Tensor | None = None
         # None without context parallel (parallelism_config.cp_size 1 or no parallelism_config).
-        pad_token_id = getattr(self.data_collator, "pad_token_id", None)
-        self.tree_context_parallel = TreeContextParallel.from_accelerator(
-            self.accelerator, ContextParallelConfig(pad_token_id=0 if pad_token_id is None else pad_token_id)
-        )
+        pad_token_id = getattr(self.data_collator, "pad_token_id", None) or 0
+        if isinstance(self.args, TreeArguments):
+            context_parallel = self.args.context_parallel_config(pad_token_id)
+        else:  # plain TrainingArguments with a TreeDataCollator: the default sharding
+            context_parallel = ContextParallelConfig(pad_token_id=pad_token_id)
+        self.tree_context_parallel = TreeContextParallel.from_accelerator(self.accelerator, context_parallel)
 
     # ------------------------------------------------------------------ training
     @staticmethod
@@ -276,36 +325,14 @@ class TreeTrainer(TreeTrainerMixin, Trainer):
     ``TreeDataCollator`` is passed as ``data_collator``. The model is switched to ``tree_flash`` attention.
     """
 
-    def __init__(
-        self,
-        model: PreTrainedModel | torch.nn.Module | None = None,
-        args: TrainingArguments | None = None,
-        data_collator=None,
-        train_dataset=None,
-        eval_dataset=None,
-        processing_class=None,
-        **kwargs,
-    ) -> None:
+    def _tree_training_arguments(
+        self, model: Any, args: TrainingArguments | None, data_collator: Any, kwargs: dict[str, Any]
+    ) -> TrainingArguments:
         if args is None:
-            args = TreeTrainingArguments(output_dir="tmp_trainer")
-        if not isinstance(args, TreeArguments):
-            if data_collator is None or args.remove_unused_columns:
-                raise ValueError(
-                    f"args is a {type(args).__name__}: use hf_tree.TreeTrainingArguments (tree fields, "
-                    "remove_unused_columns=False), or pass a TreeDataCollator and set remove_unused_columns=False."
-                )
-        elif data_collator is None:
-            data_collator = args.make_tree_collator(pad_token_id_of(processing_class))
-        if model is not None:
-            use_tree_attention(model)
-        enable_fsdp2_on_cpu()  # before Trainer creates the Accelerator
-        super().__init__(
-            model=model,
-            args=args,
-            data_collator=data_collator,
-            train_dataset=train_dataset,
-            eval_dataset=eval_dataset,
-            processing_class=processing_class,
-            **kwargs,
-        )
-        self._init_tree_training()
+            return TreeTrainingArguments(output_dir="tmp_trainer")
+        if not isinstance(args, TreeArguments) and (data_collator is None or args.remove_unused_columns):
+            raise ValueError(
+                f"args is a {type(args).__name__}: use hf_tree.TreeTrainingArguments (tree fields, "
+                "remove_unused_columns=False), or pass a TreeDataCollator and set remove_unused_columns=False."
+            )
+        return args

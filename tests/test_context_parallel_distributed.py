@@ -319,10 +319,15 @@ def test_accelerate_own_context_parallel_is_refused(results):
 
 
 # ----------------------------------------------------------------------------------------------- TreeTrainer
+# Non-default sharding options of the trainer run, set through TreeTrainingArguments' context_parallel_* fields.
+TRAINER_CONTEXT_PARALLEL = {"context_parallel_strategy": "zigzag", "context_parallel_query_block_size": 5}
+
+
 def train_tree_trainer(output_dir: str) -> dict:
     """2 SGD steps of ``TreeTrainer`` (float64 tiny Llama, RMSNorm in float64, 2 trees per step, gradient
     accumulation 2): logged losses, the step divisors and the final full parameters. Under the CP launch
-    both ranks hold the same batch and ``TreeTrainer`` shards it over the CP group."""
+    both ranks hold the same batch and ``TreeTrainer`` shards it over the CP group with the
+    ``TRAINER_CONTEXT_PARALLEL`` options (without CP they are unused)."""
     from torch.distributed.tensor import DTensor
 
     from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
@@ -339,6 +344,7 @@ def train_tree_trainer(output_dir: str) -> dict:
             seed=3,
             train_sampling_strategy="sequential",
             max_packed_tokens=48,
+            **TRAINER_CONTEXT_PARALLEL,
         )
     )
     model = tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB)
@@ -349,6 +355,7 @@ def train_tree_trainer(output_dir: str) -> dict:
     cp = trainer.tree_context_parallel
     return {
         "cp_size": 1 if cp is None else cp.size,
+        "cp_options": None if cp is None else (cp.config.strategy, cp.config.query_block_size),
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
         "trees_per_step": [h["trees_per_step"] for h in trainer.state.log_history if "trees_per_step" in h],
         "params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in named},
@@ -358,7 +365,8 @@ def train_tree_trainer(output_dir: str) -> dict:
 @pytest.mark.distributed
 def test_tree_trainer_with_context_parallel_matches_single_process(tmp_path):
     """``TreeTrainer`` under the FSDP2 + cp_size 2 launch (both ranks see the same batches, each trains its
-    shard) gives the losses and parameters of the same run in one process."""
+    shard, cut as its ``context_parallel_*`` arguments say) gives the losses and parameters of the same run in one
+    process."""
     from tests.helpers import relative_error, tiny_model
 
     config = tmp_path / "accelerate_cp.json"
@@ -373,6 +381,7 @@ def test_tree_trainer_with_context_parallel_matches_single_process(tmp_path):
     single = train_tree_trainer(str(tmp_path / "single"))
 
     assert distributed["cp_size"] == 2 and single["cp_size"] == 1
+    assert distributed["cp_options"] == ("zigzag", 5)  # the context_parallel_* arguments reached the sharding
     assert len(distributed["losses"]) == len(single["losses"]) == 2
     # the step sums count each tree once, not once per CP rank
     assert distributed["trees_per_step"] == single["trees_per_step"]

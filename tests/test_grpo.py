@@ -18,7 +18,7 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
-from hf_tree.logprobs import add_tree_fused_lm_head, log_tree_stats
+from hf_tree.trl_glue import add_tree_fused_lm_head, log_tree_stats
 from tests.helpers import (
     TINY,
     TRL_TOLERANCE,

@@ -71,6 +71,16 @@ def test_config_file_then_cli_flags(tmp_path):
         train.parse_arguments(["--config", str(path)])
 
 
+def test_context_parallel_flags_reach_the_config():
+    _, _, _, config = train.parse_arguments(
+        ["--context_parallel_strategy", "naive", "--context_parallel_chunks_per_rank", "2"]
+    )
+    options = config.context_parallel_config()
+    assert (options.strategy, options.chunks_per_rank) == ("naive", 2)
+    with pytest.raises(SystemExit):  # argparse refuses a strategy outside ContextParallelConfig's choices
+        train.parse_arguments(["--context_parallel_strategy", "ring"])
+
+
 @pytest.mark.parametrize("suffix", [".jsonl", ".parquet", "folder"])
 def test_local_datasets_load(tmp_path, suffix):
     dataset = prompt_completion_dataset()

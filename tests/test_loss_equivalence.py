@@ -313,7 +313,7 @@ def test_trl_log_prob_head_applies_the_models_logit_scaling(family):
     from trl.trainer.utils import add_fused_lm_head
 
     from hf_tree.head import own_attention_name
-    from hf_tree.logprobs import add_tree_fused_lm_head
+    from hf_tree.trl_glue import add_tree_fused_lm_head
 
     model = tiny_model(family, vocab_size=VOCAB, **SCALED_HEADS[family])
     twin = tiny_model(family, vocab_size=VOCAB, attn=own_attention_name(model), **SCALED_HEADS[family])

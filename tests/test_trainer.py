@@ -270,11 +270,37 @@ def test_bf16_autocast_update_error_is_no_worse_than_plain_trainer(tmp_path):
         ("normalization", "mean", "normalization='mean'"),
         ("pad_to_multiple_of", 0, "pad_to_multiple_of=0"),
         ("remove_unused_columns", True, "remove_unused_columns=True"),
+        ("context_parallel_strategy", "ring", "context_parallel_strategy='ring'"),
+        ("context_parallel_chunks_per_rank", 0, "context_parallel_chunks_per_rank=0"),
+        ("context_parallel_query_block_size", -2, "context_parallel_query_block_size=-2"),
     ],
 )
 def test_arguments_validation_names_the_field(field, value, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
         TreeTrainingArguments(output_dir="unused", use_cpu=True, **{"max_packed_tokens": 64, field: value})
+
+
+def test_context_parallel_fields_come_from_context_parallel_config():
+    """``context_parallel_<name>`` flags carry ``ContextParallelConfig.<name>``'s default, help and choices, and
+    ``context_parallel_config()`` builds the config the trainer hands to ``TreeContextParallel``."""
+    from transformers import HfArgumentParser
+
+    from hf_tree.config import CONTEXT_PARALLEL_FIELDS
+    from hf_tree.parallel import STRATEGIES, ContextParallelConfig
+
+    flags = {a.dest: a for a in HfArgumentParser(TreeTrainingArguments)._actions}
+    for name in CONTEXT_PARALLEL_FIELDS:
+        spec = ContextParallelConfig.__dataclass_fields__[name]
+        flag = flags[f"context_parallel_{name}"]
+        assert (flag.default, flag.help) == (spec.default, spec.metadata["help"]), name
+    assert tuple(flags["context_parallel_strategy"].choices) == STRATEGIES
+    (args,) = HfArgumentParser(TreeTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "unused", "--use_cpu", "--context_parallel_strategy", "contiguous"]
+        + ["--context_parallel_chunks_per_rank", "3"]
+    )
+    assert args.context_parallel_config(pad_token_id=7) == ContextParallelConfig(
+        strategy="contiguous", chunks_per_rank=3, pad_token_id=7
+    )
 
 
 def test_plain_training_arguments_are_refused():

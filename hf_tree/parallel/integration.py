@@ -12,7 +12,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -27,17 +27,40 @@ from hf_tree.parallel.plan import DEFAULT_CHUNKS_PER_RANK, STRATEGIES, ContextPa
 
 @dataclass
 class ContextParallelConfig:
-    """How hf_tree splits packed rows over the context-parallel group (the group itself comes from accelerate)."""
+    """How hf_tree splits packed rows over the context-parallel group (the group itself comes from accelerate).
 
-    strategy: str = "balanced"
-    """How rows are cut into shards, one of ``hf_tree.parallel.STRATEGIES``: ``"balanced"`` (equal tokens,
-    balanced attention work), ``"zigzag"``, ``"contiguous"`` (equal work, unequal tokens) or ``"naive"``."""
-    chunks_per_rank: int = DEFAULT_CHUNKS_PER_RANK
-    """Chunks dealt to each rank by ``"balanced"``: more chunks balance work more finely."""
-    query_block_size: int = DEFAULT_QUERY_BLOCK_SIZE
-    """Query rows per attention call on each rank; bounds the per-call mask and score tiles."""
-    pad_token_id: int = 0
-    """Token id of the padding slots that even out shard lengths (never seen by real tokens, never scored)."""
+    Each field's ``metadata`` holds its ``help`` (and ``choices``); ``hf_tree.config.TreeArguments`` derives its
+    ``context_parallel_*`` fields from them.
+    """
+
+    strategy: str = field(
+        default="balanced",
+        metadata={
+            "help": f"How packed rows are cut into context-parallel shards, one of {STRATEGIES}: 'balanced' (equal "
+            "tokens, balanced attention work), 'zigzag', 'contiguous' (equal work, unequal tokens) or 'naive'.",
+            "choices": list(STRATEGIES),
+        },
+    )
+    chunks_per_rank: int = field(
+        default=DEFAULT_CHUNKS_PER_RANK,
+        metadata={
+            "help": "Chunks dealt to each context-parallel rank by 'balanced': more chunks balance work more finely."
+        },
+    )
+    query_block_size: int = field(
+        default=DEFAULT_QUERY_BLOCK_SIZE,
+        metadata={
+            "help": "Query rows per attention call on each context-parallel rank; bounds the per-call mask and score "
+            "tiles."
+        },
+    )
+    pad_token_id: int = field(
+        default=0,
+        metadata={
+            "help": "Token id of the padding slots that even out shard lengths (never seen by real tokens, never "
+            "scored)."
+        },
+    )
 
     def __post_init__(self) -> None:
         if self.strategy not in STRATEGIES:

@@ -1,0 +1,271 @@
+"""TRL glue of the tree log-prob passes: the fused-head installer and what ``TreeGRPOTrainer`` and
+``TreeDPOTrainer`` share (config fields, argument preparation, head installation on policy and reference, logs).
+
+The layout and the kernel the head runs are ``hf_tree.logprobs``.
+"""
+
+from __future__ import annotations
+
+import functools
+import types
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from accelerate.utils import is_peft_model
+from transformers import PreTrainedModel
+from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
+
+from hf_tree.attention.names import TREE_ATTENTION_NAME
+from hf_tree.logprobs import FUSED_OUTPUTS, layout_scored_rows, scatter_to_rows, tree_token_log_probs
+from hf_tree.model_check import check_model_for_trees, self_check_setting, tree_self_check_field
+from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
+from hf_tree.versions import require_tested_trl
+
+require_tested_trl()  # TRL internals below (FusedCausalLMOutput, the fused_lm_head call contract) change between minors
+# Inputs of a fused-head call that are ignored (``None`` values, e.g. from PEFT's forward, are ignored too).
+IGNORED_INPUTS = ("use_cache", "return_dict")
+
+
+def check_tree_model(model: PreTrainedModel, name: str = "model") -> None:
+    """Raise ``ValueError`` unless ``model`` can run the tree fused head (a text causal LM on ``tree_flash``).
+
+    How its logits are scored (scale, softcap, or a refusal) and the tree self-check are decided on the first call
+    (``hf_tree.model_check.check_model_for_trees``), on the device the model then runs on."""
+    config = model.config
+    if config._attn_implementation != TREE_ATTENTION_NAME:
+        raise ValueError(
+            f"{name} uses attn_implementation={config._attn_implementation!r}, which ignores the tree mask. Load it "
+            f"with attn_implementation='{TREE_ATTENTION_NAME}' (after `import hf_tree`; without kv_end it is exactly "
+            f"sdpa, so generation is unchanged), e.g. model_init_kwargs={{'attn_implementation': "
+            f"'{TREE_ATTENTION_NAME}'}}, or call {name}.set_attn_implementation('{TREE_ATTENTION_NAME}')."
+        )
+    if config.get_text_config() is not config:
+        raise ValueError(
+            f"{name} is a {type(model).__name__} with a separate text config (a vision-language model); tree "
+            "log-probs support text-only causal LMs. Set tree_logprobs=False."
+        )
+
+
+def _tree_fused_call(
+    model: PreTrainedModel,
+    settings: dict[str, Any],
+    previous_forward: Any,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    labels: torch.Tensor | None,
+    num_items_in_batch: torch.Tensor | int | None,
+    tokens_per_forward: int | None,
+    other_inputs: dict[str, Any],
+) -> FusedCausalLMOutput:
+    unsupported = sorted(k for k, v in other_inputs.items() if v is not None and v is not False)
+    if unsupported:
+        raise ValueError(
+            f"the tree log-prob head got model inputs {unsupported} it does not support (it handles text input_ids, "
+            "attention_mask and labels; no vision inputs, position_ids, shift_labels or MoE router losses). Set "
+            "tree_logprobs=False to use TRL's own forward."
+        )
+    if labels is None:
+        raise ValueError("fused_lm_head=True needs labels (-100 where no token is scored).")
+    # First call: refuse models the tree passes would get wrong; the original forward, not the model, runs the probe
+    # (calling the model again inside its own forward would rerun FSDP's root hooks).
+    logit_head = check_model_for_trees(model, settings["self_check"], forward=previous_forward)
+    tokens_per_forward = tokens_per_forward or input_ids.numel()
+    layout = layout_scored_rows(input_ids, attention_mask, labels, settings["max_packed_tokens"] or tokens_per_forward)
+    if layout.num_scored == 0:  # nothing to score: TRL's forward keeps the zero output connected to the model
+        model.hf_tree_layout_stats = None  # nothing packed: no (stale) ratio to log for this call
+        return previous_forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+    values = tree_token_log_probs(
+        model,
+        layout,
+        settings["temperature"],
+        settings["outputs"],
+        tokens_per_forward,
+        settings["cast_lm_head_to_fp32"],
+        logit_head,
+    )
+    per_token = {name: scatter_to_rows(value, layout) for name, value in values.items()}
+    label_mask = labels[:, 1:] != -100
+    divisor = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    model.hf_tree_layout_stats = layout.stats  # the last call's packing, for the trainers' logs
+    return FusedCausalLMOutput(loss=-per_token["log_probs"].sum() / divisor, label_mask=label_mask, **per_token)
+
+
+def add_tree_fused_lm_head(
+    model: PreTrainedModel,
+    temperature: float = 1.0,
+    outputs: Sequence[str] = ("log_probs",),
+    max_packed_tokens: int | None = None,
+    cast_lm_head_to_fp32: bool = False,
+    name: str = "model",
+    self_check: bool | None = None,
+) -> None:
+    """Replace the fused head that TRL's ``add_fused_lm_head`` installed on ``model`` by the tree one.
+
+    ``model(..., labels=labels, fused_lm_head=True)`` then returns a ``FusedCausalLMOutput`` with the same fields
+    and layout as TRL's, computed on packed trees; it also accepts ``tree_tokens_per_forward=`` (packed tokens per
+    backbone call, default ``B * T``). Without ``fused_lm_head`` the previous forward runs (generation is
+    unchanged). Calling it again replaces the settings.
+
+    Args:
+        model: the causal LM (the base model of a PEFT model), loaded with ``attn_implementation="tree_flash"``.
+        temperature, cast_lm_head_to_fp32: as given to TRL's ``add_fused_lm_head`` for this model.
+        outputs: per-token fields to compute, among ``FUSED_OUTPUTS``.
+        max_packed_tokens: packed row capacity; ``None``: the call's tokens per forward.
+        name: how errors refer to the model.
+        self_check: run ``hf_tree.model_check``'s refusals and probe before the first tree pass (``None``: on
+            unless ``HF_TREE_SELF_CHECK=0``).
+    """
+    check_tree_model(model, name)
+    unknown = sorted(set(outputs) - set(FUSED_OUTPUTS))
+    if unknown:
+        raise ValueError(f"outputs={tuple(outputs)!r} holds unknown fields {unknown}; choose among {FUSED_OUTPUTS}.")
+    settings = dict(
+        temperature=temperature,
+        outputs=tuple(outputs),
+        max_packed_tokens=max_packed_tokens,
+        cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+        self_check=self_check,
+    )
+    previous_forward = getattr(model, "hf_tree_previous_forward", None) or model.forward
+
+    @functools.wraps(type(model).forward)  # keep the signature: generate() validates its kwargs against it
+    def forward(
+        self: PreTrainedModel,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        *,
+        fused_lm_head: bool = False,
+        labels: torch.Tensor | None = None,
+        num_items_in_batch: torch.Tensor | int | None = None,
+        tree_tokens_per_forward: int | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        if not fused_lm_head:
+            for key, value in (("labels", labels), ("num_items_in_batch", num_items_in_batch)):
+                if value is not None:
+                    kwargs[key] = value
+            return previous_forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+        for key in IGNORED_INPUTS:
+            kwargs.pop(key, None)
+        return _tree_fused_call(
+            self,
+            settings,
+            previous_forward,
+            input_ids,
+            attention_mask,
+            labels,
+            num_items_in_batch,
+            tree_tokens_per_forward,
+            kwargs,
+        )
+
+    model.forward = types.MethodType(forward, model)
+    model.hf_tree_previous_forward = previous_forward
+
+
+# ---------------------------------------------------------------- shared by TreeGRPOTrainer and TreeDPOTrainer
+@dataclass
+class TreeLogProbArguments:
+    """Tree fields of ``TreeGRPOConfig`` and ``TreeDPOConfig`` (a mixin placed before the TRL config in the bases).
+
+    With ``tree_logprobs=True``, a model given by name is loaded with ``attn_implementation="tree_flash"`` unless
+    ``model_init_kwargs`` names another (which then fails with a clear error).
+    """
+
+    tree_logprobs: bool = field(
+        default=True,
+        metadata={
+            "help": "Compute the log-prob passes (policy and reference; old policy in GRPO) on packed prompt trees. "
+            "False runs TRL's own passes unchanged (for comparison)."
+        },
+    )
+    max_packed_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Capacity of one packed row in tokens. None: the tokens of one TRL forward (rows x padded length), "
+            "so no packed row holds more tokens than TRL's own forward. A larger tree is split by its completions "
+            "(exact; the prompt is repeated)."
+        },
+    )
+
+    tree_self_check: bool = tree_self_check_field()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the TRL config parses its fields first (e.g. JSON model_init_kwargs)
+        if self.max_packed_tokens is not None and (
+            not isinstance(self.max_packed_tokens, int) or self.max_packed_tokens < 2
+        ):
+            raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} must be an integer >= 2, or None.")
+
+
+def prepare_trl_args(args: Any, config_class: type, model: Any, trainer_name: str) -> Any:
+    """The tree trainer's arguments: ``args`` (TRL's default naming when ``None``); with ``tree_logprobs``, the
+    model on ``tree_flash`` as ``TreeSFTTrainer`` does it: by name, ``model_init_kwargs["attn_implementation"]``
+    becomes ``tree_flash`` (``None``/unset silently, another name with a warning); an instance is switched
+    (``hf_tree.trainer.use_tree_attention``).
+
+    Raises:
+        ValueError: for a plain TRL config, which lacks the tree fields, or a model that cannot be switched.
+    """
+    if args is None:
+        name = model if isinstance(model, str) else get_config_model_id(model.config)
+        args = config_class(f"{name.split('/')[-1]}-{trainer_name}")
+    if not isinstance(args, config_class):
+        raise ValueError(
+            f"args is a {type(args).__name__}; the tree trainer needs a {config_class.__name__} (the same fields plus "
+            "the tree ones): swap the config class too."
+        )
+    if args.tree_logprobs and isinstance(model, str):
+        args.model_init_kwargs = tree_model_init_kwargs(args.model_init_kwargs)
+    elif args.tree_logprobs:
+        use_tree_attention(model)
+    return args
+
+
+def log_tree_stats(trainer: Any, model: torch.nn.Module) -> None:
+    """Append the last tree pass's dedup ratio (branch tokens / packed tokens) to a TRL trainer's metrics; nothing
+    when that pass scored no token (e.g. every completion masked by ``mask_truncated_completions``) or none ran."""
+    unwrapped = trainer.accelerator.unwrap_model(model)
+    base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+    stats = getattr(base, "hf_tree_layout_stats", None)
+    if stats is None:
+        return
+    mode = "train" if trainer.model.training else "eval"
+    trainer._metrics[mode]["tree/dedup_ratio"].append(stats.dedup_ratio)
+
+
+def install_tree_heads(
+    trainer: Any,
+    policy_outputs: Sequence[str],
+    temperature: float = 1.0,
+    cast_lm_head_to_fp32: bool = False,
+) -> None:
+    """Put the tree fused head on a TRL trainer's policy (the base model of a PEFT policy) and reference model.
+
+    Args:
+        trainer: a ``TreeGRPOTrainer``/``TreeDPOTrainer`` after TRL's ``__init__`` installed its own heads (its
+            ``args`` carry ``max_packed_tokens`` and ``tree_self_check``).
+        policy_outputs: per-token fields the policy pass computes (the reference computes ``log_probs`` only).
+        temperature, cast_lm_head_to_fp32: as TRL gives them to its ``add_fused_lm_head``.
+
+    Raises:
+        ValueError: when the trainer enables the MoE router loss, which the tree passes do not compute.
+    """
+    if trainer.aux_loss_enabled:
+        raise ValueError(
+            f"router_aux_loss_coef={trainer.router_aux_loss_coef} enables the MoE load-balancing loss, which the tree "
+            "log-prob passes do not compute (packed rows change which tokens the routers see). Set "
+            "router_aux_loss_coef=0.0 or tree_logprobs=False."
+        )
+    settings = dict(
+        temperature=temperature,
+        max_packed_tokens=trainer.args.max_packed_tokens,
+        self_check=self_check_setting(trainer.args.tree_self_check),
+        cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+    )
+    policy = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
+    add_tree_fused_lm_head(policy, outputs=policy_outputs, **settings)
+    if trainer.ref_model is not None:
+        add_tree_fused_lm_head(trainer.accelerator.unwrap_model(trainer.ref_model), name="ref_model", **settings)
