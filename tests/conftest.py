@@ -1,4 +1,5 @@
-"""Fixtures shared by several test modules (each module opts in; none is autouse here)."""
+"""Fixtures shared by several test modules (each module opts in; none is autouse here), and the hook that skips
+``gpu``-marked tests without a CUDA device."""
 
 from __future__ import annotations
 
@@ -13,3 +14,13 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """A ``@pytest.mark.gpu`` test needs CUDA: without a device it is skipped, never failed."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="gpu test: no CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

@@ -327,11 +327,7 @@ def test_backend_selection(monkeypatch):
         set_attention_backend("nope")
 
 
-cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-
-
 @pytest.mark.gpu
-@cuda
 @pytest.mark.parametrize("engine", ["flex", "blocked"])
 @pytest.mark.parametrize("case", CASES)
 def test_cuda_engines_within_twice_eager_in_float32(engine, case):
@@ -349,7 +345,6 @@ def test_cuda_engines_within_twice_eager_in_float32(engine, case):
 
 
 @pytest.mark.gpu
-@cuda
 def test_cuda_blocked_matches_reference_in_float64():
     kv_end, position_ids = packed_rows(seed=22, num_trees=12, max_packed_tokens=400)
     kv_end, position_ids = kv_end.cuda(), position_ids.cuda()
