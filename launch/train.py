@@ -162,6 +162,7 @@ DEFAULT_RUN: dict[str, Any] = {
     "report_to": "none",
     "bf16": False,
     "gradient_checkpointing": False,
+    "assistant_only_loss": True,  # what the per-turn trees train (TreeSFTTrainer warns when it is left False)
     "max_packed_tokens": 4096,
     "max_length": None,  # no per-sample limit below the row capacity
     "seed": 0,
