@@ -26,6 +26,12 @@ from hf_tree.attention import (
     set_attention_backend,
 )
 from hf_tree.attention.flex import cached_tree_block_mask, clear_block_mask_cache, tree_block_mask
+from hf_tree.attention.segments import (
+    MIN_TOKENS_PER_CALL,
+    cpu_tree_attention,
+    plan_segments,
+    segment_tree_attention,
+)
 from tests.helpers import relative_error
 from tests.test_loss_equivalence import random_tree_branches
 
@@ -230,13 +236,13 @@ def test_flex_low_precision_forward_within_twice_eager(dtype):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-@pytest.mark.parametrize("engine", ["blocked", "flex"])
+@pytest.mark.parametrize("engine", ["blocked", "segments", "flex"])
 def test_rows_that_see_only_themselves_give_no_nan(engine):
     """Padding keys (kv_end = j + 1) and a row of one-token trees: each query sees itself only, output = v."""
     n = 40
     kv_end = torch.arange(1, n + 1, dtype=torch.int32)[None]
     q, k, v = qkv(kv_end, (4, 2), torch.float64)
-    backward = engine == "blocked"
+    backward = engine != "flex"
     out, grads = run(ENGINES[engine], q, k, v, kv_end, None, backward=backward, scaling=0.5)
     expected = v.detach().repeat_interleave(2, dim=1).transpose(1, 2)
     assert torch.isfinite(out).all()
@@ -311,7 +317,7 @@ def test_sinks_must_be_one_logit_per_query_head():
 
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv("HF_TREE_ATTENTION_BACKEND", raising=False)
-    assert select_backend(torch.device("cpu")) == "blocked"
+    assert select_backend(torch.device("cpu")) == "cpu"
     assert select_backend(torch.device("cuda")) == "flex"
     monkeypatch.setenv("HF_TREE_ATTENTION_BACKEND", "reference")
     assert select_backend(torch.device("cuda")) == "reference"
@@ -353,3 +359,102 @@ def test_cuda_blocked_matches_reference_in_float64():
     ref, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.3, sliding_window=5)
     assert relative_error(out, ref) <= TOLERANCE
     assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads))
+
+
+def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_end``/``position_ids`` of rows of long segments: a GRPO group (prompt, answers sharing a first
+    sentence), an agent-like chain whose later turns fork off after earlier siblings' subtrees (ancestors that are
+    not one contiguous range), one-token leaves, and padding."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1000) for _ in range(n)]
+
+    prompt, opening = tokens(200), tokens(60)
+    group = [prompt + tokens(150), prompt + opening + tokens(120), prompt + opening + tokens(90), prompt + tokens(1)]
+    turns = [tokens(100)]
+    for _ in range(3):
+        turns.append(turns[-1] + tokens(rng.randint(60, 120)))
+    agent = [t + tokens(60) for t in turns] + turns[-1:]
+    trees = [Tree.from_sequences(group), Tree.from_sequences(agent)]
+    batch = TreeDataCollator(max_packed_tokens=1024, pad_to_multiple_of=128)([t.to_dict() for t in trees])
+    return batch["kv_end"], batch["position_ids"]
+
+
+def test_segment_rectangles_tile_the_tree_mask_exactly():
+    for kv_end in (long_segment_rows()[0], packed_rows(seed=2)[0]):
+        plan = plan_segments(kv_end)
+        batch, n = kv_end.shape
+        covered = torch.zeros(batch, n, n, dtype=torch.int64)
+        for part in plan.parts:
+            keys = torch.arange(n)[part.keys]
+            block = covered[part.row, part.q0 : part.q1][:, keys]
+            if part.causal:
+                block += torch.ones(len(keys), len(keys), dtype=torch.int64).tril()
+            else:
+                block += 1
+            covered[part.row, part.q0 : part.q1, keys] = block
+        flat = covered.view(batch * n, n)
+        flat[plan.singletons, plan.singletons % n] += 1
+        assert torch.equal(covered, dense_tree_mask(kv_end).squeeze(1).to(torch.int64))
+    assert any(not isinstance(p.keys, slice) for p in plan_segments(long_segment_rows()[0]).parts)
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}x{h[1]}")
+@pytest.mark.parametrize("case", [pytest.param({}, id="plain"), pytest.param({"sinks": True}, id="sinks")])
+@pytest.mark.parametrize("rows", ["long-segments", "random-forests"])
+def test_segments_match_reference_in_float64(heads, case, rows):
+    kv_end, position_ids = long_segment_rows() if rows == "long-segments" else packed_rows(seed=heads[1])
+    q, k, v = qkv(kv_end, heads, torch.float64)
+    options = dict(scaling=0.37, **with_sinks(case, heads[0], torch.float64))
+    out, grads = run(segment_tree_attention, q, k, v, kv_end, position_ids, **options)
+    ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
+    assert relative_error(out, ref_out) <= TOLERANCE
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert relative_error(grad, ref_grad) <= TOLERANCE
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [pytest.param({}, id="plain"), pytest.param({"sinks": True}, id="sinks")])
+def test_segments_low_precision_error_within_twice_eager(dtype, case):
+    kv_end, position_ids = long_segment_rows(seed=1)
+    q, k, v = qkv(kv_end, (4, 2), dtype)
+    options = dict(scaling=HEAD_DIM**-0.5, **with_sinks(case, 4, dtype))
+    exact_out, exact_grads = run(
+        reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **in64(options)
+    )
+    out, grads = run(segment_tree_attention, q, k, v, kv_end, position_ids, **options)
+    eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
+    assert out.dtype == dtype
+    assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
+    for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads, strict=True):
+        assert grad.dtype == dtype
+        assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
+
+
+def test_segments_refuse_what_the_fused_kernel_lacks():
+    kv_end, position_ids = long_segment_rows()
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    for option in (dict(softcap=2.0), dict(sliding_window=8, position_ids=position_ids)):
+        with pytest.raises(ValueError, match="use blocked_tree_attention"):
+            segment_tree_attention(q, k, v, kv_end, scaling=1.0, **option)
+
+
+@pytest.mark.parametrize(
+    "rows, options, chosen",
+    [
+        ("long-segments", {}, "_SegmentTreeAttention"),
+        ("long-segments", dict(softcap=2.0), "_BlockedTreeAttention"),
+        ("long-segments", dict(sliding_window=16), "_BlockedTreeAttention"),
+        ("random-forests", {}, "_BlockedTreeAttention"),
+    ],
+)
+def test_cpu_engine_chooses_by_segment_length_and_options(rows, options, chosen):
+    kv_end, position_ids = long_segment_rows() if rows == "long-segments" else packed_rows(seed=0)
+    plan = plan_segments(kv_end)
+    assert (plan.tokens_per_call >= MIN_TOKENS_PER_CALL) == (rows == "long-segments")
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    out = cpu_tree_attention(q, k, v, kv_end, scaling=0.37, position_ids=position_ids, **options)
+    assert type(out.grad_fn).__name__ == chosen + "Backward"
+    ref = reference_tree_attention(q, k, v, kv_end, scaling=0.37, position_ids=position_ids, **options)
+    assert relative_error(out, ref) <= TOLERANCE

@@ -24,14 +24,17 @@ from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.mask import dense_tree_mask, render_mask, tree_mask_mod
 from hf_tree.attention.options import tree_mode_options
 from hf_tree.attention.reference import reference_tree_attention
+from hf_tree.attention.segments import cpu_tree_attention, segment_tree_attention
 from hf_tree.attention.torch_cp import refuse_torch_context_parallel
 
 TreeAttentionEngine = Callable[..., torch.Tensor]
 
 ENGINES: dict[str, TreeAttentionEngine] = {
-    "blocked": blocked_tree_attention,  # CPU / any device: block-skipping PyTorch, custom autograd
+    "cpu": cpu_tree_attention,  # automatic off CUDA: "segments" where the row suits it, else "blocked"
+    "blocked": blocked_tree_attention,  # any device: block-skipping PyTorch, custom autograd
     "flex": flex_tree_attention,  # CUDA: compiled FlexAttention with a cached BlockMask
     "reference": reference_tree_attention,  # dense mask, for tests
+    "segments": segment_tree_attention,  # CPU: PyTorch's fused attention kernel on the mask's rectangles
 }
 BACKEND_ENV_VAR = "HF_TREE_ATTENTION_BACKEND"
 _forced_backend: str | None = None
@@ -78,10 +81,10 @@ def set_attention_backend(name: str | None) -> None:
 
 def select_backend(device: torch.device) -> str:
     """The engine name for tensors on ``device``: forced > environment > automatic ("flex" on CUDA,
-    "blocked" elsewhere)."""
+    "cpu" elsewhere)."""
     name = _forced_backend or os.environ.get(BACKEND_ENV_VAR) or "auto"
     if name == "auto":
-        return "flex" if device.type == "cuda" else "blocked"
+        return "flex" if device.type == "cuda" else "cpu"
     if name not in ENGINES:
         raise ValueError(f"{BACKEND_ENV_VAR}={name!r} is unknown; choose one of {sorted(ENGINES)} or 'auto'.")
     return name
@@ -122,12 +125,14 @@ __all__ = [
     "attention_engine_scope",
     "scoped_attention_engine",
     "blocked_tree_attention",
+    "cpu_tree_attention",
     "DeferredMask",
     "dense_tree_mask",
     "flex_tree_attention",
     "model_attention_forward",
     "reference_tree_attention",
     "render_mask",
+    "segment_tree_attention",
     "select_backend",
     "set_attention_backend",
     "tree_attention_forward",

@@ -5,10 +5,7 @@ sliding window), never from the ``N x N`` mask: a (query block, key block) pair 
 of the block is an ancestor-or-self of a query of the block, "full" (no ``mask_mod`` call) when every
 key is seen by every query, and partial otherwise, where ``tree_mask_mod`` decides per element.
 
-One model forward calls attention once per layer with the same ``kv_end`` tensor object (transformers
-passes the keyword through unchanged), so the block mask is cached on that object's identity and its
-in-place version counter. The cache holds a reference to the tensors it was built from: their memory
-cannot be reused by a later batch while the entry lives, so an identity match cannot be stale.
+The block mask is built once per batch and shared by all layers (``hf_tree.attention.batch_cache``).
 
 On CUDA ``flex_attention`` runs compiled (fused, block-sparse forward and backward). Elsewhere it runs
 eagerly: PyTorch's CPU FlexAttention has no backward, so this path serves forward checks of the same
@@ -18,19 +15,16 @@ block mask and mask function; the ``blocked`` engine is the CPU engine.
 from __future__ import annotations
 
 import functools
-from collections import OrderedDict
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
+from hf_tree.attention.batch_cache import BatchCache
 from hf_tree.attention.mask import check_sinks, check_window_depths, tree_mask_mod
 
 # FlexAttention's default sparse block size (its kernels' tile size).
 BLOCK_SIZE = 128
-# Distinct batches whose block masks are kept (train and eval forwards may interleave).
-CACHE_SIZE = 4
-
-_cache: OrderedDict[tuple, tuple[torch.Tensor, torch.Tensor | None, BlockMask]] = OrderedDict()
+_cache: BatchCache[BlockMask] = BatchCache()
 
 
 def _block_summaries(x: torch.Tensor, block_size: int, fill_min: int, fill_max: int) -> tuple[torch.Tensor, ...]:
@@ -103,16 +97,7 @@ def cached_tree_block_mask(
     """``tree_block_mask`` built once per batch: keyed on the identity and version of ``kv_end`` (and of
     ``position_ids`` when a sliding window reads them)."""
     depth = position_ids if sliding_window is not None else None
-    key = (id(kv_end), kv_end._version, id(depth), None if depth is None else depth._version, sliding_window)
-    entry = _cache.get(key)
-    if entry is not None and entry[0] is kv_end and entry[1] is depth:
-        _cache.move_to_end(key)
-        return entry[2]
-    block_mask = tree_block_mask(kv_end, depth, sliding_window)
-    _cache[key] = (kv_end, depth, block_mask)
-    while len(_cache) > CACHE_SIZE:
-        _cache.popitem(last=False)
-    return block_mask
+    return _cache.get((kv_end, depth), (sliding_window,), lambda: tree_block_mask(kv_end, depth, sliding_window))
 
 
 def clear_block_mask_cache() -> None:

@@ -1,0 +1,309 @@
+"""Tree attention as a few fused causal-attention calls: one per segment and one per branching point.
+
+A packed tree row splits into *segments*: maximal runs ``[s, e)`` of tokens with the same subtree end
+``kv_end = E`` (each token's only child is the next one). The tree mask is then a disjoint union of
+rectangles with contiguous rows and columns (docs/design.md):
+
+- ``[s, e) x [s, e)`` causal: a segment sees itself causally;
+- ``[e, E) x [s, e)`` full: every descendant of a segment (DFS puts them right after it) sees all of it.
+
+Each rectangle is one call of PyTorch's fused flash-attention kernel (the one causal SDPA runs on), which
+returns its log-sum-exp; the parts of a query are merged exactly with their log-sum-exps, and the backward
+runs the kernel's own backward on each part with the merged output and log-sum-exp (as ring attention does).
+Every visible query-key pair is computed once, no pair outside the mask is, and no key is gathered.
+Segments of one token (padding, one-token leaves) see only themselves among their own tokens: they run
+together as one call with the tokens as the batch.
+
+This pays one kernel call per rectangle, so it suits rows of few long segments (GRPO groups, long turns);
+``cpu_tree_attention`` sends batches of many short segments, softcapping and sliding windows to the blocked
+engine instead.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hf_tree.attention.batch_cache import BatchCache
+from hf_tree.attention.blocked import blocked_tree_attention
+from hf_tree.attention.mask import check_sinks, compute_dtype, visible_keys_per_query
+
+_flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+_flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
+
+
+# Rows whose multi-token segments (and groups of siblings with the same ancestors) average fewer tokens than
+# this go to the blocked engine: below it, per-call overheads outweigh the fused kernel's speed
+# (benchmarks/attention.py's random-tree rows; docs/attention.md).
+MIN_TOKENS_PER_CALL = 48
+
+
+@dataclass(frozen=True)
+class _Part:
+    """Queries ``[q0, q1)`` of row ``row`` against ``keys``: causal over themselves, or all of the keys."""
+
+    row: int
+    q0: int
+    q1: int
+    keys: slice | torch.Tensor
+    """Key indices in the row: a slice, or a LongTensor when the keys are not one contiguous range."""
+    causal: bool
+
+
+@dataclass
+class SegmentPlan:
+    """The rectangles of a batch of rows."""
+
+    parts: list[_Part]
+    """Causal parts (one per multi-token segment) first, then full parts (one per group of sibling segments
+    with the same ancestors, against those ancestors)."""
+    singletons: torch.Tensor
+    """``[S]`` int64 flat indices ``row * N + j`` of one-token segments (each sees itself among its own)."""
+    num_tokens: int
+    """Tokens of the batch outside padding (tokens that see only themselves and are seen by no other)."""
+
+    @property
+    def tokens_per_call(self) -> float:
+        """Non-padding tokens per kernel call (the calls on singletons count as one)."""
+        return self.num_tokens / max(1, len(self.parts) + bool(self.singletons.numel()))
+
+
+_plans: BatchCache[SegmentPlan] = BatchCache()
+
+
+def _key_index(runs: tuple[tuple[int, int], ...], device: torch.device) -> slice | torch.Tensor:
+    """Ascending disjoint ``[start, stop)`` runs -> a slice for one run, else the indices."""
+    if len(runs) == 1:
+        return slice(*runs[0])
+    return torch.cat([torch.arange(a, b) for a, b in runs]).to(device)
+
+
+def _plan_row(kv_end: torch.Tensor, row: int, device: torch.device) -> tuple[list[_Part], list[_Part], list[int], int]:
+    """Causal parts, full parts, one-token segment starts and non-padding tokens of ``kv_end [N]`` (CPU)."""
+    n = kv_end.shape[0]
+    starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(kv_end[1:] != kv_end[:-1]).flatten() + 1])
+    stops = torch.cat([starts[1:], torch.tensor([n])])
+    subtree_ends = kv_end[starts]
+    has_ancestors = visible_keys_per_query(kv_end)[starts] > 1
+    # Padding (and one-token trees): one token that sees only itself and has no descendant; no loop over them.
+    alone = (stops - starts == 1) & ~has_ancestors & (subtree_ends == stops)
+    singles = starts[stops - starts == 1].tolist()
+    causal, full = [], []
+    open_segments: list[tuple[int, tuple]] = []  # (subtree end, key runs of its descendants), innermost last
+    group: list | None = None  # [q0, q1, runs] of the full part being grown
+    for s, e, end in zip(starts[~alone].tolist(), stops[~alone].tolist(), subtree_ends[~alone].tolist(), strict=True):
+        while open_segments and open_segments[-1][0] <= s:
+            open_segments.pop()
+        runs = open_segments[-1][1] if open_segments else ()
+        if e - s > 1:
+            causal.append(_Part(row, s, e, slice(s, e), True))
+        if runs:  # siblings with the same ancestors, one after the other, share one call
+            if group is not None and group[1] == s and group[2] == runs:
+                group[1] = e
+            else:
+                if group is not None:
+                    full.append(_Part(row, group[0], group[1], _key_index(group[2], device), False))
+                group = [s, e, runs]
+        if end > e:  # its descendants see its ancestors and itself
+            joined = (*runs[:-1], (runs[-1][0], e)) if runs and runs[-1][1] == s else (*runs, (s, e))
+            open_segments.append((end, joined))
+    if group is not None:
+        full.append(_Part(row, group[0], group[1], _key_index(group[2], device), False))
+    return causal, full, singles, n - int(alone.sum())
+
+
+def plan_segments(kv_end: torch.Tensor, device: torch.device | None = None) -> SegmentPlan:
+    """The rectangles of ``kv_end [B, N]`` (any integer dtype/device); index tensors on ``device``."""
+    rows = kv_end.detach().to("cpu", torch.int64)
+    device = kv_end.device if device is None else device
+    causal, full, singles, tokens = [], [], [], 0
+    for b in range(rows.shape[0]):
+        row_causal, row_full, row_singles, row_tokens = _plan_row(rows[b], b, device)
+        causal += row_causal
+        full += row_full
+        singles += [b * rows.shape[1] + j for j in row_singles]
+        tokens += row_tokens
+    return SegmentPlan(causal + full, torch.tensor(singles, dtype=torch.int64, device=device), tokens)
+
+
+def cached_segment_plan(kv_end: torch.Tensor) -> SegmentPlan:
+    """``plan_segments`` once per batch (all layers share it; ``hf_tree.attention.batch_cache``)."""
+    return _plans.get((kv_end,), (), lambda: plan_segments(kv_end))
+
+
+def _tokens_as_batch(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """``x [B, H, N, (D)]`` -> ``[S, H, 1, (D)]``: the tokens ``flat`` (``row * N + j``) as one-token rows."""
+    tokens = x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], *x.shape[1:2], *x.shape[3:])
+    return tokens.index_select(0, flat).unsqueeze(2)
+
+
+def _select(x: torch.Tensor, part: _Part) -> torch.Tensor:
+    """The keys (or values) of a part: ``x [B, Hkv, N, D]`` -> ``[1, Hkv, n_keys, D]`` (a view for a slice)."""
+    row = x[part.row]
+    keys = row[:, part.keys] if isinstance(part.keys, slice) else row.index_select(1, part.keys)
+    return keys.unsqueeze(0)
+
+
+def _token_buffer(batch: int, heads: int, n: int, *tail: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed token-major ``[B, N, H, *tail]`` buffer (one-token parts index it by ``row * N + j``)."""
+    return torch.zeros(batch, n, heads, *tail, dtype=dtype, device=device)
+
+
+def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+    """``out [..., L, D]``, ``lse [..., L]`` (in place) := the softmax over their keys and a part's other keys."""
+    merged = torch.logaddexp(lse, part_lse)
+    out.mul_((lse - merged).exp_().unsqueeze(-1)).add_(part_out * (part_lse - merged).exp_().unsqueeze(-1))
+    lse.copy_(merged)
+
+
+class _SegmentTreeAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, query, key, value, sinks, plan: SegmentPlan, scaling: float):
+        batch, heads, n, dim = query.shape
+        acc_dtype = compute_dtype(query.dtype)
+        options = dict(dtype=acc_dtype, device=query.device)
+        out_tokens = _token_buffer(batch, heads, n, dim, **options)  # [B, N, H, D], the layout returned
+        lse_tokens = _token_buffer(batch, heads, n, **options)
+        out, lse = out_tokens.transpose(1, 2), lse_tokens.transpose(1, 2)  # [B, H, N, D], [B, H, N] views
+        if plan.singletons.numel():  # each query's first part: written, not merged
+            flat = plan.singletons
+            part_out, part_lse = _flash_forward(
+                _tokens_as_batch(query, flat), _tokens_as_batch(key, flat), _tokens_as_batch(value, flat), scale=scaling
+            )
+            out_tokens.view(batch * n, heads, dim).index_copy_(0, flat, part_out.squeeze(2).to(acc_dtype))
+            lse_tokens.view(batch * n, heads).index_copy_(0, flat, part_lse.squeeze(2).to(acc_dtype))
+        for part in plan.parts:
+            rows = slice(part.q0, part.q1)
+            part_out, part_lse = _flash_forward(
+                query[part.row, :, rows].unsqueeze(0),
+                _select(key, part),
+                _select(value, part),
+                is_causal=part.causal,
+                scale=scaling,
+            )
+            target, target_lse = out[part.row, :, rows], lse[part.row, :, rows]
+            if part.causal:  # its queries' first part (plan order)
+                target.copy_(part_out[0])
+                target_lse.copy_(part_lse[0])
+            else:
+                _merge(target, target_lse, part_out[0], part_lse[0])
+        if sinks is not None:  # one more softmax column per head, with a zero value
+            _merge(out, lse, torch.zeros_like(out), sinks.detach().to(acc_dtype).view(1, heads, 1).expand_as(lse))
+        result = out_tokens.to(query.dtype)
+        ctx.save_for_backward(query, key, value, sinks, result, lse_tokens)
+        ctx.plan, ctx.scaling = plan, scaling
+        return result
+
+    @staticmethod
+    def backward(ctx, grad_result):
+        query, key, value, sinks, result, lse_tokens = ctx.saved_tensors
+        plan, scaling = ctx.plan, ctx.scaling
+        batch, heads, n, dim = query.shape
+        options = dict(dtype=compute_dtype(query.dtype), device=query.device)
+        grad_tokens = [
+            _token_buffer(batch, x.shape[1], n, dim, **options) for x in (query, key, value)
+        ]  # token-major accumulators of the query, key and value gradients
+        grads = [g.transpose(1, 2) for g in grad_tokens]
+        grad_out, out, lse = grad_result.transpose(1, 2), result.transpose(1, 2), lse_tokens.transpose(1, 2)
+        for part in plan.parts:
+            rows, b = slice(part.q0, part.q1), part.row
+            part_grads = _flash_backward(
+                grad_out[b, :, rows].unsqueeze(0),
+                query[b, :, rows].unsqueeze(0),
+                _select(key, part),
+                _select(value, part),
+                out[b, :, rows].unsqueeze(0),
+                lse[b, :, rows].unsqueeze(0).contiguous(),
+                0.0,
+                part.causal,
+                scale=scaling,
+            )
+            grads[0][b, :, rows] += part_grads[0][0]
+            for total, part_grad in zip(grads[1:], part_grads[1:], strict=True):
+                if isinstance(part.keys, slice):
+                    total[b, :, part.keys] += part_grad[0]
+                else:
+                    total[b].index_add_(1, part.keys, part_grad[0].to(total.dtype))
+        if plan.singletons.numel():
+            flat = plan.singletons
+            part_grads = _flash_backward(
+                *(_tokens_as_batch(x, flat) for x in (grad_out, query, key, value, out)),
+                _tokens_as_batch(lse, flat).contiguous(),
+                0.0,
+                False,
+                scale=scaling,
+            )
+            for total, part_grad in zip(grad_tokens, part_grads, strict=True):
+                total.view(batch * n, *total.shape[2:]).index_add_(0, flat, part_grad.squeeze(2).to(total.dtype))
+        grad_sinks = None
+        if sinks is not None:  # d(sink) = -sum over queries of P_sink * rowsum(dO * O)
+            row_dot = (grad_out.to(lse.dtype) * out.to(lse.dtype)).sum(-1)
+            grad_sinks = -((sinks.to(lse.dtype).view(1, heads, 1) - lse).exp() * row_dot).sum((0, 2)).to(sinks.dtype)
+        return (*(g.to(x.dtype) for g, x in zip(grads, (query, key, value), strict=True)), grad_sinks, None, None)
+
+
+@torch.compiler.disable  # data-dependent plans: run eagerly inside a compiled model
+def segment_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_end: torch.Tensor,
+    *,
+    scaling: float,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+    plan: SegmentPlan | None = None,
+) -> torch.Tensor:
+    """Tree attention from fused flash-attention calls on contiguous rectangles (CPU); arguments and result as
+    ``reference_tree_attention`` (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` never repeated,
+    ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype), without softcapping or sliding windows."""
+    check_sinks("segment_tree_attention", sinks, query.shape[1])
+    if sliding_window is not None or softcap is not None:
+        raise ValueError(
+            f"segment_tree_attention got sliding_window={sliding_window}, softcap={softcap}: the fused kernel has "
+            "neither; use blocked_tree_attention for such layers."
+        )
+    del position_ids  # depths matter only for sliding windows
+    if plan is None:
+        plan = cached_segment_plan(kv_end)
+    device_type = query.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
+    with torch.autocast(device_type, enabled=False):
+        return _SegmentTreeAttention.apply(query, key, value, sinks, plan, scaling)
+
+
+def cpu_tree_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    kv_end: torch.Tensor,
+    *,
+    scaling: float,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    sinks: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The automatic engine off CUDA: ``segment_tree_attention`` on CPU batches whose segments are long enough
+    (``MIN_TOKENS_PER_CALL`` tokens per kernel call), else ``blocked_tree_attention`` (short segments,
+    softcapping, sliding windows, other devices). Arguments and result as ``reference_tree_attention``."""
+    if query.device.type == "cpu" and sliding_window is None and softcap is None:
+        plan = cached_segment_plan(kv_end)
+        if plan.tokens_per_call >= MIN_TOKENS_PER_CALL:
+            return segment_tree_attention(query, key, value, kv_end, scaling=scaling, sinks=sinks, plan=plan)
+    return blocked_tree_attention(
+        query,
+        key,
+        value,
+        kv_end,
+        scaling=scaling,
+        position_ids=position_ids,
+        sliding_window=sliding_window,
+        softcap=softcap,
+        sinks=sinks,
+    )
