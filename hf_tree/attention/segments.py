@@ -139,10 +139,11 @@ def _tokens_as_batch(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
 
 
 def _select(x: torch.Tensor, part: _Part) -> torch.Tensor:
-    """The keys (or values) of a part: ``x [B, Hkv, N, D]`` -> ``[1, Hkv, n_keys, D]`` (a view for a slice)."""
-    row = x[part.row]
-    keys = row[:, part.keys] if isinstance(part.keys, slice) else row.index_select(1, part.keys)
-    return keys.unsqueeze(0)
+    """The keys (or values) of a part: ``x [B, Hkv, N, D]`` -> ``[1, Hkv, n_keys, D]`` (a view for a slice; gathered
+    token-major, the layout of transformers' projections, otherwise)."""
+    if isinstance(part.keys, slice):
+        return x[part.row, :, part.keys].unsqueeze(0)
+    return x[part.row].transpose(0, 1).index_select(0, part.keys).transpose(0, 1).unsqueeze(0)
 
 
 def _token_buffer(batch: int, heads: int, n: int, *tail: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -220,11 +221,11 @@ class _SegmentTreeAttention(torch.autograd.Function):
                 scale=scaling,
             )
             grads[0][b, :, rows] += part_grads[0][0]
-            for total, part_grad in zip(grads[1:], part_grads[1:], strict=True):
+            for total, part_grad in zip(grad_tokens[1:], part_grads[1:], strict=True):
                 if isinstance(part.keys, slice):
-                    total[b, :, part.keys] += part_grad[0]
-                else:
-                    total[b].index_add_(1, part.keys, part_grad[0].to(total.dtype))
+                    total[b, part.keys] += part_grad[0].transpose(0, 1)
+                else:  # token-major: whole [Hkv, D] rows per index
+                    total[b].index_add_(0, part.keys, part_grad[0].transpose(0, 1).to(total.dtype))
         if plan.singletons.numel():
             flat = plan.singletons
             part_grads = _flash_backward(
