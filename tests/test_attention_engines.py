@@ -27,7 +27,7 @@ from hf_tree.attention import (
 )
 from hf_tree.attention.flex import cached_tree_block_mask, clear_block_mask_cache, tree_block_mask
 from tests.helpers import relative_error
-from tests.test_loss_equivalence import random_tree_branches
+from tests.workloads import random_tree_branches
 
 TOLERANCE = 1e-9
 HEAD_DIM = 8
