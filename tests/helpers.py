@@ -1,5 +1,6 @@
-"""Shared test helpers: tiny HF models built from configs, the per-branch oracle, exact training runs and the
-pieces of the TRL-against-tree-trainer comparisons.
+"""Shared test helpers: tiny HF models built from configs (hybrids included), the per-branch oracle, exact training
+runs, the pieces of the TRL-against-tree-trainer comparisons and the ``accelerate launch`` command of the 2-process
+tests. The data and tree workloads live in tests/workloads.py; no test module imports another (issue 17).
 
 The oracle for anything tree-shaped: run the same model on each branch as an ordinary sequence
 (``attn_implementation="sdpa"``, standard shifted cross-entropy) and combine with the same normalization.
@@ -9,7 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.resources
+import json
+import os
+import sys
 from collections.abc import Iterator, Sequence
+from pathlib import Path
 
 import pytest
 import torch
@@ -29,6 +35,7 @@ TINY = dict(
     num_key_value_heads=2,
     max_position_embeddings=512,
 )
+VOCAB = TINY["vocab_size"]  # token ids of the tiny-model workloads (tests/workloads.py)
 
 
 def tiny_config(family: str = "llama", **overrides) -> transformers.PretrainedConfig:
@@ -134,6 +141,10 @@ def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 # ------------------------------------------------------------------------------- SmolLM2's real tokenizer
+SMOLLM2_VOCAB = 49152  # SmolLM2's tokenizer
+QWEN3_TEMPLATE = str(importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja")
+
+
 def smollm2_tokenizer_or_skip() -> transformers.PreTrainedTokenizerBase:
     """SmolLM2's tokenizer from the offline asset; skips the calling test (or fixture) when it is missing."""
     from hf_tree.assets import load_smollm2_tokenizer, smollm2_gguf_path
@@ -181,6 +192,51 @@ def train_and_measure_updates(trainer) -> dict[str, torch.Tensor]:
     return {n: p.detach() - before[n] for n, p in trainer.model.named_parameters() if p.requires_grad}
 
 
+# ----------------------------------------------------------- transformers.Trainer on the branches (the oracle)
+def collate_branches(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Reference collator: every branch of every row, right-padded; labels -100 where not trained."""
+    branches = [(seq, mask) for row in rows for seq, mask in zip(row["sequences"], row["masks"])]
+    length = max(len(seq) for seq, _ in branches)
+    input_ids = torch.zeros(len(branches), length, dtype=torch.long)
+    attention_mask = torch.zeros(len(branches), length, dtype=torch.long)
+    labels = torch.full((len(branches), length), -100, dtype=torch.long)
+    for i, (seq, mask) in enumerate(branches):
+        input_ids[i, : len(seq)] = torch.tensor(seq)
+        attention_mask[i, : len(seq)] = 1
+        labels[i, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(seq), -100)
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
+
+
+def branch_loss_func(normalization: str, branches_per_step: int):
+    """Reference ``compute_loss_func`` in float64: token = HF's sum / num_items_in_batch (counted by Trainer
+    over the accumulated batch); sequence = per-branch means summed / branches in the step."""
+
+    def loss_func(outputs, labels, num_items_in_batch=None):
+        logits = outputs.logits[:, :-1].to(torch.float64)
+        targets = labels[:, 1:]
+        trained = targets != -100
+        ce = F.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none") * trained
+        if normalization == "token":
+            return ce.sum() / num_items_in_batch
+        return (ce.sum(1) / trained.sum(1)).sum() / branches_per_step
+
+    return loss_func
+
+
+def common_args(tmp_path, name: str, batch_size: int, accumulation: int, **overrides) -> dict:
+    """``exact_sgd_args`` of the TreeTrainer-against-Trainer runs (3 CPU steps, lr 0.5, seed 7) in
+    ``tmp_path/name``; ``overrides`` add to or override these."""
+    defaults = dict(
+        per_device_train_batch_size=batch_size,
+        gradient_accumulation_steps=accumulation,
+        max_steps=3,
+        learning_rate=0.5,
+        seed=7,
+        use_cpu=True,
+    )
+    return exact_sgd_args(str(tmp_path / name), **{**defaults, **overrides})
+
+
 # ------------------------------------------------------------------------------- TRL trainers vs tree twins
 TRL_TOLERANCE = 1e-9
 # Parameter updates of one step: TRL's fused log-prob kernel computes its gradients in float32 even in a float64
@@ -218,3 +274,279 @@ def assert_same_step_as_trl(trl, trl_updates: dict, tree, tree_updates: dict) ->
     for name, update in trl_updates.items():
         assert relative_error(tree_updates[name], update) <= TRL_STEP_TOLERANCE, name
     assert any(u.norm() > 0 for u in trl_updates.values())
+
+
+# --------------------------------------------------------------------------------------------- TRL GRPO
+def trainer_args(cls, path: str, dtype: torch.dtype, **overrides):
+    """A GRPO config (``cls``: TRL's or the tree one) from ``tiny_trl_config``: 4 generations of at most 8 tokens,
+    beta 0.1; ``overrides`` add to or override these."""
+    grpo_defaults = dict(num_generations=4, max_completion_length=8, beta=0.1)
+    return tiny_trl_config(cls, path, dtype, **{**grpo_defaults, **overrides})
+
+
+def zero_reward(completions, **_) -> list[float]:
+    """Reward 0 for every completion."""
+    return [0.0] * len(completions)
+
+
+# prompt text -> its group's completions (token ids): unequal lengths, shared prefixes, a duplicate
+FIXED_COMPLETIONS = {
+    "w10 w11 w12 w13 w14": [[20, 21, 22], [20, 21, 1], [23, 24, 25, 26, 27, 28], [29]],
+    "w15 w16 w17": [[30, 31], [32, 33, 34, 35, 1], [30, 36], [30, 31]],
+}
+
+
+def fixed_rollout(prompts: list[str], trainer) -> dict:
+    """Generation replaced by a fixed list of completions (TRL's ``rollout_func`` hook), identical for both."""
+    seen: dict[str, int] = {}
+    output = {"prompt_ids": [], "completion_ids": [], "logprobs": None}
+    for prompt in prompts:
+        k = seen[prompt] = seen.get(prompt, -1) + 1
+        output["prompt_ids"].append(trainer.processing_class(prompt)["input_ids"])
+        output["completion_ids"].append(FIXED_COMPLETIONS[prompt][k % 4])
+    return output
+
+
+def varied_reward(completion_ids, **_) -> list[float]:
+    """A reward that differs between completions (id sum mod 7), so the advantages are not all zero."""
+    return [float(sum(ids) % 7) for ids in completion_ids]
+
+
+def one_step(cls, config_cls, path: str, peft: bool):
+    """One optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per generation: old
+    policy, reference and policy passes all run), SGD without clipping so gradient errors stay visible."""
+    from datasets import Dataset  # imported here: most users of this module never need them
+    from peft import LoraConfig
+
+    args = trainer_args(
+        config_cls, path, torch.float64, gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0
+    )
+    trainer = cls(
+        path,
+        varied_reward,
+        args,
+        train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
+        processing_class=word_tokenizer(),
+        rollout_func=fixed_rollout,
+        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
+    )
+    return trainer, train_and_measure_updates(trainer)
+
+
+# ------------------------------------------------------------------------------------------ hybrid models
+# The models' torch functions and norms compute in float32 inside even in a float64 model.
+FLOAT32_FLOOR = 1e-4
+
+HYBRIDS = {
+    "qwen3_next": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    ),
+    "qwen3_5_text": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+    ),
+    "lfm2": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        layer_types=["conv", "full_attention", "conv"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        conv_L_cache=3,
+        block_auto_adjust_ff_dim=False,
+    ),
+    "nemotron_h": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        layers_block_type=["linear_attention", "full_attention", "mlp"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        mamba_num_heads=4,
+        mamba_head_dim=16,
+        n_groups=2,
+        ssm_state_size=8,
+        chunk_size=4,
+        conv_kernel=4,
+    ),
+    "bamba": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        attn_layer_indices=[1],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=4,
+        mamba_d_conv=4,
+    ),
+}
+
+
+# More hybrids with the same mixers (slow: ~10 s each on a shared CPU).
+SLOW_HYBRIDS = {
+    "qwen3_5_moe_text": dict(
+        HYBRIDS["qwen3_5_text"],
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+    ),
+    "lfm2_moe": dict(
+        HYBRIDS["lfm2"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1
+    ),
+    "falcon_h1": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_ssm=64,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=4,
+        mamba_d_conv=4,
+    ),
+    "granitemoehybrid": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        layer_types=["mamba", "attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_n_groups=2,
+        mamba_d_state=8,
+        mamba_chunk_size=4,
+        mamba_d_conv=4,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        shared_intermediate_size=16,
+    ),
+    "zamba2": dict(
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        layers_block_type=["mamba", "hybrid"],
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        attention_head_dim=8,
+        n_mamba_heads=4,
+        mamba_ngroups=2,
+        mamba_d_state=8,
+        chunk_size=4,
+    ),
+    "olmo_hybrid": dict(
+        pad_token_id=0,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"],
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        linear_conv_kernel_dim=4,
+    ),
+    "lfm3": dict(
+        pad_token_id=0,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        conv_L_cache=3,
+    ),
+    "mamba2": dict(
+        hidden_size=16,
+        num_hidden_layers=2,
+        num_heads=4,
+        head_dim=8,
+        expand=2,
+        n_groups=2,
+        state_size=8,
+        chunk_size=4,
+        conv_kernel=4,
+    ),
+}
+
+
+def float32_floor_grad_error(model_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> float:
+    """``max_grad_relative_error`` with a floor for float32 internals: a parameter is measured against at least
+    1e-3 of the largest gradient norm (A_log / dt_bias gradients of ~1e-8 carry float32 rounding of ~1e-10)."""
+    largest = max(float(g.norm()) for g in ref_grads.values())
+    return max(
+        float((model_grads[name] - ref).norm()) / max(float(ref.norm()), 1e-3 * largest)
+        for name, ref in ref_grads.items()
+    )
+
+
+def hybrid_model(family: str, attn: str = "tree_flash") -> torch.nn.Module:
+    """The tiny float64 hybrid of ``family`` (``HYBRIDS`` or ``SLOW_HYBRIDS``), seeded, with eager experts."""
+    torch.manual_seed(0)
+    config = transformers.AutoConfig.for_model(family, vocab_size=VOCAB, **{**HYBRIDS, **SLOW_HYBRIDS}[family])
+    return AutoModelForCausalLM.from_config(
+        copy.deepcopy(config), attn_implementation=attn, dtype=torch.float64, experts_implementation="eager"
+    )  # grouped_mm experts refuse float64
+
+
+# ----------------------------------------------------------------------------------------- accelerate launch
+def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    """Largest relative error between same-named tensors (state dicts, saved files)."""
+    assert a.keys() == b.keys()
+    return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)) for n in a)
+
+
+def launch_command(config: Path) -> list[str]:
+    """``accelerate launch`` of ``config`` on 2 CPU processes (CP configs: the 2 processes shard data only)."""
+    command = [
+        sys.executable,
+        "-m",
+        "accelerate.commands.launch",
+        "--config_file",
+        str(config),
+        "--num_processes",
+        "2",
+        "--mixed_precision",
+        "no",
+        "--main_process_port",
+        str(29500 + os.getpid() % 1000),
+    ]
+    if "parallelism_config" in json.loads(config.read_text()):
+        command += ["--parallelism_config_dp_shard_size", "2", "--parallelism_config_cp_size", "1"]
+    return command

@@ -33,7 +33,7 @@ from hf_tree.attention.segments import (
     segment_tree_attention,
 )
 from tests.helpers import relative_error
-from tests.test_loss_equivalence import random_tree_branches
+from tests.workloads import random_tree_branches
 
 TOLERANCE = 1e-9
 HEAD_DIM = 8

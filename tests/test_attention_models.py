@@ -17,7 +17,7 @@ import torch
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.attention import set_attention_backend
 from tests.helpers import float64_norms, grads_of, max_grad_relative_error, per_branch_loss, relative_error, tiny_model
-from tests.test_loss_equivalence import random_tree_branches
+from tests.workloads import random_tree_branches
 
 VOCAB = 97
 TOLERANCE = 1e-9

@@ -22,9 +22,8 @@ from hf_tree.parallel import (
     tree_context_parallel,
     visible_keys_per_query,
 )
-from tests.helpers import float64_norms, grads_of, max_grad_relative_error, relative_error, tiny_model
-from tests.test_context_parallel_distributed import VOCAB, agent_row, deep_forest_rows, grpo_row, make_batch
-from tests.test_loss_equivalence import random_tree_branches
+from tests.helpers import VOCAB, float64_norms, grads_of, max_grad_relative_error, relative_error, tiny_model
+from tests.workloads import agent_row, deep_forest_rows, grpo_row, make_batch, random_tree_branches
 
 ROWS = {"grpo": grpo_row, "agent": agent_row, "deep_forest": deep_forest_rows}
 

@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import random
 import socket
 import subprocess
 import sys
@@ -21,8 +20,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import VOCAB
+from tests.workloads import agent_row, deep_forest_rows, grpo_row, make_batch
+
 REPO = Path(__file__).resolve().parents[1]
-VOCAB = 97
 FLOAT64_TOLERANCE = 1e-9
 FLOAT32_TOLERANCE = 1e-5
 # Accelerate's FSDP2 + context-parallel config, as a user writes it (CPU: ACCELERATE_USE_CPU=true).
@@ -48,42 +49,6 @@ ACCELERATE_CONFIG = {
 }
 
 
-# ----------------------------------------------------------------------------------------------- tree rows
-def grpo_row() -> list[tuple[list[list[int]], list[list[int]]]]:
-    """One prompt, six completions of different lengths (odd row length), completions trained."""
-    rng = random.Random(11)
-    prompt = [rng.randrange(1, VOCAB) for _ in range(17)]
-    sequences, masks = [], []
-    for length in (3, 9, 4, 7, 5, 8):
-        completion = [rng.randrange(1, VOCAB) for _ in range(length)]
-        sequences.append(prompt + completion)
-        masks.append([0] * len(prompt) + [1] * length)
-    return [(sequences, masks)]
-
-
-def agent_row() -> list[tuple[list[list[int]], list[list[int]]]]:
-    """One sample per turn; later turns keep the answers but not the reasoning, so the turns form a trunk
-    (the stripped history) with a trained reasoning+answer fork per turn."""
-    rng = random.Random(12)
-    history = [rng.randrange(1, VOCAB) for _ in range(9)]
-    sequences, masks = [], []
-    for _ in range(5):
-        reasoning = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 7))]
-        answer = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 5))]
-        sequences.append(history + reasoning + answer)
-        masks.append([0] * len(history) + [1] * (len(reasoning) + len(answer)))
-        history = history + answer + [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))]
-    return [(sequences, masks)]
-
-
-def deep_forest_rows() -> list[tuple[list[list[int]], list[list[int]] | None]]:
-    """A random deep tree, the 12-level fork chain and another random tree: two rows with padding."""
-    from tests.test_loss_equivalence import deep_tree_branches, random_tree_branches
-
-    rng = random.Random(13)
-    return [random_tree_branches(rng, 8), deep_tree_branches(), random_tree_branches(rng, 5)]
-
-
 # name: (rows, family, dtype, strategy, max_packed_tokens, query_block_size)
 CASES = {
     "grpo_llama_f64_balanced": (grpo_row, "llama", torch.float64, "balanced", 128, 8),
@@ -94,19 +59,6 @@ CASES = {
     "three_tokens_llama_f64_naive": (lambda: [([[5, 6, 7]], None)], "llama", torch.float64, "naive", 16, 1024),
 }
 FSDP_CASE = "fsdp2_grpo_llama_f64_balanced"
-
-
-def make_batch(rows_fn, max_packed_tokens: int) -> dict[str, torch.Tensor]:
-    """The collator's batch (rows padded to a multiple of 5 when there are several) without the stats keys."""
-    from hf_tree import Tree, TreeDataCollator
-    from hf_tree.collator import STATS_KEYS
-
-    trees = rows_fn()
-    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=5 if len(trees) > 1 else None)
-    batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in trees])
-    for key in STATS_KEYS:
-        batch.pop(key)
-    return batch
 
 
 # ----------------------------------------------------------------------------------------------- worker
@@ -332,7 +284,7 @@ def train_tree_trainer(output_dir: str) -> dict:
 
     from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
     from tests.helpers import exact_sgd_args, float64_norms, tiny_model
-    from tests.test_trainer import branch_groups, tree_dataset
+    from tests.workloads import branch_groups, tree_dataset
 
     args = TreeTrainingArguments(
         **exact_sgd_args(

@@ -12,7 +12,6 @@ whose adapter must equal the single-process one.
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
@@ -27,6 +26,8 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
+
+from tests.helpers import launch_command, max_relative_error  # noqa: E402
 
 CONFIGS = sorted((REPO / "fsdp_configs").glob("*.json"))
 KILL_CONFIGS = {"fsdp2_lora", "fsdp2_full"}  # resumed from a checkpoint of a killed launch
@@ -43,8 +44,7 @@ def make_model(lora: bool) -> torch.nn.Module:
     start non-zero so that both adapter matrices get gradients from step 1."""
     from peft import LoraConfig, get_peft_model
 
-    from tests.helpers import tiny_model
-    from tests.test_trainer import VOCAB
+    from tests.helpers import VOCAB, tiny_model
 
     model = tiny_model(vocab_size=VOCAB, dtype=torch.float32, tie_word_embeddings=True)
     if lora:
@@ -89,7 +89,7 @@ def train_and_save(directory: str, lora: bool, per_device_batch: int, resume: st
 
     from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
     from tests.helpers import exact_sgd_args
-    from tests.test_trainer import branch_groups, tree_dataset
+    from tests.workloads import branch_groups, tree_dataset
 
     dataset = tree_dataset(branch_groups(seed=5, num_trees=2 * GLOBAL_BATCH))
     settings = dict(
@@ -145,31 +145,6 @@ def run(output_dir: str, lora: bool, per_device_batch: int, resume_dir: str | No
 def lora_save_run(output_dir: str, per_device_batch: int) -> dict[str, torch.Tensor]:
     """A LoRA run without checkpoints saved to ``output_dir/final``: its final parameters."""
     return train_and_save(output_dir, True, per_device_batch, save_strategy="no")[1]
-
-
-def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    assert a.keys() == b.keys()
-    return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)) for n in a)
-
-
-def launch_command(config: Path) -> list[str]:
-    """``accelerate launch`` of ``config`` on 2 CPU processes (CP configs: the 2 processes shard data only)."""
-    command = [
-        sys.executable,
-        "-m",
-        "accelerate.commands.launch",
-        "--config_file",
-        str(config),
-        "--num_processes",
-        "2",
-        "--mixed_precision",
-        "no",
-        "--main_process_port",
-        str(29500 + os.getpid() % 1000),
-    ]
-    if "parallelism_config" in json.loads(config.read_text()):
-        command += ["--parallelism_config_dp_shard_size", "2", "--parallelism_config_cp_size", "1"]
-    return command
 
 
 @pytest.mark.distributed

@@ -7,12 +7,9 @@ same saved tiny Llama by path (so the reference model is built by TRL itself), t
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 from datasets import Dataset
-from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
@@ -20,28 +17,18 @@ from trl.trainer.utils import add_fused_lm_head
 from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.trl_glue import add_tree_fused_lm_head, log_tree_stats
 from tests.helpers import (
-    TINY,
     TRL_TOLERANCE,
     assert_same_step_as_trl,
     float64_norms,
+    one_step,
     relative_error,
     saved_tiny_model,
     tiny_model,
-    tiny_trl_config,
-    train_and_measure_updates,
+    trainer_args,
     word_tokenizer,
+    zero_reward,
 )
-
-VOCAB = TINY["vocab_size"]  # the word tokenizer's and the tiny model's
-
-
-def trainer_args(cls, path: str, dtype: torch.dtype, **overrides):
-    grpo_defaults = dict(num_generations=4, max_completion_length=8, beta=0.1)
-    return tiny_trl_config(cls, path, dtype, **{**grpo_defaults, **overrides})
-
-
-def zero_reward(completions, **_) -> list[float]:
-    return [0.0] * len(completions)
+from tests.workloads import padded_batch, scenario
 
 
 @pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["float64", "float32"])
@@ -53,34 +40,6 @@ def trainers(request, tmp_path_factory):
     trl = GRPOTrainer(path, zero_reward, trainer_args(GRPOConfig, path, dtype), **setup)
     tree = TreeGRPOTrainer(path, zero_reward, trainer_args(TreeGRPOConfig, path, dtype), **setup)
     return trl, tree, path
-
-
-def padded_batch(prompts: list[list[int]], completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """TRL's GRPO layout: ``[B, P + C]`` ids and mask, prompts left-padded, completions right-padded."""
-    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
-    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for row, (p, c) in enumerate(zip(prompts, completions)):
-        ids[row, width_p - len(p) : width_p], mask[row, width_p - len(p) : width_p] = torch.tensor(p), 1
-        ids[row, width_p : width_p + len(c)], mask[row, width_p : width_p + len(c)] = torch.tensor(c), 1
-    return ids, mask, width_c
-
-
-def scenario(name: str) -> tuple[list[list[int]], list[list[int]]]:
-    """Rows (prompt, completion) of one micro-batch; completions of unequal length everywhere."""
-    rng = random.Random(name)
-    tokens = lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]  # noqa: E731
-    if name == "full_group":  # one prompt, 4 completions: a duplicate and one the prefix of another
-        first = tokens(6)
-        prompt, completions = tokens(9), [first, tokens(3), first, first[:2]]
-        return [prompt] * 4, completions
-    if name == "partial_groups":  # rows of two groups interleaved (as after TRL's shuffle), one group partial
-        a, b = tokens(7), tokens(4)
-        return [a, b, a, b, a], [tokens(5), tokens(2), tokens(8), tokens(1), tokens(3)]
-    if name == "several_prompts":  # three prompts of different lengths sharing a first token, two rows each
-        prompts = [[5, *tokens(n)] for n in (2, 10, 6)]
-        return [p for p in prompts for _ in range(2)], [tokens(rng.randint(1, 8)) for _ in range(6)]
-    raise ValueError(name)
 
 
 @pytest.mark.parametrize("name", ["full_group", "partial_groups", "several_prompts"])
@@ -162,46 +121,6 @@ def test_generation_is_unchanged():
     prompt = torch.tensor([[5, 6, 7, 8]])
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(prompt, **kwargs), twin.generate(prompt, **kwargs))
-
-
-# prompt text -> its group's completions (token ids): unequal lengths, shared prefixes, a duplicate
-FIXED_COMPLETIONS = {
-    "w10 w11 w12 w13 w14": [[20, 21, 22], [20, 21, 1], [23, 24, 25, 26, 27, 28], [29]],
-    "w15 w16 w17": [[30, 31], [32, 33, 34, 35, 1], [30, 36], [30, 31]],
-}
-
-
-def fixed_rollout(prompts: list[str], trainer) -> dict:
-    """Generation replaced by a fixed list of completions (TRL's ``rollout_func`` hook), identical for both."""
-    seen: dict[str, int] = {}
-    output = {"prompt_ids": [], "completion_ids": [], "logprobs": None}
-    for prompt in prompts:
-        k = seen[prompt] = seen.get(prompt, -1) + 1
-        output["prompt_ids"].append(trainer.processing_class(prompt)["input_ids"])
-        output["completion_ids"].append(FIXED_COMPLETIONS[prompt][k % 4])
-    return output
-
-
-def varied_reward(completion_ids, **_) -> list[float]:
-    return [float(sum(ids) % 7) for ids in completion_ids]
-
-
-def one_step(cls, config_cls, path: str, peft: bool):
-    """One optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per generation: old
-    policy, reference and policy passes all run), SGD without clipping so gradient errors stay visible."""
-    args = trainer_args(
-        config_cls, path, torch.float64, gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0
-    )
-    trainer = cls(
-        path,
-        varied_reward,
-        args,
-        train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
-        processing_class=word_tokenizer(),
-        rollout_func=fixed_rollout,
-        peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
-    )
-    return trainer, train_and_measure_updates(trainer)
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])

@@ -18,8 +18,6 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-import transformers
-from transformers import AutoModelForCausalLM
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.mixers import (
@@ -31,13 +29,21 @@ from hf_tree.mixers import (
     uninstall_tree_mixers,
 )
 from hf_tree.model_check import SELF_CHECK_ENV_VAR
-from tests.helpers import float64_norms, grads_of, max_grad_relative_error, per_branch_loss, relative_error
+from tests.helpers import (
+    FLOAT32_FLOOR,
+    HYBRIDS,
+    SLOW_HYBRIDS,
+    float32_floor_grad_error,
+    float64_norms,
+    grads_of,
+    hybrid_model,
+    max_grad_relative_error,
+    per_branch_loss,
+    relative_error,
+)
 
-VOCAB = 97
 # Exactness of the tree decomposition (same op, float64 compute, different chunking).
 EXACT = 1e-12
-# The models' torch functions and norms compute in float32 inside even in a float64 model.
-FLOAT32_FLOOR = 1e-4
 
 # A forest row with padding: a fork at position 1 (closer to the root than any conv width), a fork inside the
 # "prompt" and nested forks (node depth 4), a prefix branch, a duplicate branch, an untrained branch, and a second
@@ -232,191 +238,6 @@ def test_tree_mamba2_scan_matches_each_branch(chunk_size):
 
 
 # ---------------------------------------------------------------------------------------------------- models
-HYBRIDS = {
-    "qwen3_next": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-    ),
-    "qwen3_5_text": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        layer_types=["linear_attention", "linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-    ),
-    "lfm2": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        layer_types=["conv", "full_attention", "conv"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        conv_L_cache=3,
-        block_auto_adjust_ff_dim=False,
-    ),
-    "nemotron_h": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        layers_block_type=["linear_attention", "full_attention", "mlp"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        mamba_num_heads=4,
-        mamba_head_dim=16,
-        n_groups=2,
-        ssm_state_size=8,
-        chunk_size=4,
-        conv_kernel=4,
-    ),
-    "bamba": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        attn_layer_indices=[1],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mamba_n_heads=4,
-        mamba_d_head=16,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_chunk_size=4,
-        mamba_d_conv=4,
-    ),
-}
-
-
-# More hybrids with the same mixers (slow: ~10 s each on a shared CPU).
-SLOW_HYBRIDS = {
-    "qwen3_5_moe_text": dict(
-        HYBRIDS["qwen3_5_text"],
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-    ),
-    "lfm2_moe": dict(
-        HYBRIDS["lfm2"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1
-    ),
-    "falcon_h1": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        mamba_n_heads=4,
-        mamba_d_head=16,
-        mamba_d_ssm=64,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_chunk_size=4,
-        mamba_d_conv=4,
-    ),
-    "granitemoehybrid": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        layer_types=["mamba", "attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mamba_n_heads=4,
-        mamba_d_head=16,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_chunk_size=4,
-        mamba_d_conv=4,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        shared_intermediate_size=16,
-    ),
-    "zamba2": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        layers_block_type=["mamba", "hybrid"],
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        attention_head_dim=8,
-        n_mamba_heads=4,
-        mamba_ngroups=2,
-        mamba_d_state=8,
-        chunk_size=4,
-    ),
-    "olmo_hybrid": dict(
-        pad_token_id=0,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-    ),
-    "lfm3": dict(
-        pad_token_id=0,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        conv_L_cache=3,
-    ),
-    "mamba2": dict(
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_heads=4,
-        head_dim=8,
-        expand=2,
-        n_groups=2,
-        state_size=8,
-        chunk_size=4,
-        conv_kernel=4,
-    ),
-}
-
-
-def float32_floor_grad_error(model_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> float:
-    """``max_grad_relative_error`` with a floor for float32 internals: a parameter is measured against at least
-    1e-3 of the largest gradient norm (A_log / dt_bias gradients of ~1e-8 carry float32 rounding of ~1e-10)."""
-    largest = max(float(g.norm()) for g in ref_grads.values())
-    return max(
-        float((model_grads[name] - ref).norm()) / max(float(ref.norm()), 1e-3 * largest)
-        for name, ref in ref_grads.items()
-    )
-
-
-def hybrid_model(family: str, attn: str = "tree_flash") -> torch.nn.Module:
-    torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(family, vocab_size=VOCAB, **{**HYBRIDS, **SLOW_HYBRIDS}[family])
-    return AutoModelForCausalLM.from_config(
-        copy.deepcopy(config), attn_implementation=attn, dtype=torch.float64, experts_implementation="eager"
-    )  # grouped_mm experts refuse float64
 
 
 def tree_and_branch_gradients(model, max_packed_tokens: int = 64):

@@ -21,18 +21,20 @@ from trl import GRPOConfig, GRPOTrainer
 from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.mixers import install_tree_mixers, uninstall_tree_mixers
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
-from tests.helpers import relative_error, word_tokenizer
-from tests.test_grpo import one_step, padded_batch, scenario, trainer_args, zero_reward
-from tests.test_hybrid_mixers import FLOAT32_FLOOR, float32_floor_grad_error, hybrid_model
-from tests.test_trainer import (
-    BRANCHES_PER_TREE,
-    branch_dataset,
-    branch_groups,
+from tests.helpers import (
+    FLOAT32_FLOOR,
     branch_loss_func,
     collate_branches,
     common_args,
-    tree_dataset,
+    float32_floor_grad_error,
+    hybrid_model,
+    one_step,
+    relative_error,
+    trainer_args,
+    word_tokenizer,
+    zero_reward,
 )
+from tests.workloads import BRANCHES_PER_TREE, branch_dataset, branch_groups, padded_batch, scenario, tree_dataset
 
 # Log-probs of a random tiny model are near uniform (-log 97), so siblings leaking into the state move them by only
 # ~1e-3 relative; the float32 floor is ~1e-8.

@@ -100,3 +100,59 @@ def test_no_package_import_cycle():
         f"hf_tree has an import cycle: {' -> '.join(cycle)}. Move the shared piece into a leaf module, or "
         "import inside the function that needs it."
     )
+
+
+# ------------------------------------------------------------------------- no imports between test modules
+# Issue 17: shared workloads and tiny-model factories live in tests/helpers.py and tests/workloads.py; a test module
+# that imports another couples their runs (collection, fixtures, module state) and hides where a helper lives.
+TESTS_DIR = Path(__file__).resolve().parent
+
+
+def imported_test_modules(source: str) -> set[str]:
+    """Names of the ``tests.test_*`` modules that ``source`` imports anywhere (functions included: a launched
+    worker's imports count too): ``import tests.test_x``, ``from tests.test_x import ...``,
+    ``from tests import test_x`` and the relative ``from .test_x import ...`` / ``from . import test_x``."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names if alias.name.startswith("tests.test_"))
+        elif isinstance(node, ast.ImportFrom):
+            module = node.module or ""
+            if node.level == 1:  # relative to the tests package
+                module = f"tests.{module}" if module else "tests"
+            elif node.level:
+                continue
+            if module.startswith("tests.test_"):
+                found.add(module)
+            elif module == "tests":
+                found.update(f"tests.{alias.name}" for alias in node.names if alias.name.startswith("test_"))
+    return found
+
+
+def imports_between_test_modules(tests_dir: Path) -> dict[str, set[str]]:
+    """``{test file name: the tests.test_* modules it imports}`` over ``tests_dir/test_*.py`` (files without any
+    left out)."""
+    imports = {path.name: imported_test_modules(path.read_text()) for path in sorted(tests_dir.glob("test_*.py"))}
+    return {name: modules for name, modules in imports.items() if modules}
+
+
+def test_finder_sees_every_import_form():
+    source = (
+        "import tests.test_a\n"
+        "from tests.test_b import x\n"
+        "from tests import test_c, helpers\n"
+        "from .test_d import y\n"
+        "def worker():\n"
+        "    from tests.test_e import z\n"
+        "from tests.helpers import tiny_model\n"
+        "from tests.workloads import branch_groups\n"
+    )
+    assert imported_test_modules(source) == {f"tests.test_{c}" for c in "abcde"}
+
+
+def test_no_test_module_imports_another():
+    found = imports_between_test_modules(TESTS_DIR)
+    assert not found, (
+        f"test modules import other test modules: {found}. Move the shared piece into tests/helpers.py (models, "
+        "oracles, training plumbing) or tests/workloads.py (data and tree workloads) and import it from there."
+    )

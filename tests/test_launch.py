@@ -24,9 +24,8 @@ from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.data.formats import to_builder_rows
 from hf_tree.data.sources import AGENT_TEMPLATE, chat_template_file
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
-from tests.helpers import tiny_model
-from tests.test_fsdp import launch_command, max_relative_error
-from tests.test_sft import QWEN3_TEMPLATE, VOCAB, prompt_completion_dataset
+from tests.helpers import QWEN3_TEMPLATE, SMOLLM2_VOCAB, launch_command, max_relative_error, tiny_model
+from tests.workloads import prompt_completion_dataset
 
 REPO = Path(__file__).resolve().parents[1]
 spec = importlib.util.spec_from_file_location("launch_train", REPO / "launch" / "train.py")
@@ -39,7 +38,8 @@ spec.loader.exec_module(train)
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer and tied embeddings (as SmolLM2), saved like a hub checkpoint."""
     path = tmp_path_factory.mktemp("tiny-smollm2")
-    tiny_model(vocab_size=VOCAB, dtype=torch.float32, attn="sdpa", tie_word_embeddings=True).save_pretrained(path)
+    model = tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float32, attn="sdpa", tie_word_embeddings=True)
+    model.save_pretrained(path)
     load_smollm2_tokenizer().save_pretrained(path)
     return path
 

@@ -18,41 +18,23 @@ from hypothesis import strategies as st
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.head import detect_logit_head
 from hf_tree.loss import weighted_cross_entropy
-from tests.helpers import float64_norms, grads_of, max_grad_relative_error, per_branch_loss, relative_error, tiny_model
+from tests.helpers import (
+    VOCAB,
+    float64_norms,
+    grads_of,
+    max_grad_relative_error,
+    per_branch_loss,
+    relative_error,
+    tiny_model,
+)
+from tests.workloads import deep_tree_branches, random_tree_branches
 
-VOCAB = 97
 TOLERANCE = 1e-9
-
-
-def random_tree_branches(rng: random.Random, num_branches: int, max_len: int = 24, vocab: int = 5):
-    """Branches over a tiny vocabulary so that they share prefixes, with duplicates and prefix branches."""
-    sequences, masks = [], []
-    for _ in range(num_branches):
-        if sequences and rng.random() < 0.5:  # extend/cut a previous branch: deep sharing
-            base = rng.choice(sequences)
-            seq = base[: rng.randint(1, len(base))] + [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
-        else:
-            seq = [rng.randrange(vocab) for _ in range(rng.randint(1, max_len))]
-        sequences.append(seq)
-        masks.append([rng.choice((0, 1, 1)) for _ in seq])
-    masks[0] = [0] + [1] * (len(sequences[0]) - 1)
-    if len(sequences[0]) == 1:
-        sequences[0], masks[0] = sequences[0] + [1], [0, 1]
-    return sequences, masks
 
 
 def wide_tree_branches(fan_out: int = 33):
     prompt = [3, 1, 4, 1, 5]
     return [prompt + [i % VOCAB, (7 * i) % VOCAB] for i in range(fan_out)], None
-
-
-def deep_tree_branches(depth: int = 12):
-    """Each branch extends the previous by one token and forks off: depth >= 10 nodes, single-token nodes."""
-    sequences, spine = [], [2]
-    for level in range(depth):
-        spine = spine + [10 + level]
-        sequences.append(spine + [50 + level])
-    return sequences, None
 
 
 def check_equivalence(family: str, groups, normalization: str, max_packed_tokens: int) -> None:

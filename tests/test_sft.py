@@ -7,7 +7,6 @@ one tree per row, same sequential order and batch: the first step's loss must be
 from __future__ import annotations
 
 import copy
-import importlib.resources
 import json
 
 import datasets
@@ -25,32 +24,13 @@ from hf_tree.row_batching import TreePart, plan_row_batches
 from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer, train_every_token
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.tree import Tree
-from tests.helpers import float64_norms, grads_of, max_grad_relative_error, tiny_model
-
-QWEN3_TEMPLATE = str(importlib.resources.files("trl") / "chat_templates" / "qwen3.jinja")
-VOCAB = 49152  # SmolLM2's tokenizer
+from tests.helpers import QWEN3_TEMPLATE, SMOLLM2_VOCAB, float64_norms, grads_of, max_grad_relative_error, tiny_model
+from tests.workloads import prompt_completion_dataset
 
 
 @pytest.fixture(scope="module")
 def tokenizer():
     return load_smollm2_tokenizer()
-
-
-def prompt_completion_dataset() -> datasets.Dataset:
-    """Conversational prompt/completion rows; rows 0-1 and 2-3 share a prompt (a GRPO-like group)."""
-    rows = []
-    for question, answers in [
-        ("What is the capital of France?", ["Paris.", "It is Paris, on the Seine."]),
-        ("Name a prime number above 10.", ["11 is prime.", "13."]),
-    ]:
-        for answer in answers:
-            rows.append(
-                {
-                    "prompt": [{"role": "user", "content": question}],
-                    "completion": [{"role": "assistant", "content": answer}],
-                }
-            )
-    return datasets.Dataset.from_list(rows)
 
 
 def trl_script(config_cls, trainer_cls, tokenizer, dataset, output_dir, **extra):
@@ -69,7 +49,7 @@ def trl_script(config_cls, trainer_cls, tokenizer, dataset, output_dir, **extra)
         seed=0,
         **extra,
     )
-    model = tiny_model(vocab_size=VOCAB, dtype=torch.float32, attn="sdpa")
+    model = tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float32, attn="sdpa")
     trainer = trainer_cls(model=model, args=args, train_dataset=dataset, processing_class=copy.deepcopy(tokenizer))
     trainer.train()
     return trainer
@@ -140,7 +120,7 @@ def test_max_length_becomes_the_branch_limit():
 def test_sft_config_is_refused_by_tree_trainer(tokenizer):
     with pytest.raises(ValueError, match="TreeSFTConfig"):
         TreeSFTTrainer(
-            model=tiny_model(vocab_size=VOCAB),
+            model=tiny_model(vocab_size=SMOLLM2_VOCAB),
             args=SFTConfig(output_dir="unused", bf16=False),
             train_dataset=prompt_completion_dataset(),
             processing_class=tokenizer,
@@ -256,7 +236,7 @@ def test_swapped_epoch_has_trls_optimizer_steps(tmp_path, tokenizer):
             **extra,
         )
         trainer = cls(
-            model=tiny_model(vocab_size=VOCAB, dtype=torch.float32, attn="sdpa"),
+            model=tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float32, attn="sdpa"),
             args=args,
             train_dataset=dataset,
             processing_class=copy.deepcopy(tokenizer),

@@ -8,88 +8,25 @@ normalise it away).
 
 from __future__ import annotations
 
-import random
-
-import datasets
 import pytest
 import torch
-import torch.nn.functional as F
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_tree import Tree
 from hf_tree.trainer import STEP_SUM_KEYS, TreeTrainer, TreeTrainingArguments
-from tests.helpers import exact_sgd_args, float64_norms, per_branch_loss, relative_error, tiny_model
+from tests.helpers import (
+    VOCAB,
+    branch_loss_func,
+    collate_branches,
+    common_args,
+    float64_norms,
+    per_branch_loss,
+    relative_error,
+    tiny_model,
+)
+from tests.workloads import BRANCHES_PER_TREE, NUM_TREES, branch_dataset, branch_groups, tree_dataset
 
-VOCAB = 97
-BRANCHES_PER_TREE = 3
-NUM_TREES = 12
 TOLERANCE = 1e-8
-
-
-def branch_groups(seed: int = 0, num_trees: int = NUM_TREES) -> list[tuple[list[list[int]], list[list[int]]]]:
-    """Groups of 3 branches sharing a prompt: distinct answers, a duplicate or a prefix branch, masked prompts."""
-    rng = random.Random(seed)
-    groups = []
-    for _ in range(num_trees):
-        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 12))]
-        answers = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 9))] for _ in range(2)]
-        answers.append(rng.choice([answers[0], answers[0][:1], [rng.randrange(3, VOCAB)]]))
-        sequences = [prompt + a for a in answers]
-        masks = [[0] * len(prompt) + [1] * len(a) for a in answers]
-        if rng.random() < 0.3:  # a fully trained branch: its prompt tokens are trained too
-            masks[1] = [0] + [1] * (len(sequences[1]) - 1)
-        groups.append((sequences, masks))
-    return groups
-
-
-def tree_dataset(groups) -> datasets.Dataset:
-    return datasets.Dataset.from_list([Tree.from_sequences(s, m).to_dict() for s, m in groups])
-
-
-def branch_dataset(groups) -> datasets.Dataset:
-    return datasets.Dataset.from_list([{"sequences": s, "masks": m} for s, m in groups])
-
-
-def collate_branches(rows: list[dict]) -> dict[str, torch.Tensor]:
-    """Reference collator: every branch of every row, right-padded; labels -100 where not trained."""
-    branches = [(seq, mask) for row in rows for seq, mask in zip(row["sequences"], row["masks"])]
-    length = max(len(seq) for seq, _ in branches)
-    input_ids = torch.zeros(len(branches), length, dtype=torch.long)
-    attention_mask = torch.zeros(len(branches), length, dtype=torch.long)
-    labels = torch.full((len(branches), length), -100, dtype=torch.long)
-    for i, (seq, mask) in enumerate(branches):
-        input_ids[i, : len(seq)] = torch.tensor(seq)
-        attention_mask[i, : len(seq)] = 1
-        labels[i, : len(seq)] = torch.where(torch.tensor(mask, dtype=torch.bool), torch.tensor(seq), -100)
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
-
-
-def branch_loss_func(normalization: str, branches_per_step: int):
-    """Reference ``compute_loss_func`` in float64: token = HF's sum / num_items_in_batch (counted by Trainer
-    over the accumulated batch); sequence = per-branch means summed / branches in the step."""
-
-    def loss_func(outputs, labels, num_items_in_batch=None):
-        logits = outputs.logits[:, :-1].to(torch.float64)
-        targets = labels[:, 1:]
-        trained = targets != -100
-        ce = F.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none") * trained
-        if normalization == "token":
-            return ce.sum() / num_items_in_batch
-        return (ce.sum(1) / trained.sum(1)).sum() / branches_per_step
-
-    return loss_func
-
-
-def common_args(tmp_path, name: str, batch_size: int, accumulation: int, **overrides) -> dict:
-    defaults = dict(
-        per_device_train_batch_size=batch_size,
-        gradient_accumulation_steps=accumulation,
-        max_steps=3,
-        learning_rate=0.5,
-        seed=7,
-        use_cpu=True,
-    )
-    return exact_sgd_args(str(tmp_path / name), **{**defaults, **overrides})
 
 
 def train_tree(tmp_path, groups, normalization, batch_size, accumulation, max_packed_tokens=24, **overrides):

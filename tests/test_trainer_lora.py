@@ -6,8 +6,8 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
-from tests.helpers import tiny_model
-from tests.test_trainer import VOCAB, branch_groups, common_args, relative_error, tree_dataset
+from tests.helpers import VOCAB, common_args, relative_error, tiny_model
+from tests.workloads import branch_groups, tree_dataset
 
 PROBE = torch.tensor([[5, 17, 42, 8, 63, 21, 9, 77]])  # a plain (non-tree) batch: tree_flash runs SDPA
 

@@ -1,0 +1,165 @@
+"""Shared data and tree workloads of the tests (no test module imports another: issue 17).
+
+Branch sets (``sequences, masks`` forming one tree), rows of several trees, groups of branches for the trainer
+comparisons, TRL-shaped GRPO batches and a conversational dataset. Every generator is seeded: each call returns the
+same data. Token ids of the tiny-model workloads lie below ``VOCAB`` (the tiny models' vocabulary, tests/helpers.py).
+"""
+
+from __future__ import annotations
+
+import random
+
+import datasets
+import torch
+
+from hf_tree import Tree, TreeDataCollator
+from hf_tree.collator import STATS_KEYS
+from tests.helpers import VOCAB
+
+BRANCHES_PER_TREE = 3
+NUM_TREES = 12
+
+
+# ----------------------------------------------------------------------------------------------- branch sets
+def random_tree_branches(rng: random.Random, num_branches: int, max_len: int = 24, vocab: int = 5):
+    """Branches over a tiny vocabulary so that they share prefixes, with duplicates and prefix branches."""
+    sequences, masks = [], []
+    for _ in range(num_branches):
+        if sequences and rng.random() < 0.5:  # extend/cut a previous branch: deep sharing
+            base = rng.choice(sequences)
+            seq = base[: rng.randint(1, len(base))] + [rng.randrange(vocab) for _ in range(rng.randint(0, 6))]
+        else:
+            seq = [rng.randrange(vocab) for _ in range(rng.randint(1, max_len))]
+        sequences.append(seq)
+        masks.append([rng.choice((0, 1, 1)) for _ in seq])
+    masks[0] = [0] + [1] * (len(sequences[0]) - 1)
+    if len(sequences[0]) == 1:
+        sequences[0], masks[0] = sequences[0] + [1], [0, 1]
+    return sequences, masks
+
+
+def deep_tree_branches(depth: int = 12):
+    """Each branch extends the previous by one token and forks off: depth >= 10 nodes, single-token nodes."""
+    sequences, spine = [], [2]
+    for level in range(depth):
+        spine = spine + [10 + level]
+        sequences.append(spine + [50 + level])
+    return sequences, None
+
+
+# ----------------------------------------------------------------------------------------------- tree rows
+def grpo_row() -> list[tuple[list[list[int]], list[list[int]]]]:
+    """One prompt, six completions of different lengths (odd row length), completions trained."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(1, VOCAB) for _ in range(17)]
+    sequences, masks = [], []
+    for length in (3, 9, 4, 7, 5, 8):
+        completion = [rng.randrange(1, VOCAB) for _ in range(length)]
+        sequences.append(prompt + completion)
+        masks.append([0] * len(prompt) + [1] * length)
+    return [(sequences, masks)]
+
+
+def agent_row() -> list[tuple[list[list[int]], list[list[int]]]]:
+    """One sample per turn; later turns keep the answers but not the reasoning, so the turns form a trunk
+    (the stripped history) with a trained reasoning+answer fork per turn."""
+    rng = random.Random(12)
+    history = [rng.randrange(1, VOCAB) for _ in range(9)]
+    sequences, masks = [], []
+    for _ in range(5):
+        reasoning = [rng.randrange(1, VOCAB) for _ in range(rng.randint(3, 7))]
+        answer = [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 5))]
+        sequences.append(history + reasoning + answer)
+        masks.append([0] * len(history) + [1] * (len(reasoning) + len(answer)))
+        history = history + answer + [rng.randrange(1, VOCAB) for _ in range(rng.randint(2, 6))]
+    return [(sequences, masks)]
+
+
+def deep_forest_rows() -> list[tuple[list[list[int]], list[list[int]] | None]]:
+    """A random deep tree, the 12-level fork chain and another random tree: two rows with padding."""
+    rng = random.Random(13)
+    return [random_tree_branches(rng, 8), deep_tree_branches(), random_tree_branches(rng, 5)]
+
+
+def make_batch(rows_fn, max_packed_tokens: int) -> dict[str, torch.Tensor]:
+    """The collator's batch (rows padded to a multiple of 5 when there are several) without the stats keys."""
+    trees = rows_fn()
+    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=5 if len(trees) > 1 else None)
+    batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in trees])
+    for key in STATS_KEYS:
+        batch.pop(key)
+    return batch
+
+
+# ------------------------------------------------------------------------------------ trainer comparisons
+def branch_groups(seed: int = 0, num_trees: int = NUM_TREES) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Groups of 3 branches sharing a prompt: distinct answers, a duplicate or a prefix branch, masked prompts."""
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(num_trees):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(3, 12))]
+        answers = [[rng.randrange(3, VOCAB) for _ in range(rng.randint(2, 9))] for _ in range(2)]
+        answers.append(rng.choice([answers[0], answers[0][:1], [rng.randrange(3, VOCAB)]]))
+        sequences = [prompt + a for a in answers]
+        masks = [[0] * len(prompt) + [1] * len(a) for a in answers]
+        if rng.random() < 0.3:  # a fully trained branch: its prompt tokens are trained too
+            masks[1] = [0] + [1] * (len(sequences[1]) - 1)
+        groups.append((sequences, masks))
+    return groups
+
+
+def tree_dataset(groups) -> datasets.Dataset:
+    """One tree per group (``Tree.to_dict`` rows): what ``TreeTrainer`` trains on."""
+    return datasets.Dataset.from_list([Tree.from_sequences(s, m).to_dict() for s, m in groups])
+
+
+def branch_dataset(groups) -> datasets.Dataset:
+    """One row of ``sequences``/``masks`` per group: the unrolled branches ``collate_branches`` pads."""
+    return datasets.Dataset.from_list([{"sequences": s, "masks": m} for s, m in groups])
+
+
+# --------------------------------------------------------------------------------------------- GRPO batches
+def padded_batch(prompts: list[list[int]], completions: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """TRL's GRPO layout: ``[B, P + C]`` ids and mask, prompts left-padded, completions right-padded."""
+    width_p, width_c = max(map(len, prompts)), max(map(len, completions))
+    ids = torch.zeros(len(prompts), width_p + width_c, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, (p, c) in enumerate(zip(prompts, completions)):
+        ids[row, width_p - len(p) : width_p], mask[row, width_p - len(p) : width_p] = torch.tensor(p), 1
+        ids[row, width_p : width_p + len(c)], mask[row, width_p : width_p + len(c)] = torch.tensor(c), 1
+    return ids, mask, width_c
+
+
+def scenario(name: str) -> tuple[list[list[int]], list[list[int]]]:
+    """Rows (prompt, completion) of one micro-batch; completions of unequal length everywhere."""
+    rng = random.Random(name)
+    tokens = lambda n: [rng.randrange(3, VOCAB) for _ in range(n)]  # noqa: E731
+    if name == "full_group":  # one prompt, 4 completions: a duplicate and one the prefix of another
+        first = tokens(6)
+        prompt, completions = tokens(9), [first, tokens(3), first, first[:2]]
+        return [prompt] * 4, completions
+    if name == "partial_groups":  # rows of two groups interleaved (as after TRL's shuffle), one group partial
+        a, b = tokens(7), tokens(4)
+        return [a, b, a, b, a], [tokens(5), tokens(2), tokens(8), tokens(1), tokens(3)]
+    if name == "several_prompts":  # three prompts of different lengths sharing a first token, two rows each
+        prompts = [[5, *tokens(n)] for n in (2, 10, 6)]
+        return [p for p in prompts for _ in range(2)], [tokens(rng.randint(1, 8)) for _ in range(6)]
+    raise ValueError(name)
+
+
+# ------------------------------------------------------------------------------------------ conversations
+def prompt_completion_dataset() -> datasets.Dataset:
+    """Conversational prompt/completion rows; rows 0-1 and 2-3 share a prompt (a GRPO-like group)."""
+    rows = []
+    for question, answers in [
+        ("What is the capital of France?", ["Paris.", "It is Paris, on the Seine."]),
+        ("Name a prime number above 10.", ["11 is prime.", "13."]),
+    ]:
+        for answer in answers:
+            rows.append(
+                {
+                    "prompt": [{"role": "user", "content": question}],
+                    "completion": [{"role": "assistant", "content": answer}],
+                }
+            )
+    return datasets.Dataset.from_list(rows)
