@@ -5,8 +5,9 @@ other decoder ops, loss head and backward engine, on real CHAMP groups at chosen
     python benchmarks/step_breakdown.py --model smollm2 --repeats 3   # the real SmolLM2-135M (slow on 2 cores)
     python benchmarks/step_breakdown.py --quick                       # smoke test (tiny model, small vocab)
 
-One group (a prompt and its 4 CHAMP answers) per step, forward + backward only (no optimizer). ``tree``:
-``TreeDataCollator``'s row and ``tree_causal_lm_loss`` on ``tree_flash`` (the ``blocked`` engine on CPU);
+One group (a prompt and its 4 CHAMP answers) per step, or ``--groups-per-step`` groups packed into rows of
+``--max-tree-tokens``, forward + backward only (no optimizer). ``tree``: ``TreeDataCollator``'s rows and
+``tree_causal_lm_loss`` on ``tree_flash`` (the engine ``select_backend`` picks: ``cpu`` off CUDA);
 ``per_branch``: every branch alone with ``sdpa``, one after the other. Workload, collation and loss are
 ``train_step.py``'s own (imported, not copied). Groups: for each ``--targets`` ratio, the CHAMP group whose
 dedup ratio is closest to it among the first ``--problems`` problems (``0-Shot`` prompts below 2, ``5-Shot``
@@ -48,9 +49,14 @@ BACKWARD_NODE = "autograd::engine::evaluate_function: "
 
 
 def pick_groups(
-    tokenizer: transformers.PreTrainedTokenizerBase, targets: list[float], problems: int, max_tokens: int
+    tokenizer: transformers.PreTrainedTokenizerBase,
+    targets: list[float],
+    problems: int,
+    max_tokens: int,
+    groups_per_step: int = 1,
 ) -> list[train_step.Workload]:
-    """For each target dedup ratio, the one-group workload closest to it (see the module docstring)."""
+    """For each target dedup ratio, the workload of the ``groups_per_step`` groups closest to it (see the module
+    docstring)."""
     pools = {}
     out = []
     for target in targets:
@@ -65,8 +71,14 @@ def pick_groups(
             raise ValueError(
                 f"--max-tree-tokens={max_tokens}: no {kind} group of the first {problems} problems fits; raise it."
             )
-        best = min(pools[kind], key=lambda t: abs(t.num_branch_tokens / t.num_tokens - target))
-        out.append(train_step.Workload(f"R~{target:g}", [best]))
+        if len(pools[kind]) < groups_per_step:
+            raise ValueError(
+                f"--groups-per-step={groups_per_step}: only {len(pools[kind])} {kind} groups of the first {problems} "
+                "problems fit; raise --problems."
+            )
+        closest = sorted(pools[kind], key=lambda t: abs(t.num_branch_tokens / t.num_tokens - target))
+        name = f"R~{target:g}" + (f", {groups_per_step} groups" if groups_per_step > 1 else "")
+        out.append(train_step.Workload(name, closest[:groups_per_step]))
     return out
 
 
@@ -233,7 +245,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="smoke test: smaller tiny model, small vocab, 1 repeat")
     parser.add_argument("--targets", default="1.1,1.2,2.5", help="comma list of dedup ratios, one group each")
     parser.add_argument("--problems", type=int, default=64, help="CHAMP problems to choose the groups from")
-    parser.add_argument("--max-tree-tokens", type=int, default=4096, help="largest group (tree tokens)")
+    parser.add_argument("--max-tree-tokens", type=int, default=4096, help="largest group (tree tokens); row length")
+    parser.add_argument(
+        "--groups-per-step", type=int, default=1, help="groups per step (trees packed into rows of --max-tree-tokens)"
+    )
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
     parser.add_argument("--repeats", type=int, default=3, help="timed + profiled repeats per method")
     parser.add_argument("--seed", type=int, default=0)
@@ -253,7 +268,8 @@ def main(argv: list[str] | None = None) -> list[tuple[train_step.Workload, dict[
     tokenizer = load_smollm2_tokenizer()
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     model = train_step.load_model(args.model, len(tokenizer), args).to(getattr(torch, args.dtype))
-    works = pick_groups(tokenizer, [float(t) for t in args.targets.split(",")], args.problems, args.max_tree_tokens)
+    targets = [float(t) for t in args.targets.split(",")]
+    works = pick_groups(tokenizer, targets, args.problems, args.max_tree_tokens, args.groups_per_step)
     if args.quick:
         works = [w.remapped(train_step.QUICK_VOCAB) for w in works]
     print(

@@ -17,10 +17,23 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.head import LogitHead, capture_last_hidden_state, causal_lm_of
 from hf_tree.model_check import check_model_for_trees
 
-# Rows of logits computed at once: bounds the [chunk, vocab] buffer (recomputed in backward). Small chunks are
-# also faster on CPU: a train step of the tiny benchmark model took 1.6x longer with 2048-row chunks (400 MB
-# fresh float32 buffers, page-faulted in on every use) than with 256.
-DEFAULT_LOSS_CHUNK_SIZE = 256
+# Bytes of one float32 [rows, vocab] logits tile: sets the rows per loss chunk (``loss_chunk_rows``). The fused
+# cross-entropy over SmolLM2's 49k vocabulary took 4% less time with 512-row chunks (this size) than 256, the
+# same with 1024, and a tiny-model train step 1.6x longer with 2048 (400 MB fresh buffers, page-faulted in on
+# every use; docs/data_and_benchmarks.md).
+LOSS_CHUNK_BYTES = 96 << 20
+
+
+def loss_chunk_rows(vocab_size: int) -> int:
+    """Rows of logits computed at once: a float32 ``[rows, vocab]`` tile of about ``LOSS_CHUNK_BYTES``, a multiple
+    of 64 in ``[64, 1024]`` (512 for a 49k vocabulary, 128 for 150k)."""
+    rows = LOSS_CHUNK_BYTES // (4 * vocab_size)
+    return max(64, min(1024, rows - rows % 64))
+
+
+def _vocab_size(head: torch.nn.Module) -> int:
+    """Output size of the LM head (plain, tied or PEFT-wrapped linear)."""
+    return head.weight.shape[0]
 
 
 def _logit_grad(log_probs: torch.Tensor, targets: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
@@ -95,7 +108,10 @@ def _linear_cross_entropy(
         if need_hidden:
             grad_hidden[start : start + chunk_size] = grad @ weight
         if need_weight:
-            grad_weight.add_((grad.T @ chunk).to(accumulate))
+            if grad.dtype == accumulate:  # in place: no [vocab, D] temporary per chunk
+                grad_weight.addmm_(grad.T, chunk)
+            else:  # half precision: the matmul in the weights' dtype, summed in float32
+                grad_weight.add_(grad.T @ chunk)
     return total, grad_hidden, grad_weight
 
 
@@ -156,12 +172,13 @@ def chunked_token_loss(
     hidden: torch.Tensor,
     targets: torch.Tensor,
     weights: torch.Tensor,
-    chunk_size: int,
+    chunk_size: int | None,
     *args: object,
 ) -> torch.Tensor:
     """``sum`` over row chunks of ``chunk_loss(head, hidden[c], targets[c], weights[c], *args)``, each chunk's
     ``[chunk, vocab]`` logits recomputed in backward (checkpointed), so ``[M, vocab]`` never exists. Returns a 0-dim
-    float32 tensor (float64 for float64 hidden states)."""
+    float32 tensor (float64 for float64 hidden states). ``chunk_size``: rows per chunk (None: ``loss_chunk_rows``)."""
+    chunk_size = chunk_size or loss_chunk_rows(_vocab_size(head))
     total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
@@ -176,7 +193,7 @@ def weighted_cross_entropy(
     targets: torch.Tensor,
     weights: torch.Tensor,
     softcap: float | None = None,
-    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    chunk_size: int | None = None,
     scale: float = 1.0,
 ) -> torch.Tensor:
     """``sum_i weights[i] * CE(logits_i, targets[i])`` without materialising ``[M, vocab]`` logits, where
@@ -188,9 +205,11 @@ def weighted_cross_entropy(
         targets: ``[M]`` int64 token ids.
         weights: ``[M]`` per-edge weights (any float dtype; cast to the logits' dtype).
         softcap, scale: the model's final logit softcapping and logit multiplier (``detect_logit_head``).
+        chunk_size: rows of logits computed at once (None: ``loss_chunk_rows`` of the vocabulary).
     """
     logit_head = LogitHead(scale=scale, softcap=softcap)
     if _is_plain_linear(head):
+        chunk_size = chunk_size or loss_chunk_rows(_vocab_size(head))
         # A bias-free linear head is linear in its input: the scale is folded into the hidden states.
         scaled = hidden if scale == 1.0 else hidden * scale
         if torch.is_grad_enabled() and (scaled.requires_grad or head.weight.requires_grad):
@@ -204,7 +223,7 @@ def tree_causal_lm_loss(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],
     num_items_in_batch: torch.Tensor | float | None = None,
-    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    chunk_size: int | None = None,
     token_loss: Callable[..., torch.Tensor] | None = None,
     self_check: bool | None = None,
 ) -> torch.Tensor:
@@ -217,6 +236,7 @@ def tree_causal_lm_loss(
         num_items_in_batch: the divisor for the whole optimizer step (sum of weights, or trained
             branches for ``"sequence"``) across accumulation steps and ranks; defaults to the batch's
             own ``num_loss_items``.
+        chunk_size: rows of logits computed at once (None: ``loss_chunk_rows`` of the vocabulary).
         token_loss: replaces ``weighted_cross_entropy`` (same arguments), e.g. the DFT or label-smoothed losses
             of ``hf_tree.sft_losses``.
         self_check: before the model's first tree batch, refuse known non-tree-aware models and probe the real

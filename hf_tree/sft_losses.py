@@ -21,7 +21,7 @@ from collections.abc import Callable
 import torch
 
 from hf_tree.head import LogitHead
-from hf_tree.loss import DEFAULT_LOSS_CHUNK_SIZE, chunked_token_loss
+from hf_tree.loss import chunked_token_loss
 
 SFT_LOSS_TYPES = ("nll", "dft")
 
@@ -53,7 +53,7 @@ def smoothed_dft_cross_entropy(
     targets: torch.Tensor,
     weights: torch.Tensor,
     softcap: float | None = None,
-    chunk_size: int = DEFAULT_LOSS_CHUNK_SIZE,
+    chunk_size: int | None = None,
     scale: float = 1.0,
     *,
     dft: bool = False,

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.head import detect_logit_head
-from hf_tree.loss import weighted_cross_entropy
+from hf_tree.loss import loss_chunk_rows, weighted_cross_entropy
 from tests.helpers import (
     VOCAB,
     float64_norms,
@@ -311,3 +311,9 @@ def test_trl_log_prob_head_applies_the_models_logit_scaling(family):
         theirs = twin(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
         ours = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
     assert relative_error(ours.log_probs, theirs.log_probs) <= TOLERANCE
+
+
+def test_loss_chunk_rows_follow_the_vocabulary():
+    assert loss_chunk_rows(49152) == 512  # SmolLM2: a 96 MiB float32 logits tile
+    assert loss_chunk_rows(151936) == 128  # Qwen
+    assert loss_chunk_rows(97) == 1024 and loss_chunk_rows(10**7) == 64  # the bounds
