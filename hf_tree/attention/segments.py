@@ -146,9 +146,11 @@ def _select(x: torch.Tensor, part: _Part) -> torch.Tensor:
     return x[part.row].transpose(0, 1).index_select(0, part.keys).transpose(0, 1).unsqueeze(0)
 
 
-def _token_buffer(batch: int, heads: int, n: int, *tail: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed token-major ``[B, N, H, *tail]`` buffer (one-token parts index it by ``row * N + j``)."""
-    return torch.zeros(batch, n, heads, *tail, dtype=dtype, device=device)
+def _token_buffer(
+    batch: int, heads: int, n: int, *tail: int, dtype: torch.dtype, device: torch.device, zeroed: bool = True
+) -> torch.Tensor:
+    """A token-major ``[B, N, H, *tail]`` buffer (one-token parts index it by ``row * N + j``)."""
+    return (torch.zeros if zeroed else torch.empty)(batch, n, heads, *tail, dtype=dtype, device=device)
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
@@ -164,8 +166,9 @@ class _SegmentTreeAttention(torch.autograd.Function):
         batch, heads, n, dim = query.shape
         acc_dtype = compute_dtype(query.dtype)
         options = dict(dtype=acc_dtype, device=query.device)
-        out_tokens = _token_buffer(batch, heads, n, dim, **options)  # [B, N, H, D], the layout returned
-        lse_tokens = _token_buffer(batch, heads, n, **options)
+        # Every query's first part (a causal part or the one-token call) writes, later ones merge.
+        out_tokens = _token_buffer(batch, heads, n, dim, **options, zeroed=False)  # [B, N, H, D], returned
+        lse_tokens = _token_buffer(batch, heads, n, **options, zeroed=False)
         out, lse = out_tokens.transpose(1, 2), lse_tokens.transpose(1, 2)  # [B, H, N, D], [B, H, N] views
         if plan.singletons.numel():  # each query's first part: written, not merged
             flat = plan.singletons
