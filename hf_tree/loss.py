@@ -44,20 +44,6 @@ def _logit_grad(log_probs: torch.Tensor, targets: torch.Tensor, scaled: torch.Te
     return grad.index_put_((rows, targets), -scaled, accumulate=True)
 
 
-def _float_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Half-precision logits in float32 (the log-softmax over a large vocabulary needs it); others unchanged."""
-    return logits.to(compute_dtype(logits.dtype))
-
-
-def _capped_log_probs(logits: torch.Tensor, softcap: float | None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Log-softmax of the soft-capped (float) logits, and the capped logits' ``tanh`` (None without a cap)."""
-    logits = _float_logits(logits)
-    if softcap is None:
-        return torch.log_softmax(logits, dim=-1), None
-    capped_tanh = torch.tanh(logits / softcap)
-    return torch.log_softmax(capped_tanh * softcap, dim=-1), capped_tanh
-
-
 class _WeightedCrossEntropy(torch.autograd.Function):
     """``-sum_i weights[i] * log_softmax(logits[i])[targets[i]]`` with a one-pass backward."""
 
@@ -89,28 +75,71 @@ def _linear_cross_entropy(
     ``d total / d weight`` ``[V, D]`` in the accumulation dtype (if ``need_weight``). With neither, each chunk
     costs one matmul and no gradient buffer exists (evaluation).
     """
+    device_type = hidden.device.type
+    if torch.is_autocast_enabled(device_type):  # the matmuls in autocast's dtype, as the model's own head runs
+        dtype = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(dtype), weight.to(dtype)
+    with torch.autocast(device_type, enabled=False):  # explicit dtypes below (and out= matmuls)
+        return _chunked_linear_cross_entropy(
+            hidden, weight, targets, weights, softcap, chunk_size, need_hidden, need_weight
+        )
+
+
+def _chunked_linear_cross_entropy(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    softcap: float | None,
+    chunk_size: int,
+    need_hidden: bool,
+    need_weight: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """``_linear_cross_entropy`` with ``hidden`` and ``weight`` in one dtype, outside autocast."""
     accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     total = hidden.new_zeros((), dtype=accumulate)
     grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    grad_weight = torch.zeros(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
+    grad_weight = torch.empty(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
+    # One [rows, vocab] buffer (two for half-precision weights) serves every chunk, and the gradient is written
+    # over the scores: fresh buffers of this size are page-faulted in on every use, which cost as much as the
+    # log-softmax itself on CPU (docs/data_and_benchmarks.md).
+    rows = min(chunk_size, hidden.shape[0])
+    logits_buffer = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+    in_place = compute_dtype(weight.dtype) == weight.dtype  # else float32 scores beside half-precision logits
+    scores_buffer = logits_buffer if in_place else logits_buffer.to(compute_dtype(weight.dtype))
     for start in range(0, hidden.shape[0], chunk_size):
         chunk = hidden[start : start + chunk_size]
-        chunk_targets = targets[start : start + chunk_size]
-        chunk_weights = weights[start : start + chunk_size].to(accumulate)
-        log_probs, capped_tanh = _capped_log_probs(chunk @ weight.T, softcap)
-        total += -(log_probs.gather(1, chunk_targets[:, None]).squeeze(1) * chunk_weights).sum()
+        chunk_targets = targets[start : start + chunk_size, None]
+        chunk_weights = weights[start : start + chunk_size, None].to(accumulate)
+        logits = torch.matmul(chunk, weight.T, out=logits_buffer[: chunk.shape[0]])
+        scores = logits if in_place else scores_buffer[: chunk.shape[0]].copy_(logits)
+        capped_tanh = None
+        if softcap is not None:
+            capped_tanh = scores.div_(softcap).tanh_().clone()
+            scores.mul_(softcap)
+        # log-sum-exp in place (torch.logsumexp would allocate a shifted copy), scores -> exp(scores - max)
+        target_scores = scores.gather(1, chunk_targets)
+        row_max = scores.amax(dim=-1, keepdim=True)
+        sum_exp = scores.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
+        total += ((row_max + sum_exp.log() - target_scores) * chunk_weights).sum()
         if not (need_hidden or need_weight):
             continue
-        grad = _logit_grad(log_probs, chunk_targets, chunk_weights)
+        # d/d scores of the weighted CE: softmax * w - onehot * w, in place over the scores.
+        grad = scores.mul_(chunk_weights.to(scores.dtype) / sum_exp)
+        grad.scatter_add_(1, chunk_targets, -chunk_weights.to(grad.dtype))
         if capped_tanh is not None:
-            grad.mul_(1 - capped_tanh.square_())
-        grad = grad.to(weight.dtype)
+            grad.mul_(capped_tanh.square_().neg_().add_(1))
+        if not in_place:
+            grad = logits.copy_(grad)  # the weights' dtype for the matmuls
         if need_hidden:
             grad_hidden[start : start + chunk_size] = grad @ weight
         if need_weight:
+            first = start == 0  # overwrites the uninitialised buffer
             if grad.dtype == accumulate:  # in place: no [vocab, D] temporary per chunk
-                grad_weight.addmm_(grad.T, chunk)
-            else:  # half precision: the matmul in the weights' dtype, summed in float32
+                grad_weight.addmm_(grad.T, chunk, beta=0 if first else 1)
+            elif first:  # half precision: the matmul in the weights' dtype, summed in float32
+                grad_weight.copy_(grad.T @ chunk)
+            else:
                 grad_weight.add_(grad.T @ chunk)
     return total, grad_hidden, grad_weight
 
