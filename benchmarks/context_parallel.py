@@ -12,7 +12,8 @@ cp=1 in this process and at cp=2 in two spawned gloo processes, measuring on eve
 - peak memory: the running total of the torch profiler's allocation events over forward + backward, above what
   was allocated before (CPU); ``torch.cuda.max_memory_allocated`` on CUDA.
 
-cp=1 runs the engine ``select_backend`` picks (the memory-frugal "blocked" engine on CPU). The target is
+cp=1 runs the memory-frugal "blocked" engine on CPU (the automatic ``cpu`` engine would pick the faster
+``segments`` for these rows; the comparison is with the leanest whole-row engine). The target is
 cp=2 activation memory per rank <= 0.6x cp=1.
 
     python benchmarks/context_parallel.py            # rows of 32k-128k tokens for balance, 8k for memory
@@ -40,6 +41,7 @@ from _profiling import cpu_peak_bytes
 from transformers import AutoModelForCausalLM
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.attention import ENGINES, attention_engine_scope
 from hf_tree.parallel import STRATEGIES, plan_context_parallel, shard_batch_for_context_parallel, tree_context_parallel
 
 VOCAB = 512
@@ -199,7 +201,8 @@ def measure(rank: int, cp_size: int, tree: Tree, out: Path, port: int) -> None:
 
     def in_context(measurement):  # a fresh CP context per step: its masks are built inside the measurement
         if cp_size == 1:
-            return measurement(lambda: tree_causal_lm_loss(model, inputs))
+            with attention_engine_scope(ENGINES["blocked" if device.type == "cpu" else "flex"]):
+                return measurement(lambda: tree_causal_lm_loss(model, inputs))
         with tree_context_parallel(batch, plan, rank, group):
             return measurement(lambda: tree_causal_lm_loss(model, inputs))
 

@@ -20,12 +20,14 @@ module without its projections: rotary, the kernel and reshapes; ``other`` is th
 norms, activations, residuals; ``loss head`` is everything outside the decoder: the LM head and the loss).
 Each backward node runs under the forward op's sequence number, so it lands in the same column. ``bwd engine``
 is backward wall time outside any node. The profiler slows small ops, so ``profiled s`` exceeds the
-unprofiled ``step s`` that is timed (median of the same interleaved repeats) for the speedup.
+unprofiled ``step s`` that is timed (median of the same interleaved repeats) for the speedup. Peak memory: the
+allocation peak of one more step per method (``_profiling.cpu_peak_bytes``; per-branch holds one branch at a time).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -39,6 +41,7 @@ from torch.profiler import ProfilerActivity, profile, record_function
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import train_step  # noqa: E402  (the workload, collation and loss of the end-to-end benchmark)
+from _profiling import cpu_peak_bytes  # noqa: E402
 
 from hf_tree.attention import select_backend, set_attention_backend  # noqa: E402
 
@@ -181,6 +184,8 @@ def step(method: str, model: torch.nn.Module, batches: list[dict], num_items: in
 class Figures:
     seconds: list[float] = field(default_factory=list)
     parts: list[dict] = field(default_factory=list)
+    peak_bytes: int = 0
+    """Allocation peak of one more step above what existed before it (gradients already allocated)."""
 
     def median(self, key) -> float:
         return statistics.median(p.get(key, 0.0) for p in self.parts)
@@ -205,6 +210,10 @@ def measure(model: torch.nn.Module, work: train_step.Workload, args, pad_id: int
                     step(m, model, batches[m], work.num_trained)
                 ranges.remove()
                 figures[m].parts.append(split(prof.events()))
+    for m in METHODS:
+        model.set_attn_implementation("tree_flash" if m == "hf_tree" else "sdpa")
+        model.zero_grad(set_to_none=False)
+        figures[m].peak_bytes = cpu_peak_bytes(functools.partial(step, m, model, batches[m], work.num_trained))
     set_attention_backend(None)
     return figures
 
@@ -216,7 +225,8 @@ def report(work: train_step.Workload, figures: dict[str, Figures]) -> list[str]:
     lines = [
         f"{work.name}: dedup {work.dedup_ratio:.2f}, {work.num_tree_tokens} tree / {work.num_branch_tokens} branch "
         f"tokens, {len(work.sequences)} branches; step s per_branch {statistics.median(base.seconds):.3f}, "
-        f"tree {statistics.median(tree.seconds):.3f}: speedup {speedup:.2f}x = {speedup / work.dedup_ratio:.2f} R",
+        f"tree {statistics.median(tree.seconds):.3f}: speedup {speedup:.2f}x = {speedup / work.dedup_ratio:.2f} R; "
+        f"peak MiB per_branch {base.peak_bytes / 2**20:.0f}, tree {tree.peak_bytes / 2**20:.0f}",
         "| part | pass | per_branch s | share | tree s | share | tree / per_branch | per_branch / tree / R |",
         "|---|---|---|---|---|---|---|---|",
     ]

@@ -12,7 +12,7 @@ import torch
 from accelerate.utils import extract_model_from_parallel
 from torch.utils.checkpoint import checkpoint
 
-from hf_tree.attention.mask import compute_dtype
+from hf_tree.attention.mask import autocast_inputs, compute_dtype
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.head import LogitHead, capture_last_hidden_state, causal_lm_of
 from hf_tree.model_check import check_model_for_trees
@@ -75,11 +75,8 @@ def _linear_cross_entropy(
     ``d total / d weight`` ``[V, D]`` in the accumulation dtype (if ``need_weight``). With neither, each chunk
     costs one matmul and no gradient buffer exists (evaluation).
     """
-    device_type = hidden.device.type
-    if torch.is_autocast_enabled(device_type):  # the matmuls in autocast's dtype, as the model's own head runs
-        dtype = torch.get_autocast_dtype(device_type)
-        hidden, weight = hidden.to(dtype), weight.to(dtype)
-    with torch.autocast(device_type, enabled=False):  # explicit dtypes below (and out= matmuls)
+    hidden, weight = autocast_inputs(hidden, weight)  # the matmuls in autocast's dtype, as the model's head runs
+    with torch.autocast(hidden.device.type, enabled=False):  # explicit dtypes below (and out= matmuls)
         return _chunked_linear_cross_entropy(
             hidden, weight, targets, weights, softcap, chunk_size, need_hidden, need_weight
         )

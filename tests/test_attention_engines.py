@@ -364,7 +364,7 @@ def test_cuda_blocked_matches_reference_in_float64():
 def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``kv_end``/``position_ids`` of rows of long segments: a GRPO group (prompt, answers sharing a first
     sentence), an agent-like chain whose later turns fork off after earlier siblings' subtrees (ancestors that are
-    not one contiguous range), one-token leaves, and padding."""
+    not one contiguous range), a short prompt with long answers, one-token leaves, and padding."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
@@ -376,7 +376,9 @@ def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     for _ in range(3):
         turns.append(turns[-1] + tokens(rng.randint(60, 120)))
     agent = [t + tokens(60) for t in turns] + turns[-1:]
-    trees = [Tree.from_sequences(group), Tree.from_sequences(agent)]
+    short = tokens(30)  # low dedup: answers run with their prompt as a prefix (segments.MAX_PREFIX_FRACTION)
+    answers = [short + tokens(200), short + tokens(180), short + tokens(150)]
+    trees = [Tree.from_sequences(group), Tree.from_sequences(agent), Tree.from_sequences(answers)]
     batch = TreeDataCollator(max_packed_tokens=1024, pad_to_multiple_of=128)([t.to_dict() for t in trees])
     return batch["kv_end"], batch["position_ids"]
 
@@ -389,15 +391,17 @@ def test_segment_rectangles_tile_the_tree_mask_exactly():
         for part in plan.parts:
             keys = torch.arange(n)[part.keys]
             block = covered[part.row, part.q0 : part.q1][:, keys]
-            if part.causal:
-                block += torch.ones(len(keys), len(keys), dtype=torch.int64).tril()
+            if part.causal:  # the kernel's top-left causal mask, with `prefix` dummy query rows first
+                block += torch.ones(len(keys), len(keys), dtype=torch.int64).tril()[part.prefix :]
             else:
                 block += 1
             covered[part.row, part.q0 : part.q1, keys] = block
         flat = covered.view(batch * n, n)
         flat[plan.singletons, plan.singletons % n] += 1
         assert torch.equal(covered, dense_tree_mask(kv_end).squeeze(1).to(torch.int64))
-    assert any(not isinstance(p.keys, slice) for p in plan_segments(long_segment_rows()[0]).parts)
+    parts = plan_segments(long_segment_rows()[0]).parts
+    assert any(not isinstance(p.keys, slice) for p in parts)  # gathered ancestors
+    assert any(p.prefix for p in parts) and any(not p.causal for p in parts)  # both ways of seeing ancestors
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}x{h[1]}")

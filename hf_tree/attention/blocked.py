@@ -26,7 +26,13 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_tree.attention.mask import check_sinks, check_window_depths, tree_mask_mod, visible_keys_per_query
+from hf_tree.attention.mask import (
+    autocast_inputs,
+    check_sinks,
+    check_window_depths,
+    tree_mask_mod,
+    visible_keys_per_query,
+)
 from hf_tree.attention.mask import compute_dtype as _compute_dtype  # its local variables keep the short name
 
 # Default score-tile size: the live tiles of all workers (about two per block, in the compute dtype) take
@@ -422,10 +428,6 @@ def blocked_tree_attention(
         num_heads=query.shape[1],
         tile_elements=tile_elements,
     )
-    device_type = query.device.type
-    if torch.is_autocast_enabled(device_type):
-        # Autocast would recast our float32 accumulators per op; cast the inputs once instead, as SDPA does.
-        dtype = torch.get_autocast_dtype(device_type)
-        query, key, value = query.to(dtype), key.to(dtype), value.to(dtype)
-    with torch.autocast(device_type, enabled=False):
+    query, key, value = autocast_inputs(query, key, value)
+    with torch.autocast(query.device.type, enabled=False):
         return _BlockedTreeAttention.apply(query, key, value, sinks, planner, scaling, softcap)

@@ -82,6 +82,17 @@ def compute_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
 
 
+def autocast_inputs(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """``tensors`` in the enclosing autocast's dtype (unchanged without autocast), for kernels that then run with
+    autocast off: autocast would otherwise recast their float32 accumulators per op (SDPA casts its inputs once
+    the same way)."""
+    device_type = tensors[0].device.type
+    if not torch.is_autocast_enabled(device_type):
+        return tensors
+    dtype = torch.get_autocast_dtype(device_type)
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def render_mask(kv_end: torch.Tensor, max_size: int = 64) -> str:
     """A text picture of one row's mask (``#`` visible, ``.`` hidden) to debug packing by eye."""
     mask = dense_tree_mask(kv_end[None, :max_size])[0]
