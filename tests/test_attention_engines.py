@@ -376,7 +376,7 @@ def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     for _ in range(3):
         turns.append(turns[-1] + tokens(rng.randint(60, 120)))
     agent = [t + tokens(60) for t in turns] + turns[-1:]
-    short = tokens(30)  # low dedup: answers run with their prompt as a prefix (segments.MAX_PREFIX_FRACTION)
+    short = tokens(30)  # low dedup: a short prompt, long answers
     answers = [short + tokens(200), short + tokens(180), short + tokens(150)]
     trees = [Tree.from_sequences(group), Tree.from_sequences(agent), Tree.from_sequences(answers)]
     batch = TreeDataCollator(max_packed_tokens=1024, pad_to_multiple_of=128)([t.to_dict() for t in trees])
@@ -391,8 +391,8 @@ def test_segment_rectangles_tile_the_tree_mask_exactly():
         for part in plan.parts:
             keys = torch.arange(n)[part.keys]
             block = covered[part.row, part.q0 : part.q1][:, keys]
-            if part.causal:  # the kernel's top-left causal mask, with `prefix` dummy query rows first
-                block += torch.ones(len(keys), len(keys), dtype=torch.int64).tril()[part.prefix :]
+            if part.causal:
+                block += torch.ones(len(keys), len(keys), dtype=torch.int64).tril()
             else:
                 block += 1
             covered[part.row, part.q0 : part.q1, keys] = block
@@ -401,7 +401,6 @@ def test_segment_rectangles_tile_the_tree_mask_exactly():
         assert torch.equal(covered, dense_tree_mask(kv_end).squeeze(1).to(torch.int64))
     parts = plan_segments(long_segment_rows()[0]).parts
     assert any(not isinstance(p.keys, slice) for p in parts)  # gathered ancestors
-    assert any(p.prefix for p in parts) and any(not p.causal for p in parts)  # both ways of seeing ancestors
 
 
 @pytest.mark.parametrize("heads", HEADS, ids=lambda h: f"{h[0]}x{h[1]}")

@@ -39,20 +39,9 @@ _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_bac
 MIN_TOKENS_PER_CALL = 48
 
 
-# A segment whose ancestors are at most this fraction of its length runs as one causal call over its ancestors
-# and itself, with one dummy query row per ancestor (``_Part.prefix``): at most (1/4)^2/2 = 3% more pairs than
-# its two rectangles, but one kernel call instead of two and no merge (low-dedup rows: short prompts, long
-# answers).
-MAX_PREFIX_FRACTION = 0.25
-
-
 @dataclass(frozen=True)
 class _Part:
-    """Queries ``[q0, q1)`` of row ``row`` against ``keys``: causal over themselves, or all of the keys.
-
-    A causal part with ``prefix > 0`` has ``keys`` = its ``prefix`` ancestors, then ``[q0, q1)``: the kernel gets
-    ``prefix`` zero query rows first, so that its top-left causal mask gives every real query all ancestors and
-    the segment causally; the dummy rows' outputs are dropped (and their output gradients are zero)."""
+    """Queries ``[q0, q1)`` of row ``row`` against ``keys``: causal over themselves, or all of the keys."""
 
     row: int
     q0: int
@@ -60,7 +49,6 @@ class _Part:
     keys: slice | torch.Tensor
     """Key indices in the row: a slice, or a LongTensor when the keys are not one contiguous range."""
     causal: bool
-    prefix: int = 0
 
 
 @dataclass
@@ -91,11 +79,6 @@ def _key_index(runs: tuple[tuple[int, int], ...], device: torch.device) -> slice
     return torch.cat([torch.arange(a, b) for a, b in runs]).to(device)
 
 
-def _joined(runs: tuple[tuple[int, int], ...], s: int, e: int) -> tuple[tuple[int, int], ...]:
-    """Key runs ``runs`` followed by ``[s, e)``, adjacent runs merged."""
-    return (*runs[:-1], (runs[-1][0], e)) if runs and runs[-1][1] == s else (*runs, (s, e))
-
-
 def _plan_row(kv_end: torch.Tensor, row: int, device: torch.device) -> tuple[list[_Part], list[_Part], list[int], int]:
     """Causal parts, full parts, one-token segment starts and non-padding tokens of ``kv_end [N]`` (CPU)."""
     n = kv_end.shape[0]
@@ -113,13 +96,9 @@ def _plan_row(kv_end: torch.Tensor, row: int, device: torch.device) -> tuple[lis
         while open_segments and open_segments[-1][0] <= s:
             open_segments.pop()
         runs = open_segments[-1][1] if open_segments else ()
-        num_ancestors = sum(b - a for a, b in runs)
-        prefixed = bool(runs) and e - s > 1 and num_ancestors <= MAX_PREFIX_FRACTION * (e - s)
-        if prefixed:
-            causal.append(_Part(row, s, e, _key_index(_joined(runs, s, e), device), True, prefix=num_ancestors))
-        elif e - s > 1:
+        if e - s > 1:
             causal.append(_Part(row, s, e, slice(s, e), True))
-        if runs and not prefixed:  # siblings with the same ancestors, one after the other, share one call
+        if runs:  # siblings with the same ancestors, one after the other, share one call
             if group is not None and group[1] == s and group[2] == runs:
                 group[1] = e
             else:
@@ -127,7 +106,8 @@ def _plan_row(kv_end: torch.Tensor, row: int, device: torch.device) -> tuple[lis
                     full.append(_Part(row, group[0], group[1], _key_index(group[2], device), False))
                 group = [s, e, runs]
         if end > e:  # its descendants see its ancestors and itself
-            open_segments.append((end, _joined(runs, s, e)))
+            joined = (*runs[:-1], (runs[-1][0], e)) if runs and runs[-1][1] == s else (*runs, (s, e))
+            open_segments.append((end, joined))
     if group is not None:
         full.append(_Part(row, group[0], group[1], _key_index(group[2], device), False))
     return causal, full, singles, n - int(alone.sum())
@@ -156,15 +136,6 @@ def _tokens_as_batch(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
     """``x [B, H, N, (D)]`` -> ``[S, H, 1, (D)]``: the tokens ``flat`` (``row * N + j``) as one-token rows."""
     tokens = x.transpose(1, 2).reshape(x.shape[0] * x.shape[2], *x.shape[1:2], *x.shape[3:])
     return tokens.index_select(0, flat).unsqueeze(2)
-
-
-def _queries(x: torch.Tensor, part: _Part) -> torch.Tensor:
-    """The query rows of a part: ``x [B, H, N, (D)]`` -> ``[1, H, prefix + q1 - q0, (D)]``, the ``prefix`` dummy
-    rows zero (a view without a prefix)."""
-    rows = x[part.row, :, part.q0 : part.q1]
-    if part.prefix:
-        rows = torch.cat([rows.new_zeros(rows.shape[0], part.prefix, *rows.shape[2:]), rows], dim=1)
-    return rows.unsqueeze(0)
 
 
 def _select(x: torch.Tensor, part: _Part) -> torch.Tensor:
@@ -209,15 +180,18 @@ class _SegmentTreeAttention(torch.autograd.Function):
         for part in plan.parts:
             rows = slice(part.q0, part.q1)
             part_out, part_lse = _flash_forward(
-                _queries(query, part), _select(key, part), _select(value, part), is_causal=part.causal, scale=scaling
+                query[part.row, :, rows].unsqueeze(0),
+                _select(key, part),
+                _select(value, part),
+                is_causal=part.causal,
+                scale=scaling,
             )
-            part_out, part_lse = part_out[0, :, part.prefix :], part_lse[0, :, part.prefix :]
             target, target_lse = out[part.row, :, rows], lse[part.row, :, rows]
             if part.causal:  # its queries' first part (plan order)
-                target.copy_(part_out)
-                target_lse.copy_(part_lse)
+                target.copy_(part_out[0])
+                target_lse.copy_(part_lse[0])
             else:
-                _merge(target, target_lse, part_out, part_lse)
+                _merge(target, target_lse, part_out[0], part_lse[0])
         if sinks is not None:  # one more softmax column per head, with a zero value
             _merge(out, lse, torch.zeros_like(out), sinks.detach().to(acc_dtype).view(1, heads, 1).expand_as(lse))
         result = out_tokens.to(query.dtype)
@@ -239,17 +213,17 @@ class _SegmentTreeAttention(torch.autograd.Function):
         for part in plan.parts:
             rows, b = slice(part.q0, part.q1), part.row
             part_grads = _flash_backward(
-                _queries(grad_out, part),  # the dummy rows' output gradients are zero: they add nothing
-                _queries(query, part),
+                grad_out[b, :, rows].unsqueeze(0),
+                query[b, :, rows].unsqueeze(0),
                 _select(key, part),
                 _select(value, part),
-                _queries(out, part),
-                _queries(lse, part).contiguous(),  # (dummy rows: zero queries, zero log-sum-exp: finite)
+                out[b, :, rows].unsqueeze(0),
+                lse[b, :, rows].unsqueeze(0).contiguous(),
                 0.0,
                 part.causal,
                 scale=scaling,
             )
-            grads[0][b, :, rows] += part_grads[0][0, :, part.prefix :]
+            grads[0][b, :, rows] += part_grads[0][0]
             for total, part_grad in zip(grad_tokens[1:], part_grads[1:], strict=True):
                 if isinstance(part.keys, slice):
                     total[b, part.keys] += part_grad[0].transpose(0, 1)
