@@ -49,6 +49,7 @@ PARTS = ("embed", "linear", "attention", "other", "loss head")
 RANGE = {"hf::embed": "embed", "hf::linear": "linear", "hf::attention": "attention", "hf::decoder": "other"}
 METHODS = ("per_branch", "hf_tree")
 BACKWARD_NODE = "autograd::engine::evaluate_function: "
+TARGET_PER_R = 0.9  # the step should keep 90% of the tree's token saving, and never be slower than per-branch
 
 
 def pick_groups(
@@ -246,6 +247,11 @@ def report(work: train_step.Workload, figures: dict[str, Figures]) -> list[str]:
     b, t = total["per_branch"], total["hf_tree"]
     vs_r = b / t / work.dedup_ratio
     lines.append(f"| profiled total | | {b:.3f} | 100% | {t:.3f} | 100% | {t / b:.2f} | {vs_r:.2f} |")
+    met = speedup >= TARGET_PER_R * work.dedup_ratio and speedup >= 1.0
+    lines.append(
+        f"target (issue 16): speedup >= {TARGET_PER_R} R = {TARGET_PER_R * work.dedup_ratio:.2f}x and >= 1.0x: "
+        f"{'PASS' if met else 'MISS'}"
+    )
     return lines
 
 
