@@ -1,18 +1,19 @@
-"""Tree attention as a few fused causal-attention calls: one per segment and one per branching point.
+"""Tree attention as a few fused attention calls: one per segment and one per group of sibling segments.
 
 A packed tree row splits into *segments*: maximal runs ``[s, e)`` of tokens with the same subtree end
 ``kv_end = E`` (each token's only child is the next one). The tree mask is then a disjoint union of
-rectangles with contiguous rows and columns (docs/design.md):
+rectangles with contiguous rows (docs/attention.md):
 
 - ``[s, e) x [s, e)`` causal: a segment sees itself causally;
-- ``[e, E) x [s, e)`` full: every descendant of a segment (DFS puts them right after it) sees all of it.
+- ``[s, e) x ancestors`` full: a segment sees every ancestor key (``j < s`` with ``kv_end[j] > s``); consecutive
+  sibling segments with the same ancestors (a GRPO group's completions) share one call.
 
-Each rectangle is one call of PyTorch's fused flash-attention kernel (the one causal SDPA runs on), which
+Each rectangle is one call of PyTorch's fused CPU flash-attention kernel (the one causal SDPA runs on), which
 returns its log-sum-exp; the parts of a query are merged exactly with their log-sum-exps, and the backward
 runs the kernel's own backward on each part with the merged output and log-sum-exp (as ring attention does).
-Every visible query-key pair is computed once, no pair outside the mask is, and no key is gathered.
-Segments of one token (padding, one-token leaves) see only themselves among their own tokens: they run
-together as one call with the tokens as the batch.
+Every visible query-key pair is computed once, no pair outside the mask is. Ancestors that form one range are
+views; others are gathered token-major. Segments of one token (padding, one-token leaves) see only themselves
+among their own tokens: they run together as one call with the tokens as the batch.
 
 This pays one kernel call per rectangle, so it suits rows of few long segments (GRPO groups, long turns);
 ``cpu_tree_attention`` sends batches of many short segments, softcapping and sliding windows to the blocked
