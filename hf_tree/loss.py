@@ -77,67 +77,55 @@ def _linear_cross_entropy(
     """
     hidden, weight = autocast_inputs(hidden, weight)  # the matmuls in autocast's dtype, as the model's head runs
     with torch.autocast(hidden.device.type, enabled=False):  # explicit dtypes below (and out= matmuls)
-        return _chunked_linear_cross_entropy(
-            hidden, weight, targets, weights, softcap, chunk_size, need_hidden, need_weight
+        accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+        total = hidden.new_zeros((), dtype=accumulate)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        # The first chunk overwrites the head gradient (no zero fill); with no rows at all it is zero.
+        new_grad = torch.empty if hidden.shape[0] else torch.zeros
+        grad_weight = new_grad(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
+        # One [rows, vocab] buffer (two for half-precision weights) serves every chunk, and the gradient is written
+        # over the scores: fresh buffers of this size are page-faulted in on every use, which cost as much as the
+        # log-softmax itself on CPU (docs/data_and_benchmarks.md).
+        rows = min(chunk_size, hidden.shape[0])
+        logits_buffer = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
+        in_place = compute_dtype(weight.dtype) == weight.dtype  # else float32 scores beside half-precision logits
+        scores_buffer = (
+            logits_buffer if in_place else torch.empty_like(logits_buffer, dtype=compute_dtype(weight.dtype))
         )
-
-
-def _chunked_linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    targets: torch.Tensor,
-    weights: torch.Tensor,
-    softcap: float | None,
-    chunk_size: int,
-    need_hidden: bool,
-    need_weight: bool,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """``_linear_cross_entropy`` with ``hidden`` and ``weight`` in one dtype, outside autocast."""
-    accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
-    total = hidden.new_zeros((), dtype=accumulate)
-    grad_hidden = torch.empty_like(hidden) if need_hidden else None
-    grad_weight = torch.empty(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
-    # One [rows, vocab] buffer (two for half-precision weights) serves every chunk, and the gradient is written
-    # over the scores: fresh buffers of this size are page-faulted in on every use, which cost as much as the
-    # log-softmax itself on CPU (docs/data_and_benchmarks.md).
-    rows = min(chunk_size, hidden.shape[0])
-    logits_buffer = torch.empty(rows, weight.shape[0], dtype=weight.dtype, device=weight.device)
-    in_place = compute_dtype(weight.dtype) == weight.dtype  # else float32 scores beside half-precision logits
-    scores_buffer = logits_buffer if in_place else logits_buffer.to(compute_dtype(weight.dtype))
-    for start in range(0, hidden.shape[0], chunk_size):
-        chunk = hidden[start : start + chunk_size]
-        chunk_targets = targets[start : start + chunk_size, None]
-        chunk_weights = weights[start : start + chunk_size, None].to(accumulate)
-        logits = torch.matmul(chunk, weight.T, out=logits_buffer[: chunk.shape[0]])
-        scores = logits if in_place else scores_buffer[: chunk.shape[0]].copy_(logits)
-        capped_tanh = None
-        if softcap is not None:
-            capped_tanh = scores.div_(softcap).tanh_().clone()
-            scores.mul_(softcap)
-        # log-sum-exp in place (torch.logsumexp would allocate a shifted copy), scores -> exp(scores - max)
-        target_scores = scores.gather(1, chunk_targets)
-        row_max = scores.amax(dim=-1, keepdim=True)
-        sum_exp = scores.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
-        total += ((row_max + sum_exp.log() - target_scores) * chunk_weights).sum()
-        if not (need_hidden or need_weight):
-            continue
-        # d/d scores of the weighted CE: softmax * w - onehot * w, in place over the scores.
-        grad = scores.mul_(chunk_weights.to(scores.dtype) / sum_exp)
-        grad.scatter_add_(1, chunk_targets, -chunk_weights.to(grad.dtype))
-        if capped_tanh is not None:
-            grad.mul_(capped_tanh.square_().neg_().add_(1))
-        if not in_place:
-            grad = logits.copy_(grad)  # the weights' dtype for the matmuls
-        if need_hidden:
-            grad_hidden[start : start + chunk_size] = grad @ weight
-        if need_weight:
-            first = start == 0  # overwrites the uninitialised buffer
-            if grad.dtype == accumulate:  # in place: no [vocab, D] temporary per chunk
-                grad_weight.addmm_(grad.T, chunk, beta=0 if first else 1)
-            elif first:  # half precision: the matmul in the weights' dtype, summed in float32
-                grad_weight.copy_(grad.T @ chunk)
-            else:
-                grad_weight.add_(grad.T @ chunk)
+        for start in range(0, hidden.shape[0], chunk_size):
+            chunk = hidden[start : start + chunk_size]
+            chunk_targets = targets[start : start + chunk_size, None]
+            chunk_weights = weights[start : start + chunk_size, None].to(accumulate)
+            logits = torch.matmul(chunk, weight.T, out=logits_buffer[: chunk.shape[0]])
+            scores = logits if in_place else scores_buffer[: chunk.shape[0]].copy_(logits)
+            capped_tanh = None
+            if softcap is not None:
+                capped_tanh = scores.div_(softcap).tanh_().clone()
+                scores.mul_(softcap)
+            # log-sum-exp in place (torch.logsumexp would allocate a shifted copy), scores -> exp(scores - max)
+            target_scores = scores.gather(1, chunk_targets)
+            row_max = scores.amax(dim=-1, keepdim=True)
+            sum_exp = scores.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
+            total += ((row_max + sum_exp.log() - target_scores) * chunk_weights).sum()
+            if not (need_hidden or need_weight):
+                continue
+            # d/d scores of the weighted CE: softmax * w - onehot * w, in place over the scores.
+            grad = scores.mul_(chunk_weights.to(scores.dtype) / sum_exp)
+            grad.scatter_add_(1, chunk_targets, -chunk_weights.to(grad.dtype))
+            if capped_tanh is not None:
+                grad.mul_(capped_tanh.square_().neg_().add_(1))
+            if not in_place:
+                grad = logits.copy_(grad)  # the weights' dtype for the matmuls
+            if need_hidden:
+                grad_hidden[start : start + chunk_size] = grad @ weight
+            if need_weight:
+                first = start == 0
+                if grad.dtype == accumulate:  # in place: no [vocab, D] temporary per chunk
+                    grad_weight.addmm_(grad.T, chunk, beta=0 if first else 1)
+                elif first:  # half precision: the matmul in the weights' dtype, summed in float32
+                    grad_weight.copy_(grad.T @ chunk)
+                else:
+                    grad_weight.add_(grad.T @ chunk)
     return total, grad_hidden, grad_weight
 
 

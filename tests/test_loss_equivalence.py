@@ -317,3 +317,11 @@ def test_loss_chunk_rows_follow_the_vocabulary():
     assert loss_chunk_rows(49152) == 512  # SmolLM2: a 96 MiB float32 logits tile
     assert loss_chunk_rows(151936) == 128  # Qwen
     assert loss_chunk_rows(97) == 1024 and loss_chunk_rows(10**7) == 64  # the bounds
+
+
+def test_fused_cross_entropy_with_no_scored_rows_has_zero_gradients():
+    head = torch.nn.Linear(8, 11, bias=False)
+    hidden = torch.randn(0, 8, requires_grad=True)
+    total = weighted_cross_entropy(head, hidden, torch.zeros(0, dtype=torch.int64), torch.zeros(0))
+    total.backward()
+    assert float(total) == 0.0 and torch.equal(head.weight.grad, torch.zeros_like(head.weight))
