@@ -72,16 +72,35 @@ def reference_loss_and_grads(model, groups):
     return loss.detach(), grads_of(model)
 
 
-@pytest.mark.parametrize("family, overrides", FAMILIES)
-def test_blocked_engine_matches_per_branch_in_float64(family, overrides):
+WINDOWLESS = [
+    *FAMILIES[:3],
+    pytest.param("gpt_oss", {"layer_types": ["full_attention"] * 2}, id="gpt_oss-sinks-full"),
+]
+
+
+@pytest.mark.parametrize(
+    "engine, family, overrides",
+    [pytest.param("blocked", *p.values, id=f"blocked-{p.id}") for p in FAMILIES]
+    + [pytest.param("segments", *p.values, id=f"segments-{p.id}") for p in WINDOWLESS],
+)
+def test_cpu_engines_match_per_branch_in_float64(engine, family, overrides):
     groups, batch = forest(seed=1)
     assert batch["input_ids"].shape[0] > 1
-    with float64_norms(), backend("blocked"):
+    with float64_norms(), backend(engine):
         model = tiny_model(family, vocab_size=VOCAB, **overrides)
         loss, grads = tree_loss_and_grads(model, batch)
         ref_loss, ref_grads = reference_loss_and_grads(model, groups)
     assert relative_error(loss, ref_loss) <= TOLERANCE
     assert max_grad_relative_error(grads, ref_grads) <= TOLERANCE
+
+
+@pytest.mark.parametrize("family, overrides", FAMILIES[3:])
+def test_segments_engine_refuses_sliding_windows_by_name(family, overrides):
+    _, batch = forest(seed=1)
+    with backend("segments"):
+        model = tiny_model(family, vocab_size=VOCAB, **overrides)
+        with pytest.raises(ValueError, match="use blocked_tree_attention"):
+            tree_causal_lm_loss(model, batch)
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
