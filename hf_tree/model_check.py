@@ -33,7 +33,16 @@ from transformers import PreTrainedModel
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.head import LogitHead, causal_lm_of, detect_logit_head, raised_by_hf_tree
-from hf_tree.probe import FLOOR_FACTOR, ProbeRun, ProbeShape, measure, probe_modules, probe_shape, verdicts
+from hf_tree.probe import (
+    FLOOR_FACTOR,
+    ProbeRun,
+    ProbeShape,
+    measure,
+    probe_modules,
+    probe_shape,
+    routes_tokens,
+    verdicts,
+)
 
 SELF_CHECK_ENV_VAR = "HF_TREE_SELF_CHECK"
 
@@ -135,7 +144,8 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None, length_limit: int
             f"{error}. This model cannot be trained on trees."
         ) from error
     dtype = _dtype_of(causal_lm, run)
-    results = verdicts(run, [n for n in modules if n in run.tree and n in run.alone], dtype)
+    routed = routes_tokens(causal_lm.config)
+    results = verdicts(run, [n for n in modules if n in run.tree and n in run.alone], dtype, routed)
     if "backbone" not in results:
         raise ValueError(f"{type(causal_lm).__name__}: the self-check could not read the backbone's last hidden state.")
     failing = [v for v in results.values() if not v.exact]
@@ -149,8 +159,8 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None, length_limit: int
     if not first.difference <= first.difference_bound:
         what = (
             f"differs from its branches run alone with the model's own attention by up to {first.difference:.2e} "
-            f"(per-token relative; bound {first.difference_bound:.1e} = {FLOOR_FACTOR:g} x the rounding floor "
-            f"measured for {dtype})"
+            f"(per-token relative; bound {first.difference_bound:.1e} = {FLOOR_FACTOR:g} x the largest rounding "
+            f"floor measured for {dtype})"
         )
     else:
         what = (
@@ -174,7 +184,8 @@ def _leaking_submodules(
     run = measure(model, modules, shape, forward)
     names = [n for n in modules if n in run.tree and n in run.alone]
     dtype = _dtype_of(causal_lm, run)
-    outputs, inputs = verdicts(run, names, dtype), verdicts(run, names, dtype, which=0)
+    routed = routes_tokens(causal_lm.config)
+    outputs, inputs = verdicts(run, names, dtype, routed), verdicts(run, names, dtype, routed, which=0)
     measured_inputs = [n for n in names if inputs[n].difference == inputs[n].difference]  # not nan
     leaking = [
         f"{name} ({type(modules[name]).__name__})"
