@@ -14,17 +14,24 @@ length lands in a sibling for some token of the second. The probe never exceeds 
 
 The bound (``tolerance``). Exact implementations differ from the branches alone by rounding only, and how much
 depends on the dtype, the kernels and the model's activations. The probe measures that floor on the model itself:
-the branches run a second time as one right-padded batch (other matmul shapes, mathematically the same tokens for a
-causal model), and a layer is accepted when its tree difference is within ``FLOOR_FACTOR`` times the larger of that
-measured floor and the dtype's own unit roundoff (``MIN_FLOOR``). Differences are measured per token (the largest
-element difference over the token's largest element), so a leak into a few tokens is not diluted by the row's
-largest activations.
+the branches run a second time right-padded (other matmul shapes, mathematically the same tokens for a causal model),
+and a layer is accepted when its tree difference is within ``FLOOR_FACTOR`` times the larger of the largest floor
+measured over the layers and the dtype's own unit roundoff (``MIN_FLOOR``).
+
+The invariance check. Replacing one sibling's tokens must leave every other branch's tokens unchanged, bit for bit
+in an exact model (a masked key contributes an exact zero), whatever the dtype: this sees leaks far below the
+dtype's rounding. Mixture-of-experts models regroup tokens by expert, which rounds the others differently; for them
+the same replacement in a padded batch of all branches measures how much, and the bound follows.
+
+Differences are measured per token (the largest element difference over the token's largest element), so a leak into
+a few tokens is not diluted by the row's largest activations.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import itertools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -61,6 +68,8 @@ POSITION_LIMIT_KEYS = ("max_position_embeddings", "n_positions", "max_sequence_l
 PROBE_PREFIX = 6
 # The siblings after the long first one: short, so a reach beyond the first sibling lands in it from them.
 PROBE_SHORT_SUFFIXES = (5, 7)
+# Pad tokens after the longest branch of a padded floor batch (other matmul shapes than the branch alone).
+PROBE_PADDING = 8
 
 # Accepted ratio of a layer's tree difference to the rounding floor. Measured on the model zoo and SmolLM2 (docs/
 # models.md, "What the self-check sees"): exact models stay below 4 x the floor, leaks measured so far sit at 20 x
@@ -164,8 +173,8 @@ def token_difference(got: torch.Tensor, expected: torch.Tensor) -> float:
 @dataclass
 class ProbeRun:
     """Per recorded module: ``(input, output)`` of the packed tree at each branch's tokens, of each branch alone and
-    of the branches in one right-padded batch, each ``[branch tokens of all branches, ...]``; and the autocast dtype
-    the backbone ran under (None without autocast)."""
+    of the branches right-padded, each ``[branch tokens of all branches, ...]``; the autocast dtype the backbone ran
+    under (None without autocast); and the invariance measurements."""
 
     tree: dict[str, tuple[torch.Tensor | None, torch.Tensor]]
     alone: dict[str, tuple[torch.Tensor | None, torch.Tensor]]
@@ -247,11 +256,14 @@ def _invariant(base: dict, variant: dict, name: str, tokens: torch.Tensor, row: 
     return token_difference(y[row, tokens], x[row, tokens])
 
 
-def run_probe(model, causal_lm: PreTrainedModel, modules: dict[str, torch.nn.Module], shape: ProbeShape) -> ProbeRun:
-    """Forward the probe tree packed, its branches alone and its branches as one right-padded batch, recording
-    ``modules`` (see ``ProbeRun``); then the tree and the padded batch again with one sibling's tokens replaced, for
-    the first two siblings (the invariance check). ``model``: what to call (the possibly wrapped model, or its
-    forward)."""
+def run_probe(
+    model, causal_lm: PreTrainedModel, modules: dict[str, torch.nn.Module], shape: ProbeShape, routed: bool
+) -> ProbeRun:
+    """Forward the probe tree packed, its branches alone and right-padded, recording ``modules`` (see
+    ``ProbeRun``); then the tree again with the first, then the second sibling's tokens replaced (the invariance
+    check). ``model``: what to call (the possibly wrapped model, or its forward). ``routed``: a mixture-of-experts
+    model, whose batch rows round each other (``routes_tokens``): its padded batch holds every branch and runs again
+    with each replacement, to measure that; other models' rows cannot change each other, so their floor is 0."""
     config = causal_lm.config.get_text_config()
     device = causal_lm.get_input_embeddings().weight.device
     branches = probe_branches(config, shape)
@@ -259,10 +271,14 @@ def run_probe(model, causal_lm: PreTrainedModel, modules: dict[str, torch.nn.Mod
     batch, _, parts, _ = pack_and_place([tree], max_packed_tokens=tree.num_tokens)
     flat = [torch.as_tensor(parts[0].branch_flat_indices(b)) for b in range(len(branches))]
     tokens = [torch.arange(len(b)) for b in branches]
-    longest = max(len(b) for b in branches)
-    # Right padding is invisible to a causal model's real tokens: the same tokens in other matmul shapes.
+    # Right padding is invisible to a causal model's real tokens: the same tokens in other matmul shapes. The long
+    # first sibling gets a batch of its own (cheap) unless the rows must share one batch (routed).
+    groups = [list(range(len(branches)))] if routed else [[0], list(range(1, len(branches)))]
     pad = probe_ids(config.vocab_size, 1, seed=0, device=torch.device("cpu")).item()
-    padded_ids = torch.tensor([b + [pad] * (longest - len(b)) for b in branches])
+
+    def padded_ids(group: list[int], rows: list[list[int]]) -> torch.Tensor:
+        width = max(len(rows[b]) for b in group) + PROBE_PADDING
+        return torch.tensor([rows[b] + [pad] * (width - len(rows[b])) for b in group])
 
     def record_precision(module, args):  # a trainer's autocast may be entered inside the (wrapped) forward
         if torch.is_autocast_enabled(device.type):
@@ -279,50 +295,46 @@ def run_probe(model, causal_lm: PreTrainedModel, modules: dict[str, torch.nn.Mod
         return records
 
     def own_forward(input_ids: torch.Tensor) -> dict:
-        with _recording(modules) as records:
+        with _recording(modules) as records, own_attention(causal_lm):
             model(input_ids=input_ids.to(device), use_cache=False)
         return records
 
     precision: list[torch.dtype] = []
     hook = backbone_of(causal_lm).register_forward_pre_hook(record_precision)
     # [tree input, tree output, padded input, padded output]: the largest change of the kept tokens.
-    invariance = {name: [float("nan")] * 4 for name in modules}
+    invariance = {name: [float("nan"), float("nan"), 0.0, 0.0] for name in modules}
     try:
         tree_records = tree_forward(batch["input_ids"])
-        with own_attention(causal_lm):
-            alone = [own_forward(torch.tensor([branch])) for branch in branches]
-            padded_records = own_forward(padded_ids)
+        alone = [own_forward(torch.tensor([branch])) for branch in branches]
+        padded = [own_forward(padded_ids(group, branches)) for group in groups]
         for sibling in (0, 1):
             suffix = shape.suffixes[sibling]
-            fresh = probe_ids(config.vocab_size, suffix, seed=100 + sibling, device=torch.device("cpu"))
+            fresh = probe_ids(config.vocab_size, suffix, seed=100 + sibling, device=torch.device("cpu")).tolist()
             changed = batch["input_ids"].clone()
-            changed[0, flat[sibling][-suffix:]] = fresh
-            kept = torch.cat([flat[b][-shape.suffixes[b] :] for b in range(len(branches)) if b != sibling])
-            kept = torch.cat([flat[0][: shape.prefix], kept])
+            changed[0, flat[sibling][-suffix:]] = torch.tensor(fresh)
+            others = [b for b in range(len(branches)) if b != sibling]
+            kept = torch.cat([flat[0][: shape.prefix], *(flat[b][-shape.suffixes[b] :] for b in others)])
             variant = tree_forward(changed)
-            changed_padded = padded_ids.clone()
-            changed_padded[sibling, shape.prefix : shape.prefix + suffix] = fresh
-            with own_attention(causal_lm):
-                padded_variant = own_forward(changed_padded)
-            for name in modules:
-                for which in (0, 1):
-                    in_tree = _invariant(tree_records, variant, name, kept, which=which)
-                    others = [b for b in range(len(branches)) if b != sibling]
-                    in_padded = functools.reduce(
-                        _nan_max,
-                        [
-                            _invariant(padded_records, padded_variant, name, tokens[b], row=b, which=which)
-                            for b in others
-                        ],
-                    )
-                    invariance[name][which] = _nan_max(invariance[name][which], in_tree)
-                    invariance[name][2 + which] = _nan_max(invariance[name][2 + which], in_padded)
+            padded_variant = None
+            if routed:
+                rows = [branch if b != sibling else branch[: shape.prefix] + fresh for b, branch in enumerate(branches)]
+                padded_variant = own_forward(padded_ids(groups[0], rows))
+            for name, which in itertools.product(modules, (0, 1)):
+                change = _invariant(tree_records, variant, name, kept, which=which)
+                invariance[name][which] = _nan_max(invariance[name][which], change)
+                if padded_variant is not None:
+                    for b in others:
+                        change = _invariant(padded[0], padded_variant, name, tokens[b], row=b, which=which)
+                        invariance[name][2 + which] = _nan_max(invariance[name][2 + which], change)
     finally:
         hook.remove()
+    where = {b: (g, row) for g, group in enumerate(groups) for row, b in enumerate(group)}
     return ProbeRun(
         tree=_gather([tree_records] * len(branches), [(0, f) for f in flat]),
         alone=_gather(alone, [(0, t) for t in tokens]),
-        padded=_gather([padded_records] * len(branches), [(b, t) for b, t in enumerate(tokens)]),
+        padded=_gather(
+            [padded[where[b][0]] for b in range(len(branches))], [(where[b][1], t) for b, t in enumerate(tokens)]
+        ),
         autocast=precision[0] if precision else None,
         invariance={name: tuple(values) for name, values in invariance.items()},
     )
@@ -394,8 +406,8 @@ def probe_modules(causal_lm: PreTrainedModel) -> dict[str, torch.nn.Module]:
     return modules
 
 
-def measure(model: torch.nn.Module, modules: dict[str, torch.nn.Module], shape: ProbeShape, forward=None):
+def measure(model: torch.nn.Module, modules: dict[str, torch.nn.Module], shape: ProbeShape, forward=None) -> ProbeRun:
     """``run_probe`` in eval mode, without gradients, autocast or context parallel, leaving RNG state untouched."""
     causal_lm = causal_lm_of(model)
     with eval_mode_no_grad(model), suspend_context_parallel():  # the probe runs whole on every rank
-        return run_probe(forward or model, causal_lm, modules, shape)
+        return run_probe(forward or model, causal_lm, modules, shape, routes_tokens(causal_lm.config))
