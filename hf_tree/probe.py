@@ -121,13 +121,14 @@ def declared_reach(config: Any) -> int:
 def probe_shape(config: Any, length_limit: int | None = None) -> ProbeShape:
     """The probe tree for a model: its first sibling covers ``max(declared_reach, DEFAULT_PROBE_REACH)`` (capped at
     ``MAX_PROBE_REACH``), and no branch is longer than ``length_limit`` or the model's position table."""
-    limits = [limit for limit in (length_limit, *_config_ints(config, POSITION_LIMIT_KEYS)) if limit]
+    # The padded floor batches run PROBE_PADDING positions past the longest branch: they must fit the table too.
+    table = [limit - PROBE_PADDING for limit in _config_ints(config, POSITION_LIMIT_KEYS)]
+    limits = [limit for limit in (length_limit, *table) if limit]
     wanted = min(max(declared_reach(config), DEFAULT_PROBE_REACH), MAX_PROBE_REACH)
     longest = min([PROBE_PREFIX + wanted + 1, *limits])
     first = max(longest - PROBE_PREFIX, max(PROBE_SHORT_SUFFIXES) + 1)
-    shape = ProbeShape(PROBE_PREFIX, (first, *PROBE_SHORT_SUFFIXES), reach=0)
     # A look-back d from the second sibling's k-th token lands in the first sibling for k in [d - first, d).
-    return ProbeShape(shape.prefix, shape.suffixes, reach=first + PROBE_SHORT_SUFFIXES[0] - 1)
+    return ProbeShape(PROBE_PREFIX, (first, *PROBE_SHORT_SUFFIXES), reach=first + PROBE_SHORT_SUFFIXES[0] - 1)
 
 
 def _first_tensor(value: Any) -> torch.Tensor | None:
