@@ -7,6 +7,8 @@ What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``t
   optimizer step on every data-parallel rank (one all-reduce per step), so N accumulated micro-batches on R
   ranks give the update of one batch of N * R micro-batches;
 - evaluation uses the same loss, summed over the whole evaluation set before dividing;
+- ``label_smoothing_factor`` applies as Trainer's ``LabelSmoother`` does on the branches; ``TrainingArguments`` fields
+  tree batches cannot honour are refused or warned about (``hf_tree.training_arguments``, docs/training.md);
 - with ``parallelism_config.cp_size > 1`` each training batch is sharded over the CP group by
   ``hf_tree.parallel.TreeContextParallel`` (tree-exact; accelerate's own causal-only context parallel is not used);
 - training logs add trees and rows per step, dedup ratio, padding fraction and tree/branch tokens per second;

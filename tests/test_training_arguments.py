@@ -28,17 +28,19 @@ from tests.helpers import (
     collate_branches,
     common_args,
     float64_norms,
-    relative_error,
+    max_grad_relative_error,
     tiny_model,
     train_and_measure_updates,
 )
 from tests.workloads import branch_dataset, branch_groups, tree_dataset
 
 TOLERANCE = 1e-8
+# Where the reference itself rounds in float32 (a wrong divisor or a missing term moves the updates by > 1e-2):
 # Trainer's LabelSmoother sums -log p over the vocabulary in float32 even in a float64 model (transformers 5.24,
-# trainer_pt_utils.py): its smoothing term carries float32 rounding (~1e-8 relative here); a wrong divisor or a
-# missing smoothing term moves the updates by > 1e-2.
-SMOOTHING_TOLERANCE = 1e-6
+# trainer_pt_utils.py; measured 9e-11 here); compiled kernels round the model's float32 parts (HF computes the
+# rotary tables in float32) differently for the tree's and the branches' shapes (measured 3.9e-8, 1.6e-14 without
+# torch_compile).
+FLOAT32_TOLERANCE = 1e-6
 TRAIN_GROUPS = branch_groups()
 EVAL_GROUPS = branch_groups(seed=3, num_trees=4)  # one evaluation batch: Trainer's eval_loss is then its mean
 
@@ -52,6 +54,7 @@ class Case:
     overrides: dict[str, Any] = field(default_factory=dict)  # run settings the field needs (not under test)
     trainer_kwargs: dict[str, Any] = field(default_factory=dict)
     length_column: bool = False  # both datasets get a "length" column (the branch tokens of each row)
+    tolerance: float = TOLERANCE
 
     @property
     def id(self) -> str:
@@ -60,12 +63,13 @@ class Case:
 
 
 CASES = [
-    Case({"label_smoothing_factor": 0.2}, "honoured"),
+    Case({"label_smoothing_factor": 0.2}, "honoured", tolerance=FLOAT32_TOLERANCE),
     Case({"include_num_input_tokens_seen": "non_padding"}, "honoured"),
     Case({"activation_checkpointing": True, "activation_checkpointing_kwargs": {"use_reentrant": False}}, "honoured"),
     Case({"train_sampling_strategy": "group_by_length"}, "honoured", length_column=True),
     Case({"dataloader_drop_last": True}, "honoured", overrides=dict(batch_size=5, accumulation=1, max_steps=3)),
-    pytest.param(Case({"torch_compile": True}, "honoured"), marks=pytest.mark.slow),  # ~40 s of compiling on CPU
+    # ~40 s of compiling on CPU
+    pytest.param(Case({"torch_compile": True}, "honoured", tolerance=FLOAT32_TOLERANCE), marks=pytest.mark.slow),
     Case({"neftune_noise_alpha": 5.0}, "refused"),
     Case({"use_liger_kernel": True}, "refused"),
     Case({"train_sampling_strategy": "group_by_length"}, "refused"),  # no length column
@@ -142,11 +146,11 @@ def test_field_is_honoured_as_trainer_does_on_branches_or_refused(tmp_path, capl
         return
     reference, ref_updates, ref_metrics = run(tmp_path, case, tree=False)
     tree, tree_updates, tree_metrics = run(tmp_path, case, tree=True)
-    tolerance = SMOOTHING_TOLERANCE if "label_smoothing_factor" in case.settings else TOLERANCE
+    tolerance = case.tolerance
     assert ref_updates.keys() == tree_updates.keys()
     assert max(float(u.norm()) for u in ref_updates.values()) > 1e-3  # the reference moved well beyond tolerance
-    for name, update in ref_updates.items():
-        assert relative_error(tree_updates[name], update) <= tolerance, name
+    # per parameter (against at least 1e-6 of the largest update, for near-zero ones)
+    assert max_grad_relative_error(tree_updates, ref_updates) <= tolerance
     ref_losses = [h["loss"] for h in reference.state.log_history if "loss" in h]
     tree_losses = [h["loss"] for h in tree.state.log_history if "loss" in h]
     assert len(tree_losses) == len(ref_losses) == reference.state.global_step
