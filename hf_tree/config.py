@@ -15,6 +15,7 @@ from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.model_check import tree_self_check_field
 from hf_tree.packing import Normalization, OverlongPolicy, PackingConfig
 from hf_tree.parallel.integration import ContextParallelConfig
+from hf_tree.training_arguments import refuse_neftune
 
 # ContextParallelConfig fields reachable as ``context_parallel_<name>`` (pad_token_id comes from the tokenizer).
 CONTEXT_PARALLEL_FIELDS = ("strategy", "chunks_per_rank", "query_block_size")
@@ -73,6 +74,7 @@ class TreeArguments:
         """Raise ``ValueError`` naming the field, the value and the fix."""
         self.packing_config()
         self.context_parallel_config()
+        refuse_neftune(self)
         if self.remove_unused_columns:
             raise ValueError(
                 "remove_unused_columns=True would drop the tree columns (node_tokens, node_parents, ...) before the "

@@ -96,6 +96,13 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
                 "batches are whole trees filled up to per_device_train_batch_size rows, in random or sequential "
                 "order. Set train_sampling_strategy='random' or 'sequential', or batch_unit='trees'."
             )
+        if self.batch_unit == "rows" and self.dataloader_drop_last:
+            raise ValueError(
+                "dataloader_drop_last=True cannot apply with batch_unit='rows': batches are whole trees filled up to "
+                "per_device_train_batch_size rows, so there is no partial batch of rows to drop as TRL does. Set "
+                "dataloader_drop_last=False, or batch_unit='trees' (whole trees per batch; the last partial one is "
+                "dropped)."
+            )
         if self.train_on not in TRAIN_ON:
             raise ValueError(f"train_on={self.train_on!r} must be one of {TRAIN_ON}.")
         if self.max_branch_tokens is None and self.max_length is not None:
@@ -178,6 +185,8 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             pin_memory=self.args.dataloader_pin_memory,
             persistent_workers=self.args.dataloader_persistent_workers,
             prefetch_factor=self.args.dataloader_prefetch_factor,
+            multiprocessing_context=self.args.dataloader_multiprocessing_context,
+            in_order=self.args.dataloader_in_order,
             worker_init_fn=functools.partial(
                 seed_worker, num_workers=self.args.dataloader_num_workers, rank=self.args.process_index
             ),

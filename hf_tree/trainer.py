@@ -7,6 +7,8 @@ What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``t
   optimizer step on every data-parallel rank (one all-reduce per step), so N accumulated micro-batches on R
   ranks give the update of one batch of N * R micro-batches;
 - evaluation uses the same loss, summed over the whole evaluation set before dividing;
+- ``label_smoothing_factor`` applies as Trainer's ``LabelSmoother`` does on the branches; ``TrainingArguments`` fields
+  tree batches cannot honour are refused or warned about (``hf_tree.training_arguments``, docs/training.md);
 - with ``parallelism_config.cp_size > 1`` each training batch is sharded over the CP group by
   ``hf_tree.parallel.TreeContextParallel`` (tree-exact; accelerate's own causal-only context parallel is not used);
 - training logs add trees and rows per step, dedup ratio, padding fraction and tree/branch tokens per second;
@@ -37,6 +39,8 @@ from hf_tree.model_check import self_check_setting
 from hf_tree.packing import PackingStats
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
 from hf_tree.saving import FSDPFullSaveMixin
+from hf_tree.sft_losses import sft_token_loss
+from hf_tree.training_arguments import check_length_column, check_tree_trainer_arguments, refuse_metrics_callables
 
 logger = logging.getLogger("hf_tree")
 
@@ -142,6 +146,9 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         **kwargs: Any,
     ) -> None:
         args = self._tree_training_arguments(model, args, data_collator, kwargs)
+        # TrainingArguments fields tree batches cannot honour as Trainer does (hf_tree.training_arguments)
+        check_tree_trainer_arguments(args)
+        refuse_metrics_callables(kwargs.get("compute_metrics"), kwargs.get("preprocess_logits_for_metrics"))
         if isinstance(model, str):  # loaded by the base class (TRL) from model_init_kwargs
             args.model_init_kwargs = tree_model_init_kwargs(args.model_init_kwargs)
         elif model is not None:
@@ -163,6 +170,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         if collator_is_ours and pad_token_id is not None:
             self.data_collator.pad_token_id = pad_token_id  # cosmetic: padding is never attended to nor scored
         self._init_tree_training()
+        check_length_column(self.args, self.train_dataset, self.eval_dataset)
 
     def _tree_training_arguments(
         self, model: Any, args: TrainingArguments | None, data_collator: Any, kwargs: dict[str, Any]
@@ -205,6 +213,12 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             context_parallel = ContextParallelConfig(pad_token_id=pad_token_id)
         self.tree_context_parallel = TreeContextParallel.from_accelerator(self.accelerator, context_parallel)
 
+    @property
+    def tree_self_check(self) -> bool | None:
+        """The ``self_check`` of the tree loss: ``tree_self_check`` of tree arguments; plain ``TrainingArguments``
+        (with a ``TreeDataCollator``) have no such field and get the default (``HF_TREE_SELF_CHECK``)."""
+        return self_check_setting(self.args.tree_self_check) if isinstance(self.args, TreeArguments) else None
+
     # ------------------------------------------------------------------ training
     @staticmethod
     def _pop_batch_sums(batch: dict[str, Any]) -> torch.Tensor:
@@ -227,10 +241,19 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             # Every rank of a CP group holds the same batch: the sum counted it once per CP rank.
             if self.tree_context_parallel is not None:
                 sums = sums / self.tree_context_parallel.size
+        if self.args.include_num_input_tokens_seen == "non_padding":  # Trainer's count on the branches
+            self.state.num_input_tokens_seen += int(sums[STEP_SUM_KEYS.index("num_branch_tokens")])
         self._tree_log_sums += sums.cpu()
         self._tree_total_sums += sums.cpu()
         self._tree_log_steps += 1
         return batch_samples, sums[0]
+
+    def _track_num_input_tokens(self, inputs) -> None:
+        """Trainer's count for ``include_num_input_tokens_seen="all"`` (packed tokens, padding included);
+        ``"non_padding"`` is counted in ``get_batch_samples`` as the branches' tokens, since a tree batch has no
+        attention_mask and its packed tokens hold each shared prefix once."""
+        if self.args.include_num_input_tokens_seen != "non_padding":
+            super()._track_num_input_tokens(inputs)
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         """``(context factory, this rank's inputs)``: the tree CP shard of the batch under context parallel, else
@@ -248,7 +271,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             inputs,
             num_items_in_batch=num_items_in_batch,
             token_loss=self.tree_token_loss,
-            self_check=self_check_setting(self.args.tree_self_check),
+            self_check=self.tree_self_check,
         )
         if num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
@@ -265,7 +288,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
                 inputs,
                 num_items_in_batch=1.0,
                 token_loss=self.tree_token_loss,
-                self_check=self_check_setting(self.args.tree_self_check),
+                self_check=self.tree_self_check,
             )
         items = inputs["num_loss_items"].to(total.device, torch.float64)
         if self._tree_eval_sums is not None:
@@ -336,3 +359,8 @@ class TreeTrainer(TreeTrainerMixin, Trainer):
                 "remove_unused_columns=False), or pass a TreeDataCollator and set remove_unused_columns=False."
             )
         return args
+
+    def _init_tree_training(self) -> None:
+        # Trainer's LabelSmoother on the branches, per token with the tree weights (TreeSFTTrainer does the same).
+        self.tree_token_loss = sft_token_loss("nll", self.args.label_smoothing_factor)
+        super()._init_tree_training()

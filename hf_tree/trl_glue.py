@@ -21,6 +21,7 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.logprobs import FUSED_OUTPUTS, layout_scored_rows, scatter_to_rows, tree_token_log_probs
 from hf_tree.model_check import check_model_for_trees, self_check_setting, tree_self_check_field
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
+from hf_tree.training_arguments import refuse_neftune
 from hf_tree.versions import require_tested_trl
 
 require_tested_trl()  # TRL internals below (FusedCausalLMOutput, the fused_lm_head call contract) change between minors
@@ -198,6 +199,8 @@ class TreeLogProbArguments:
             not isinstance(self.max_packed_tokens, int) or self.max_packed_tokens < 2
         ):
             raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} must be an integer >= 2, or None.")
+        if self.tree_logprobs:  # TRL's own passes (tree_logprobs=False) apply NEFTune per row as usual
+            refuse_neftune(self)
 
 
 def prepare_trl_args(args: Any, config_class: type, model: Any, trainer_name: str) -> Any:

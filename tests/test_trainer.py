@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
-from hf_tree import Tree
+from hf_tree import Tree, TreeDataCollator
 from hf_tree.trainer import STEP_SUM_KEYS, TreeTrainer, TreeTrainingArguments
 from tests.helpers import (
     VOCAB,
@@ -238,6 +238,30 @@ def test_context_parallel_fields_come_from_context_parallel_config():
     assert args.context_parallel_config(pad_token_id=7) == ContextParallelConfig(
         strategy="contiguous", chunks_per_rank=3, pad_token_id=7
     )
+
+
+def test_plain_training_arguments_with_a_tree_collator_train_as_branches(tmp_path):
+    """The docstring's other way in: plain ``TrainingArguments`` (remove_unused_columns=False) and a
+    ``TreeDataCollator``. It trained nothing before issue 25 (AttributeError: no ``tree_self_check``)."""
+    groups, eval_groups = branch_groups(), branch_groups(seed=3, num_trees=4)
+    with float64_norms():
+        reference, ref_trainer = train_reference(tmp_path, groups, "token", batch_size=1, accumulation=2)
+        ref_eval = ref_trainer.evaluate(branch_dataset(eval_groups))
+        model = tiny_model(vocab_size=VOCAB)
+        trainer = TreeTrainer(
+            model=model,
+            args=TrainingArguments(
+                **common_args(tmp_path, "plain", 1, 2, per_device_eval_batch_size=4), remove_unused_columns=False
+            ),
+            data_collator=TreeDataCollator(max_packed_tokens=24),
+            train_dataset=tree_dataset(groups),
+        )
+        trainer.train()
+        tree_eval = trainer.evaluate(tree_dataset(eval_groups))
+    assert max_param_relative_error(model, reference) <= TOLERANCE
+    ref_losses = [h["loss"] for h in ref_trainer.state.log_history if "loss" in h]
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(ref_losses, rel=1e-9)
+    assert tree_eval["eval_loss"] == pytest.approx(ref_eval["eval_loss"], rel=1e-9)
 
 
 def test_plain_training_arguments_are_refused():
