@@ -143,11 +143,14 @@ def uses_eager(module: torch.nn.Module, kwargs: dict) -> bool:
     )
 
 
-def _eager_mask(attention_mask, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor | None:
+def _eager_mask(attention_mask, query: torch.Tensor, key: torch.Tensor, causal: bool = True) -> torch.Tensor | None:
     """The additive mask eager attention expects: ``eager_mask``'s for a deferred mask; for ``None`` (a model
-    that passes none: sdpa would run ``is_causal``) an explicit causal mask aligned top-left, as SDPA's is."""
+    that passes none: sdpa would run ``is_causal``) an explicit causal mask aligned top-left, as SDPA's is, or none
+    for a non-causal call (``causal=False``: e.g. Inkling2's attention over layer states)."""
     if isinstance(attention_mask, DeferredMask):
         return attention_mask.build("eager")
+    if attention_mask is None and not causal:
+        return None
     if attention_mask is None:
         q_length, kv_length = query.shape[2], key.shape[2]
         if q_length == 1:
@@ -198,7 +201,10 @@ def model_attention_forward(
     if uses_eager(module, kwargs):
         if kwargs.get("scaling") is None:
             kwargs["scaling"] = query.shape[-1] ** -0.5
-        return own_eager_attention(module)(module, query, key, value, _eager_mask(attention_mask, query, key), **kwargs)
+        # sdpa_attention_forward reads causality the same way (the call's is_causal, else the module's)
+        causal = kwargs.get("is_causal", getattr(module, "is_causal", True)) is not False
+        mask = _eager_mask(attention_mask, query, key, causal)
+        return own_eager_attention(module)(module, query, key, value, mask, **kwargs)
     if isinstance(attention_mask, DeferredMask):
         attention_mask = attention_mask.build("sdpa")
     return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
