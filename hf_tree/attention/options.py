@@ -1,6 +1,7 @@
 """What a packed-tree attention call (``kv_end`` given) may ask for: each attention-affecting keyword that
 transformers' attention callers pass (checked against every ``attention_interface(...)`` call of transformers
-5.23's models) is either honoured by the tree engines or refused here with a ``ValueError``; none is dropped.
+5.23's and 5.24's models; 5.24 adds only flash-attn's ``deterministic`` and output plumbing) is either honoured by
+the tree engines or refused here with a ``ValueError``; none is dropped.
 
 Honoured: ``scaling``, ``sliding_window`` (in depth positions), ``softcap``, ``s_aux`` (one sink logit per query
 head), ``position_ids`` (depths), causal masks of any layer type whose window the call passes. Refused: the
