@@ -187,12 +187,12 @@ def test_conversation_rows_merge_through_group_by():
     assert shared.num_branches == 2 and shared.num_tokens < shared.num_branch_tokens
 
 
-def test_assistant_only_loss_without_generation_markers_is_refused():
-    plain_chatml = "{% for m in messages %}{{ 'w5 ' + m.content + ' w7 ' }}{% endfor %}"
+def test_assistant_only_loss_without_generation_markers_is_refused(path):
+    unmarked = "{% for m in messages %}{{ 'w5 ' + m.content + ' w7 ' }}{% endfor %}"
     with pytest.raises(ValueError, match=r"row 0: assistant_only_loss=True.*generation"):
-        build_tree_dataset(
-            _dataset(), _tokenizer(plain_chatml), messages_branches="conversation", assistant_only_loss=True
-        )
+        build_tree_dataset(_dataset(), _tokenizer(unmarked), messages_branches="conversation", assistant_only_loss=True)
+    with pytest.raises(ValueError, match="generation"):  # TRL's own check, inherited (it has no training variant)
+        _run(TreeSFTTrainer, TreeSFTConfig, path, unmarked, assistant_only_loss=True)
 
 
 @pytest.mark.parametrize(
