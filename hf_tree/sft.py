@@ -230,7 +230,7 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 chat_template=self.chat_template,  # TRL's: its training template when assistant_only_loss needs one
                 train_on=args.train_on,
                 messages_branches=args.messages_branches,
-                assistant_only_loss=args.assistant_only_loss and not per_turn,
+                assistant_only_loss=args.assistant_only_loss and args.messages_branches == "conversation",
             )
         if args.completion_only_loss is False:
             if per_turn:
