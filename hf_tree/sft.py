@@ -54,7 +54,7 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
         metadata={
             "help": "Which rows merge into one tree: a column name (rows with equal values merge), '<prompt tokens>' "
             "(identical prompt tokens merge), '<row>' (one tree per row), or None: by prompt tokens for prompt rows, "
-            "one tree per conversation for 'messages' rows."
+            "one tree per row for 'messages' rows."
         },
     )
     messages_branches: str = field(
