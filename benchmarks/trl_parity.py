@@ -72,6 +72,8 @@ EXACT_TOLERANCE = 1e-4
 # otherwise read as a large relative error.
 UPDATE_FLOOR = 1e-3
 REWARDS = "benchmarks.trl_parity_rewards"
+# TRL's copy of Qwen3's template: assistant_only_loss swaps in its {% generation %}-marked training variant
+QWEN3_TEMPLATE = SCRIPTS.parent / "chat_templates" / "qwen3.jinja"
 # Row outcomes that are not failures (MISMATCH and CRASH are).
 STATES = ("exact", "refused", "same steps", "rounded", "warned")
 
@@ -87,6 +89,7 @@ class Row:
     dropout: bool = False  # LoRA dropout stays on: "warned" when the tree run said so (hf_tree.dropout)
     steps_only: bool = False  # batches cannot hold TRL's rows (random row order, groups larger than a batch): only
     # the optimizer step counts are compared ("same steps", or "rounded" when whole groups make fewer steps)
+    dataset: str | None = None  # a dataset of write_setup other than the script's own (e.g. "sft_messages")
 
 
 @dataclass
@@ -146,6 +149,13 @@ ROWS: tuple[Row, ...] = (
     ),
     _sft("--packing true", "--packing", "true"),
     _sft("--padding_free true --max_length None", "--padding_free", "true", "--max_length", "None"),
+    Row("sft messages (defaults: every token of TRL's rendering)", "sft", dataset="sft_messages", fast=True),
+    Row(
+        "sft messages --assistant_only_loss true (Qwen3 template)",
+        "sft",
+        ("--assistant_only_loss", "true", "--chat_template_path", str(QWEN3_TEMPLATE)),
+        dataset="sft_messages",
+    ),
     _dpo("defaults (sigmoid)", fast=True),
     _dpo("--attn_implementation sdpa", "--attn_implementation", "sdpa"),
     _dpo("--loss_type ipo", "--loss_type", "ipo"),
@@ -266,7 +276,8 @@ def eos_bias(model: torch.nn.Module, eos_id: int, probability: float = 0.2) -> N
 
 
 def write_setup(folder: pathlib.Path) -> dict[str, str]:
-    """Save the tiny model + SmolLM2 tokenizer and the three datasets under ``folder``; returns their paths."""
+    """Save the tiny model + SmolLM2 tokenizer and the datasets (one per script, and SFT messages) under ``folder``;
+    returns their paths."""
     tokenizer = smollm2_tokenizer_or_skip()
     model = tiny_model(vocab_size=len(tokenizer), dtype=torch.float32, attn="sdpa")
     if not os.environ.get("NO_EOS_BIAS"):
@@ -284,6 +295,14 @@ def write_setup(folder: pathlib.Path) -> dict[str, str]:
             for i, q in enumerate(questions[:4])
         ],
         "grpo": [{"prompt": q} for q in questions[:2]],
+        # conversations (8 rows, two turns in half of them): each row is one branch, TRL's rendering
+        "sft_messages": [
+            {
+                "messages": [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+                + ([{"role": "user", "content": "Sure?"}, {"role": "assistant", "content": "Yes."}] if i % 2 else [])
+            }
+            for i, (q, a) in enumerate(zip(questions[:4] * 2, answers * 2))
+        ],
     }
     paths = {"model": str(folder / "model")}
     for script, rows in data.items():
@@ -318,7 +337,8 @@ def run_script(row: Row, swapped: bool, paths: dict[str, str], folder: pathlib.P
     """Run one script; returns the recorded training (``updates``, ``trainer``) or ``{"error": exception}``."""
     out = folder / ("tree" if swapped else "trl")
     argv = [
-        "--model_name_or_path", paths["model"], "--dataset_name", paths[row.script], "--output_dir", str(out),
+        "--model_name_or_path", paths["model"], "--dataset_name", paths[row.dataset or row.script],
+        "--output_dir", str(out),
         *COMMON, *BASE[row.script], *row.flags,
     ]  # fmt: skip
     records: list[dict] = []

@@ -35,6 +35,8 @@ def main() -> None:
         gradient_checkpointing=False,
         max_length=None,
         chat_template_path=QWEN3_TEMPLATE,
+        # one branch per assistant turn: Qwen3's template drops earlier reasoning, so the turns fork into a tree
+        messages_branches="per_turn",
     )
     lora = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.05, target_modules="all-linear", task_type="CAUSAL_LM")
     trainer = TreeSFTTrainer(

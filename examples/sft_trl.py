@@ -4,8 +4,10 @@
     python examples/sft_trl.py --tiny     # a tiny random model with SmolLM2's tokenizer (seconds)
 
 The dataset is in TRL's conversational format (``messages`` with ``reasoning_content`` and ``tool_calls``,
-``tools`` column): the project's synthetic agent trajectories. Each assistant turn becomes one branch; the
-turns of a conversation share their history, so they are computed once.
+``tools`` column): the project's synthetic agent trajectories. As in TRL, each row is one branch (the conversation
+rendered once, every token trained). Rows sharing a prefix merge into one tree with ``group_by``; per-turn trees of
+agent data (each assistant turn in the context the template gives it at its turn) are hf_tree's
+``messages_branches="per_turn"`` (see ``examples/lora.py`` and docs/training.md).
 """
 
 from __future__ import annotations

@@ -4,10 +4,12 @@
 
 The trainer takes TRL's own dataset formats (``messages`` with ``reasoning_content``/``tool_calls``,
 ``prompt``/``completion``, ``prompt``/``completions``, conversational or text; ShareGPT ``conversations`` are
-converted as TRL does) and builds trees in place of TRL's dataset preparation: per-turn branches of each
-conversation, or the completions of one prompt, merged by token ids (``hf_tree.builders``). Loss, divisor,
-evaluation and logs are those of ``TreeTrainer`` (``TreeTrainerMixin``). Settings that cannot apply to trees
-(``packing``, ``padding_free``, ...) raise ``ValueError`` instead of being ignored.
+converted as TRL does) and builds trees in place of TRL's dataset preparation, merged by token ids
+(``hf_tree.builders``): each ``messages`` row is TRL's own branch (the conversation rendered once, every token or,
+with ``assistant_only_loss``, the assistant tokens trained; ``messages_branches="per_turn"`` builds one branch per
+assistant turn instead, for templates that rewrite history), and each ``prompt`` row one completion of its prompt.
+Loss, divisor, evaluation and logs are those of ``TreeTrainer`` (``TreeTrainerMixin``). Settings that cannot apply
+to trees (``packing``, ``padding_free``, ...) raise ``ValueError`` instead of being ignored.
 """
 
 from __future__ import annotations
@@ -24,8 +26,8 @@ from transformers.trainer_utils import seed_worker
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import maybe_convert_to_chatml
 
-from hf_tree.builders import TRAIN_ON, build_tree_dataset
-from hf_tree.builders.dataset import detect_format
+from hf_tree.builders import MESSAGES_BRANCHES, TRAIN_ON, build_tree_dataset
+from hf_tree.builders.dataset import check_messages_options, detect_format
 from hf_tree.config import TreeArguments
 from hf_tree.data.sources import is_tree_dataset
 from hf_tree.dropout import warn_if_dropout
@@ -52,15 +54,28 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
         metadata={
             "help": "Which rows merge into one tree: a column name (rows with equal values merge), '<prompt tokens>' "
             "(identical prompt tokens merge), '<row>' (one tree per row), or None: by prompt tokens for prompt rows, "
-            "one tree per conversation for 'messages' rows."
+            "one tree per row for 'messages' rows."
         },
     )
-    train_on: str = field(
-        default="last_assistant",
+    messages_branches: str = field(
+        default="conversation",
         metadata={
-            "help": f"For 'messages' rows, one of {TRAIN_ON}: 'last_assistant' trains each assistant turn once, in "
-            "the context the chat template gives it at its own turn; 'all_assistant' trains every assistant turn "
-            "of each per-turn branch (TRL's assistant_only_loss applied to each turn's sample).",
+            "help": f"Branches of a 'messages' row, one of {MESSAGES_BRANCHES}. 'conversation' (default, TRL's SFT "
+            "objective): the conversation rendered once by the chat template is one branch, every token trained, or "
+            "only the assistant tokens with assistant_only_loss=True. 'per_turn': one branch per assistant turn, "
+            "rendered as the template renders the history at that turn, assistant tokens only (train_on decides "
+            "which turns); for templates that rewrite history (e.g. drop earlier reasoning), where each turn has "
+            "its own context. With a template that does not rewrite history, 'per_turn' trains TRL's "
+            "assistant_only_loss=True objective (token normalization).",
+            "choices": list(MESSAGES_BRANCHES),
+        },
+    )
+    train_on: str | None = field(
+        default=None,
+        metadata={
+            "help": f"messages_branches='per_turn' only, one of {TRAIN_ON} (default 'last_assistant'): "
+            "'last_assistant' trains each assistant turn once, in the context the chat template gives it at its own "
+            "turn; 'all_assistant' trains every assistant turn of each per-turn branch.",
             "choices": list(TRAIN_ON),
         },
     )
@@ -103,8 +118,8 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
                 "dataloader_drop_last=False, or batch_unit='trees' (whole trees per batch; the last partial one is "
                 "dropped)."
             )
-        if self.train_on not in TRAIN_ON:
-            raise ValueError(f"train_on={self.train_on!r} must be one of {TRAIN_ON}.")
+        # assistant_only_loss is TRL's under 'conversation'; under 'per_turn' it only picks TRL's training template
+        check_messages_options(self.messages_branches, self.train_on, assistant_only_loss=False)
         if self.max_branch_tokens is None and self.max_length is not None:
             self.max_branch_tokens = min(self.max_length, self.max_packed_tokens)
         super().check_tree_arguments()
@@ -206,13 +221,13 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
         if "conversations" in dataset.column_names:  # ShareGPT from/value -> role/content, as TRL does
             dataset = dataset.map(maybe_convert_to_chatml, remove_columns="conversations")
         data_format = detect_format(dataset.column_names)
-        if data_format == "messages" and not args.assistant_only_loss:
-            # Not TRL's objective: TRL trains every token of a conversation unless assistant_only_loss=True.
-            logger.warning(
-                "hf_tree: 'messages' rows train their assistant turns only (one branch per turn, train_on=%r), as "
-                "TRL does with assistant_only_loss=True; TRL's default (False) would also train system, user and "
-                "tool tokens. Set assistant_only_loss=True to say so and silence this warning.",
-                args.train_on,
+        per_turn = data_format == "messages" and args.messages_branches == "per_turn"
+        if per_turn:
+            logger.info(
+                "hf_tree: messages_branches='per_turn': one branch per assistant turn, assistant tokens trained "
+                "(train_on=%r) whatever assistant_only_loss says; rendered with %s.",
+                args.train_on or "last_assistant",
+                "TRL's training template (assistant_only_loss=True)" if self.chat_template else "the chat template",
             )
         tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
         with args.main_process_first(desc=f"building trees of the {dataset_name} dataset"):
@@ -221,14 +236,18 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 tokenizer,
                 group_by=args.group_by,
                 num_proc=args.dataset_num_proc,
-                chat_template=self.chat_template,
+                chat_template=self.chat_template,  # TRL's: its training template when assistant_only_loss needs one
                 train_on=args.train_on,
+                messages_branches=args.messages_branches,
+                assistant_only_loss=args.assistant_only_loss and args.messages_branches == "conversation",
             )
         if args.completion_only_loss is False:
-            if data_format == "messages":
+            if per_turn:
                 raise ValueError(
-                    "completion_only_loss=False cannot apply to 'messages' rows (TRL ignores it there too): tree "
-                    "builders train assistant turns of each per-turn branch. Leave completion_only_loss unset."
+                    "completion_only_loss=False cannot apply to messages_branches='per_turn' (TRL ignores it on "
+                    "'messages' rows): per-turn branches train assistant turns only. Leave completion_only_loss unset, "
+                    "or use messages_branches='conversation' with assistant_only_loss=False to train every token."
                 )
-            trees = trees.map(train_every_token, desc=f"training the prompts of the {dataset_name} dataset")
+            if data_format != "messages":  # TRL ignores it on 'messages' rows, and so do we
+                trees = trees.map(train_every_token, desc=f"training the prompts of the {dataset_name} dataset")
         return trees.shuffle(seed=args.seed) if args.shuffle_dataset else trees

@@ -162,7 +162,11 @@ DEFAULT_RUN: dict[str, Any] = {
     "report_to": "none",
     "bf16": False,
     "gradient_checkpointing": False,
-    "assistant_only_loss": True,  # what the per-turn trees train (TreeSFTTrainer warns when it is left False)
+    # per-turn trees (not TRL's default single rendering): the Qwen3 template drops the reasoning of earlier turns,
+    # so each turn is trained in its own context and the turns fork into a tree. assistant_only_loss stays False:
+    # True would make TRL swap in its qwen3_training template, which keeps every turn's reasoning (no forks).
+    "messages_branches": "per_turn",
+    "assistant_only_loss": False,
     "max_packed_tokens": 4096,
     "max_length": None,  # no per-sample limit below the row capacity
     "seed": 0,

@@ -17,6 +17,7 @@ from hf_tree.builders import (
     GROUP_BY_PROMPT_TOKENS,
     build_tree_dataset,
     completions_to_branches,
+    conversation_branch,
     conversation_branches,
     conversation_to_branches,
     tree_from_completions,
@@ -122,6 +123,21 @@ def test_reasoning_stripping_template_gives_history_reasoning_answer_tree(tokeni
         )
         assert fork in tree.branch_path(k + 1) and leaf not in tree.branch_path(k + 1)
         assert not any(tree.node_parents[n] == leaf for n in range(tree.num_nodes))
+
+
+@pytest.mark.parametrize("assistant_only_loss", [False, True])
+def test_conversation_branch_is_trls_tokenization_of_a_messages_row(tokenizer, assistant_only_loss):
+    """TRL's SFT tokenization (trl.data_utils._tokenize, as SFTTrainer calls it) with TRL's Qwen3 training template,
+    tools included: the same tokens, and all of them or TRL's assistant mask trained."""
+    from trl.data_utils import _tokenize
+
+    training = (importlib.resources.files("trl") / "chat_templates" / "qwen3_training.jinja").read_text()
+    kwargs = dict(chat_template=training, tools=[WEATHER_TOOL])
+    expected = _tokenize(tokenizer, TOOL_CONVERSATION, return_assistant_tokens_mask=assistant_only_loss, **kwargs)
+    tokens, mask = conversation_branch(TOOL_CONVERSATION, tokenizer, assistant_only_loss=assistant_only_loss, **kwargs)
+    assert tokens == list(expected["input_ids"])
+    assert mask == (list(expected["assistant_masks"]) if assistant_only_loss else [1] * len(tokens))
+    assert 0 < sum(mask) <= len(tokens)
 
 
 def test_all_assistant_trains_every_turn_in_every_branch(tokenizer):

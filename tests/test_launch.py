@@ -59,6 +59,8 @@ def test_no_arguments_is_the_offline_lora_default():
         "down_proj",
     }
     assert config.max_steps == train.DEFAULT_RUN["max_steps"] and config.output_dir == train.DEFAULT_RUN["output_dir"]
+    # the agent job trains per-turn trees, rendered with the Qwen3 template as is (it drops earlier reasoning)
+    assert config.messages_branches == "per_turn" and not config.assistant_only_loss
 
 
 def test_config_file_then_cli_flags(tmp_path):
@@ -255,6 +257,7 @@ def test_launcher_and_hf_tree_stats_build_the_same_trees_from_one_file(tmp_path)
     tokenizer = load_smollm2_tokenizer()
     model_args, data_args, _, config = train.parse_arguments(
         ["--dataset_name", str(path), "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+        + ["--messages_branches", "per_turn"]  # what `hf-tree stats` builds (the trainer's default is TRL's rows)
     )
     config.chat_template_path = train.default_chat_template_path(model_args, data_args)  # as main() does: qwen3
     trainer = TreeSFTTrainer(

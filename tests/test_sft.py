@@ -85,6 +85,7 @@ def test_agent_conversations_with_reasoning_and_tools_train(tmp_path, tokenizer)
         max_length=None,
         chat_template_path=QWEN3_TEMPLATE,
         per_device_eval_batch_size=3,
+        messages_branches="per_turn",  # the agent-data trees (TRL's default would be one branch per row)
     )
     log = next(h for h in trainer.state.log_history if "loss" in h)
     assert torch.isfinite(torch.tensor(log["loss"])) and log["dedup_ratio"] > 1.0

@@ -5,7 +5,9 @@ prompt/completion or turn boundary can never corrupt a tree.
 """
 
 from hf_tree.builders.chat import (
+    MESSAGES_BRANCHES,
     TRAIN_ON,
+    conversation_branch,
     conversation_branches,
     conversation_to_branches,
     render_ids,
@@ -24,12 +26,14 @@ from hf_tree.builders.dataset import (
 __all__ = [
     "GROUP_BY_PROMPT_TOKENS",
     "GROUP_BY_ROW",
+    "MESSAGES_BRANCHES",
     "TRAIN_ON",
     "TREE_FEATURES",
     "CompletionBranches",
     "TreeBuildStats",
     "build_tree_dataset",
     "completions_to_branches",
+    "conversation_branch",
     "conversation_branches",
     "conversation_to_branches",
     "render_ids",

@@ -1,6 +1,11 @@
-"""Per-turn branches of one conversation, rendered by the tokenizer's chat template.
+"""Branches of one conversation, rendered by the tokenizer's chat template: TRL's single rendering
+(``conversation_branch``) or one branch per assistant turn (``conversation_branches``).
 
-Branch ``k`` is the conversation up to and including its ``k``-th assistant message, tokenized exactly as
+``conversation_branch`` is TRL's SFT tokenization of a ``messages`` row: the whole conversation rendered once
+(``apply_chat_template(messages, tools=..., tokenize=True, return_assistant_tokens_mask=assistant_only_loss)``),
+every token trained, or only the assistant tokens the template marks with ``{% generation %}``.
+
+Per-turn branch ``k`` is the conversation up to and including its ``k``-th assistant message, tokenized exactly as
 ``tokenizer.apply_chat_template(messages[:i + 1], tools=..., tokenize=True)`` renders it (``i`` = index of
 that message). A template that rewrites history (e.g. Qwen3 drops the reasoning of earlier turns) thus
 gives each branch the context the model really sees at that turn; merged into a tree, the turns share the
@@ -25,6 +30,8 @@ from hf_tree.tree import Tree, common_prefix_length
 
 TrainOn = Literal["last_assistant", "all_assistant"]
 TRAIN_ON = ("last_assistant", "all_assistant")
+MessagesBranches = Literal["conversation", "per_turn"]
+MESSAGES_BRANCHES = ("conversation", "per_turn")
 Message = Mapping[str, Any]
 
 
@@ -38,6 +45,7 @@ def _apply_chat_template(
     chat_template: str | None,
     chat_template_kwargs: Mapping[str, Any] | None,
     where: str,
+    return_assistant_tokens_mask: bool = False,
 ) -> Any:
     try:
         return tokenizer.apply_chat_template(
@@ -47,6 +55,7 @@ def _apply_chat_template(
             add_generation_prompt=add_generation_prompt,
             tokenize=tokenize,
             return_dict=tokenize,
+            **({"return_assistant_tokens_mask": True} if return_assistant_tokens_mask else {}),
             **dict(chat_template_kwargs or {}),
         )
     except (TemplateError, TypeError, ValueError) as error:  # a template raising, None + str, no messages
@@ -155,6 +164,56 @@ def completion_start(
             "(see TRL's *_training.jinja templates)."
         )
     return start, True
+
+
+def conversation_branch(
+    messages: Sequence[Message],
+    tokenizer: PreTrainedTokenizerBase,
+    tools: Sequence[Any] | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    *,
+    assistant_only_loss: bool = False,
+    chat_template: str | None = None,
+    where: str = "conversation",
+) -> tuple[list[int], list[int]]:
+    """TRL's SFT branch of a ``messages`` row: ``(tokens, loss_mask)`` of the conversation rendered once.
+
+    Mirrors ``trl.SFTTrainer``'s tokenization of conversational language-modeling rows (TRL 1.16,
+    ``_prepare_dataset``): ``apply_chat_template(messages, tools=..., chat_template=..., tokenize=True,
+    return_assistant_tokens_mask=assistant_only_loss, **chat_template_kwargs)``. The mask is all ones
+    (``assistant_only_loss=False``, TRL's default: every token after the first is trained) or the template's
+    assistant mask (its ``{% generation %}`` blocks).
+
+    Raises:
+        ValueError: (starting with ``where``) when the template fails to render, or, with
+            ``assistant_only_loss=True``, marks no assistant token (TRL raises there too: the template lacks
+            ``{% generation %}`` markers, or the conversation has no assistant message).
+    """
+    for i in range(len(messages)):
+        _check_message(messages, i)
+    encoded = _apply_chat_template(
+        tokenizer,
+        messages,
+        tokenize=True,
+        add_generation_prompt=False,
+        tools=tools,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
+        where=where,
+        return_assistant_tokens_mask=assistant_only_loss,
+    )
+    tokens = list(encoded["input_ids"])
+    if not assistant_only_loss:
+        return tokens, [1] * len(tokens)
+    mask = [int(bit) for bit in encoded["assistant_masks"]]
+    if 1 not in mask:
+        raise ValueError(
+            f"{where}: assistant_only_loss=True, but the chat template marks no assistant token in this conversation "
+            f"(roles: {[m['role'] for m in messages]}). The template needs {{% generation %}}...{{% endgeneration %}} "
+            "around the assistant output (see TRL's *_training.jinja templates), and the conversation an assistant "
+            "message; or set assistant_only_loss=False to train every token."
+        )
+    return tokens, mask
 
 
 def _check_message(messages: Sequence[Message], i: int) -> None:

@@ -19,7 +19,15 @@ import datasets
 import numpy as np
 from transformers import PreTrainedTokenizerBase
 
-from hf_tree.builders.chat import TRAIN_ON, TrainOn, conversation_branches, render_ids
+from hf_tree.builders.chat import (
+    MESSAGES_BRANCHES,
+    TRAIN_ON,
+    MessagesBranches,
+    TrainOn,
+    conversation_branch,
+    conversation_branches,
+    render_ids,
+)
 from hf_tree.builders.completions import (
     completions_to_branches,
     is_empty_completion,
@@ -101,6 +109,26 @@ def detect_format(column_names: Sequence[str]) -> str:
     )
 
 
+def check_messages_options(messages_branches: str, train_on: str | None, assistant_only_loss: bool) -> None:
+    """Raise ``ValueError`` for a ``messages_branches`` value, or a ``train_on``/``assistant_only_loss`` that does not
+    apply to it (each belongs to one kind of branch)."""
+    if messages_branches not in MESSAGES_BRANCHES:
+        raise ValueError(f"messages_branches={messages_branches!r} must be one of {MESSAGES_BRANCHES}.")
+    if train_on is not None and train_on not in TRAIN_ON:
+        raise ValueError(f"train_on={train_on!r} must be one of {TRAIN_ON}.")
+    if messages_branches == "conversation" and train_on is not None:
+        raise ValueError(
+            f"train_on={train_on!r} applies to messages_branches='per_turn' only: with 'conversation' each row is "
+            "one branch trained as TRL trains it (assistant_only_loss decides which tokens). Unset train_on, or set "
+            "messages_branches='per_turn'."
+        )
+    if messages_branches == "per_turn" and assistant_only_loss:
+        raise ValueError(
+            "assistant_only_loss=True applies to messages_branches='conversation' only: per-turn branches always "
+            "train assistant tokens (train_on decides which turns). Leave assistant_only_loss=False here."
+        )
+
+
 def _row_tools(example: Mapping[str, Any]) -> Any:
     tools = example.get("tools")
     return json.loads(tools) if isinstance(tools, str) else tools  # TRL stores tools as JSON text too
@@ -156,6 +184,8 @@ def _tokenize_row(
     chat_template: str | None,
     chat_template_kwargs: Mapping[str, Any] | None,
     train_on: TrainOn,
+    messages_branches: MessagesBranches,
+    assistant_only_loss: bool,
     add_eos: bool,
 ) -> dict[str, Any]:
     """One input row -> its branches (tokens and loss spans), prompt hash, drop reason and fields."""
@@ -173,14 +203,29 @@ def _tokenize_row(
     if data_format == "messages":
         messages = example["messages"] or []
         try:
-            sequences, masks, out["_merges"] = conversation_branches(messages, tokenizer, train_on=train_on, **render)
+            if messages_branches == "conversation":  # TRL's rows: one rendering, one branch
+                sequences, masks = [], []
+                if messages:
+                    sequence, mask = conversation_branch(
+                        messages, tokenizer, assistant_only_loss=assistant_only_loss, where=f"row {index}", **render
+                    )
+                    sequences, masks = [sequence], [mask]
+            else:
+                sequences, masks, out["_merges"] = conversation_branches(
+                    messages, tokenizer, train_on=train_on, **render
+                )
         except ValueError as error:
             raise ValueError(f"row {index}: {error}") from error
         if not sequences:
-            out["_drop"] = "no assistant message"
+            out["_drop"] = "no assistant message" if messages_branches == "per_turn" else "empty conversation"
             return out
-        first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
-        prompt_ids = render_ids(tokenizer, messages[:first], add_generation_prompt=True, where=f"row {index}", **render)
+        # the grouping key: the rendering before the first assistant message (the whole row when there is none)
+        first = next((i for i, m in enumerate(messages) if m["role"] == "assistant"), None)
+        prompt_ids = (
+            sequences[0]
+            if first is None
+            else render_ids(tokenizer, messages[:first], add_generation_prompt=True, where=f"row {index}", **render)
+        )
     else:
         prompt = example["prompt"]
         completions = [example["completion"]] if data_format == "prompt/completion" else example["completions"] or []
@@ -272,7 +317,9 @@ def build_tree_dataset(
     branch_fields: Sequence[str] | None = ...,
     chat_template: str | None = ...,
     chat_template_kwargs: Mapping[str, Any] | None = ...,
-    train_on: TrainOn = ...,
+    train_on: TrainOn | None = ...,
+    messages_branches: MessagesBranches = ...,
+    assistant_only_loss: bool = ...,
     add_eos: bool = ...,
     return_stats: Literal[False] = ...,
 ) -> datasets.Dataset: ...
@@ -286,7 +333,9 @@ def build_tree_dataset(
     branch_fields: Sequence[str] | None = ...,
     chat_template: str | None = ...,
     chat_template_kwargs: Mapping[str, Any] | None = ...,
-    train_on: TrainOn = ...,
+    train_on: TrainOn | None = ...,
+    messages_branches: MessagesBranches = ...,
+    assistant_only_loss: bool = ...,
     add_eos: bool = ...,
     return_stats: Literal[True],
 ) -> tuple[datasets.Dataset, TreeBuildStats]: ...
@@ -299,14 +348,17 @@ def build_tree_dataset(
     branch_fields: Sequence[str] | None = None,
     chat_template: str | None = None,
     chat_template_kwargs: Mapping[str, Any] | None = None,
-    train_on: TrainOn = "last_assistant",
+    train_on: TrainOn | None = None,
+    messages_branches: MessagesBranches = "per_turn",
+    assistant_only_loss: bool = False,
     add_eos: bool = True,
     return_stats: bool = False,
 ) -> datasets.Dataset | tuple[datasets.Dataset, TreeBuildStats]:
     """Convert TRL-format rows into tree rows (``Tree.to_dict()`` columns, ``branch_fields`` if any).
 
     Formats (by columns): ``messages`` (a conversation per row -> per-turn branches, see
-    ``conversation_to_branches``); ``prompt`` + ``completion`` (one completion per row); ``prompt`` +
+    ``conversation_to_branches``, or with ``messages_branches="conversation"`` TRL's single branch, see
+    ``conversation_branch``); ``prompt`` + ``completion`` (one completion per row); ``prompt`` +
     ``completions`` (a list per row). Prompts/completions are text or messages, as in TRL. Optional
     per-row ``tools`` (list or JSON text) and ``chat_template_kwargs`` columns are used for rendering.
 
@@ -320,7 +372,14 @@ def build_tree_dataset(
         branch_fields: columns kept per branch under ``branch_fields`` (e.g. ``["reward", "advantage"]``):
             a row's value goes to each of its branches; in ``prompt/completions`` rows a list as long as
             ``completions`` gives one value per completion.
-        chat_template, chat_template_kwargs, train_on: see ``conversation_to_branches``.
+        chat_template, chat_template_kwargs: see ``conversation_to_branches``.
+        train_on: ``messages_branches="per_turn"`` only: see ``conversation_to_branches`` (``None``:
+            ``"last_assistant"``).
+        messages_branches: ``messages`` rows: ``"per_turn"`` (default here; one branch per assistant turn, in
+            the context the template renders at that turn, assistant tokens trained) or ``"conversation"``
+            (TRL's SFT rows: the conversation rendered once, one branch; what ``TreeSFTTrainer`` uses by default).
+        assistant_only_loss: ``messages_branches="conversation"`` only: train the template's assistant tokens
+            (``{% generation %}``) instead of every token, as TRL's ``assistant_only_loss``.
         add_eos: plain-text completions end with ``tokenizer.eos_token`` (see ``completions_to_branches``).
         return_stats: also return the ``TreeBuildStats``.
 
@@ -338,8 +397,7 @@ def build_tree_dataset(
             f"group_by={group_by!r} is not a column of {dataset.column_names}; pass a column name, "
             f"GROUP_BY_PROMPT_TOKENS={GROUP_BY_PROMPT_TOKENS!r}, GROUP_BY_ROW={GROUP_BY_ROW!r} or None."
         )
-    if train_on not in TRAIN_ON:
-        raise ValueError(f"train_on={train_on!r} must be one of {TRAIN_ON}.")
+    check_messages_options(messages_branches, train_on, assistant_only_loss)
     ignored = [c for c in dataset.column_names if c not in (*_INPUT_COLUMNS, *branch_fields, group_by)]
     if ignored:
         logger.info(
@@ -362,7 +420,9 @@ def build_tree_dataset(
             per_completion_fields=per_completion,
             chat_template=chat_template,
             chat_template_kwargs=chat_template_kwargs,
-            train_on=train_on,
+            train_on=train_on or "last_assistant",
+            messages_branches=messages_branches,
+            assistant_only_loss=assistant_only_loss,
             add_eos=add_eos,
         ),
         remove_columns=dataset.column_names,
