@@ -1,6 +1,7 @@
 """Model-zoo conformance: every causal-LM architecture of the installed transformers, built tiny, in one state.
 
-    python benchmarks/model_zoo.py                       # the whole zoo (189 types in transformers 5.23; minutes)
+    python benchmarks/model_zoo.py                       # the whole zoo (196 types in transformers 5.24, and the
+                                                         # length-switch variants of hf_tree.zoo.ZOO_VARIANTS; minutes)
     python benchmarks/model_zoo.py llama gemma2 cohere   # some model types
     python benchmarks/model_zoo.py --json zoo.json       # also write the results as JSON
 
@@ -19,7 +20,7 @@ import warnings
 import torch
 import transformers
 
-from hf_tree.zoo import check_architecture, markdown_table, zoo_model_types
+from hf_tree.zoo import check_architecture, markdown_table, zoo_model_types, zoo_variants
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -28,14 +29,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--json", help="write the results to this JSON file")
     parser.add_argument("--time-limit", type=int, default=300, help="seconds per architecture before giving up")
     args = parser.parse_args(argv)
-    unknown = sorted(set(args.model_types) - set(zoo_model_types()))
+    known = zoo_model_types() + zoo_variants()
+    unknown = sorted(set(args.model_types) - set(known))
     if unknown:
-        parser.error(f"unknown causal-LM model types {unknown}; choose among {zoo_model_types()}")
+        parser.error(f"unknown causal-LM model types {unknown}; choose among {known}")
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
     results = []
-    for model_type in args.model_types or zoo_model_types():
+    for model_type in args.model_types or known:
         result = check_architecture(model_type, time_limit=args.time_limit)
         print(f"{model_type}: {result.state} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
         results.append(result)

@@ -39,6 +39,7 @@ from transformers import PreTrainedModel
 from trl.kernels import ChunkedLogProbFunction
 
 from hf_tree.head import LogitHead, backbone_of, detect_logit_head
+from hf_tree.length_rope import check_rope_lengths
 from hf_tree.packing import PackingStats, pack_and_place
 from hf_tree.tree import Tree
 from hf_tree.versions import require_tested_trl
@@ -164,6 +165,7 @@ def layout_scored_rows(
 def _backbone_hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
     """``[R * N, D]`` last hidden states of packed tree rows (what the LM head reads; ``detect_logit_head`` checked
     that the model's logits are ``LogitHead.logits`` of exactly this tensor)."""
+    check_rope_lengths(model.config, batch["position_ids"])
     outputs = backbone_of(model)(
         input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"], use_cache=False
     )

@@ -15,6 +15,7 @@ from torch.utils.checkpoint import checkpoint
 from hf_tree.attention.mask import autocast_inputs, compute_dtype
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.head import LogitHead, capture_last_hidden_state, causal_lm_of
+from hf_tree.length_rope import check_rope_lengths
 from hf_tree.model_check import check_model_for_trees
 
 # Bytes of one float32 [rows, vocab] logits tile: sets the rows per loss chunk (``loss_chunk_rows``). The fused
@@ -258,7 +259,8 @@ def tree_causal_lm_loss(
             instance). ``None``: on unless ``HF_TREE_SELF_CHECK=0``.
 
     Raises:
-        ValueError: a model not on ``tree_flash``, or one the self-check finds not tree-exact.
+        ValueError: a model not on ``tree_flash``, one the self-check finds not tree-exact, or a batch whose longest
+            branch crosses a length switch of the model's RoPE (``hf_tree.length_rope``).
     """
     config = extract_model_from_parallel(model).config
     if config._attn_implementation != TREE_ATTENTION_NAME:
@@ -267,6 +269,7 @@ def tree_causal_lm_loss(
             f"would let sibling branches see each other. Load it with attn_implementation="
             f"'{TREE_ATTENTION_NAME}' or call model.set_attn_implementation('{TREE_ATTENTION_NAME}')."
         )
+    check_rope_lengths(config, batch["position_ids"])
     logit_head = check_model_for_trees(model, self_check)
     causal_lm = causal_lm_of(model)
     with capture_last_hidden_state(causal_lm) as captured:

@@ -33,6 +33,7 @@ from transformers import PreTrainedModel
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.head import LogitHead, causal_lm_of, detect_logit_head, raised_by_hf_tree
+from hf_tree.length_rope import longest_exact_branch
 from hf_tree.probe import (
     FLOOR_FACTOR,
     ProbeRun,
@@ -217,7 +218,7 @@ def check_model_for_trees(model: torch.nn.Module, self_check: bool | None = None
     if enabled:
         refuse_known_unsupported(causal_lm)
     head = detect_logit_head(model, forward)
-    if enabled:
-        probe_tree_exactness(model, forward)
+    if enabled:  # the probe stays within a RoPE length switch (batches past it are refused per batch)
+        probe_tree_exactness(model, forward, length_limit=longest_exact_branch(causal_lm.config))
     _checked[causal_lm] = (head, enabled)
     return head

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils import extract_model_from_parallel
 from peft import PeftModel
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import EvalLoopOutput
@@ -34,6 +35,7 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
 from hf_tree.distributed import enable_fsdp2_on_cpu
+from hf_tree.length_rope import check_rope_lengths
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.model_check import self_check_setting
 from hf_tree.packing import PackingStats
@@ -260,6 +262,8 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         the batch unchanged. Replaces Trainer's torch CP (causal-only ring attention, SDPA only)."""
         if self.tree_context_parallel is None:
             return contextlib.nullcontext, inputs
+        # On the global batch: each rank's rope would see only its shard's largest position.
+        check_rope_lengths(extract_model_from_parallel(model).config, inputs["position_ids"])
         return self.tree_context_parallel.prepare(inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

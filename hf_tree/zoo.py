@@ -110,6 +110,27 @@ _LEVELS = (
 )
 
 
+def _length_switch(model_type: str, rope_type: str, switch: int) -> tuple[str, dict]:
+    """A ``ZOO_VARIANTS`` entry: ``model_type`` with a length-dependent rope switching at ``switch`` tokens
+    (8 rotary frequencies: the tiny head dimension is 16)."""
+    if rope_type == "longrope":
+        factors = dict(short_factor=[1.0 + i / 4 for i in range(8)], long_factor=[2.0 + 2 * i for i in range(8)])
+        rope = dict(rope_type="longrope", rope_theta=10000.0, original_max_position_embeddings=switch, **factors)
+        return model_type, dict(rope_parameters=rope, original_max_position_embeddings=switch)
+    rope = dict(rope_type="dynamic", rope_theta=10000.0, factor=4.0)
+    return model_type, dict(rope_parameters=rope, max_position_embeddings=switch)
+
+
+# Configs beyond the defaults: every length switch of the installed transformers' rope types (hf_tree.length_rope),
+# crossed by the probe branches (8-13 tokens; refused) and not (exact). ``check_architecture`` takes these names.
+ZOO_VARIANTS = {
+    "phi3 (longrope, switch 10)": _length_switch("phi3", "longrope", 10),
+    "phi3 (longrope, switch 64)": _length_switch("phi3", "longrope", 64),
+    "llama (dynamic, switch 10)": _length_switch("llama", "dynamic", 10),
+    "llama (dynamic, switch 64)": _length_switch("llama", "dynamic", 64),
+}
+
+
 class RefusedOnLoad(Exception):
     """hf_tree refuses any forward of the model under ``tree_flash`` (the message says why)."""
 
@@ -181,9 +202,10 @@ def _shrink(values: dict, level: int = 0) -> dict:
 
 def tiny_config(model_type: str, level: int = 0) -> transformers.PretrainedConfig:
     """``model_type``'s default config with every size shrunk (``_SIZES``; milder at higher ``level``, see
-    ``_LEVELS``) and rebuilt, so derived fields follow."""
+    ``_LEVELS``) and rebuilt, so derived fields follow. A name of ``ZOO_VARIANTS`` applies its overrides last."""
+    model_type, overrides = ZOO_VARIANTS.get(model_type, (model_type, {}))
     default = transformers.AutoConfig.for_model(model_type)
-    values = _shrink(default.to_dict(), level)
+    values = _shrink(default.to_dict(), level) | copy.deepcopy(overrides)
     for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
         values.pop(key, None)
     values.update(attention_dropout=0.0, use_cache=False, tie_word_embeddings=values.get("tie_word_embeddings", True))
@@ -398,6 +420,11 @@ def _check_training(result: ZooResult, model, branches, masks, tolerance: float)
     if result.loss_error <= tolerance and result.grad_error <= tolerance:
         return "exact", ""
     return "MISMATCH", "tree training differs from per-branch training"
+
+
+def zoo_variants() -> list[str]:
+    """The ``ZOO_VARIANTS`` names (configs beyond the defaults, checked like model types)."""
+    return list(ZOO_VARIANTS)
 
 
 def zoo_model_types() -> list[str]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from hf_tree.zoo import check_architecture, zoo_model_types
+from hf_tree.zoo import ZOO_VARIANTS, check_architecture, zoo_model_types, zoo_variants
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -40,9 +40,19 @@ def test_fast_subset(model_type):
         assert result.loss_error is not None and result.grad_error is not None and result.dual_error is not None
 
 
+@pytest.mark.parametrize("variant", sorted(ZOO_VARIANTS))
+def test_length_switch_variants_are_refused_when_crossed_and_exact_below(variant):
+    """Phi-3 longrope and dynamic NTK: the probe branches (8-13 tokens) cross a switch at 10 and stay below 64."""
+    result = check_architecture(variant)
+    expected = "refused" if "switch 10" in variant else "exact"
+    assert result.state == expected, result.detail
+    if expected == "refused":
+        assert "longest branch has 13 tokens" in result.detail
+
+
 @pytest.mark.slow
 def test_whole_zoo_has_no_silent_mismatch():
-    results = [check_architecture(model_type) for model_type in zoo_model_types()]
+    results = [check_architecture(model_type) for model_type in zoo_model_types() + zoo_variants()]
     silent = [(r.model_type, r.detail) for r in results if r.state == "MISMATCH"]
     assert not silent
     assert sum(r.state == "exact" for r in results) >= 50  # the suite really ran models
