@@ -21,7 +21,17 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import datasets
+import pyarrow.compute as pc
 import torch
+
+from hf_tree.collator import TreeDataCollator
+
+# HunYuan's rotary turns "dynamic" with a fixed ``alpha`` into static NTK-alpha frequencies: no switch.
+STATIC_DYNAMIC_WITH_ALPHA = frozenset({"hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl"})
+# PhiMoE's rotary recomputes its short frequencies every forward and switches only its attention scale
+# (``short_mscale``/``long_mscale``) at ``original_max_position_embeddings``.
+MSCALE_SWITCH_MODELS = frozenset({"phimoe"})
 
 
 @dataclass(frozen=True)
@@ -54,16 +64,24 @@ def _rope_dicts(config: Any) -> list[tuple[str | None, dict]]:
 def length_switches(config: Any) -> list[LengthSwitch]:
     """The length-dependent ropes of ``config`` (its text config), empty for every other rope."""
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    model_type = getattr(text, "model_type", "")
     switches = []
     for layer_type, parameters in _rope_dicts(text):
         rope_type = parameters.get("rope_type", parameters.get("type"))
-        if rope_type == "longrope":
+        if model_type in MSCALE_SWITCH_MODELS:
+            mscales = parameters.get("short_mscale"), parameters.get("long_mscale")
+            switch = parameters.get("original_max_position_embeddings")
+            if rope_type not in (None, "default") and mscales[0] != mscales[1] and switch:
+                switches.append(LengthSwitch(f"{rope_type} (attention scale)", int(switch), int(switch), layer_type))
+        elif rope_type == "longrope":
             switch = parameters.get("original_max_position_embeddings") or getattr(
                 text, "original_max_position_embeddings", None
             )
             if switch:  # long factors iff max(position_ids) + 1 > switch
                 switches.append(LengthSwitch(rope_type, int(switch), int(switch), layer_type))
         elif rope_type is not None and "dynamic" in str(rope_type):
+            if model_type in STATIC_DYNAMIC_WITH_ALPHA and parameters.get("alpha"):
+                continue
             switch = getattr(text, "max_position_embeddings", None)
             if switch:  # a call of exactly ``switch`` tokens keeps frequencies a longer call grew; shorter ones reset
                 switches.append(LengthSwitch(str(rope_type), int(switch), int(switch) - 1, layer_type))
@@ -76,12 +94,13 @@ def longest_exact_branch(config: Any) -> int | None:
     return min(s.longest_exact for s in switches) if switches else None
 
 
-def check_rope_lengths(config: Any, position_ids: torch.Tensor) -> None:
+def check_rope_lengths(config: Any, position_ids: torch.Tensor, where: str = "this tree batch") -> None:
     """Refuse a tree batch whose longest branch crosses a length switch of the model's rope.
 
     Args:
         config: the model's config.
         position_ids: ``[B, N]`` depth positions of the packed batch (the whole batch the forward will see).
+        where: what holds them, for the message.
 
     Raises:
         ValueError: naming the rope type, the switch, the longest branch and the fix.
@@ -93,10 +112,51 @@ def check_rope_lengths(config: Any, position_ids: torch.Tensor) -> None:
     for switch in switches:
         if longest > switch.longest_exact:
             raise ValueError(
-                f"{switch.describe()}{switch.switch}, and this tree batch's longest branch has {longest} tokens: every "
+                f"{switch.describe()}{switch.switch}, and {where}'s longest branch has {longest} tokens: every "
                 "branch of the batch would get the frequencies of the longest one (transformers picks them from the "
                 "largest position of the whole batch), so shorter branches would train silently wrong, and a prefix "
                 "shared across the switch cannot be shared (its keys differ on each side). Keep branches within "
                 f"{switch.longest_exact} tokens: max_branch_tokens={switch.longest_exact} with overlong='truncate' or "
                 "'drop' (counted and reported), or train this model on flat sequences."
             )
+
+
+def _longest_dataset_branch(dataset: datasets.Dataset) -> int:
+    """The longest branch (tokens) of a dataset of ``Tree.to_dict()`` rows, read column-wise from Arrow."""
+    columns = dataset.select_columns(["node_tokens", "node_parents", "branch_end_nodes"]).with_format("arrow")
+    longest = 0
+    for table in columns.iter(batch_size=4096):
+        node_tokens = table.column("node_tokens").combine_chunks()
+        node_lengths = pc.list_value_length(node_tokens.flatten()).to_numpy().tolist()
+        node_offsets = node_tokens.offsets.to_numpy()
+        parents, ends = table.column("node_parents").to_pylist(), table.column("branch_end_nodes").to_pylist()
+        for row, (row_parents, row_ends) in enumerate(zip(parents, ends)):
+            lengths = node_lengths[node_offsets[row] : node_offsets[row + 1]]
+            end_depth: list[int] = []  # tokens from the root to each node's end; parents precede children (DFS)
+            for length, parent in zip(lengths, row_parents):
+                end_depth.append(length + (end_depth[parent] if parent >= 0 else 0))
+            longest = max(longest, max((end_depth[e] for e in row_ends), default=0))
+    return longest
+
+
+def check_dataset_rope_lengths(config: Any, collator: Any, dataset: Any) -> None:
+    """Before training: refuse a tree dataset whose longest branch, as ``collator`` passes it on, crosses a length
+    switch (the per-batch check would stop only at the first such batch, possibly after many optimizer steps).
+
+    Free unless the model has a switch and the ``TreeDataCollator`` lets longer branches through (its
+    ``max_branch_tokens``: "truncate"/"drop" cut longer ones to it); then one pass over the tree columns. Other
+    collators and datasets (iterable, not tree rows) are left to the per-batch check.
+
+    Raises:
+        ValueError: as ``check_rope_lengths``.
+    """
+    longest_exact = longest_exact_branch(config)
+    if longest_exact is None or not isinstance(collator, TreeDataCollator):
+        return
+    branch_limit = collator.packing.branch_limit
+    if branch_limit <= longest_exact:
+        return
+    if not isinstance(dataset, datasets.Dataset) or "branch_end_nodes" not in dataset.column_names:
+        return
+    longest = min(_longest_dataset_branch(dataset), branch_limit)
+    check_rope_lengths(config, torch.arange(longest)[None], f"the training dataset (max_branch_tokens={branch_limit})")

@@ -26,7 +26,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import extract_model_from_parallel
 from peft import PeftModel
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import EvalLoopOutput
@@ -35,7 +34,7 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
 from hf_tree.distributed import enable_fsdp2_on_cpu
-from hf_tree.length_rope import check_rope_lengths
+from hf_tree.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.model_check import self_check_setting
 from hf_tree.packing import PackingStats
@@ -214,6 +213,8 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         else:  # plain TrainingArguments with a TreeDataCollator: the default sharding
             context_parallel = ContextParallelConfig(pad_token_id=pad_token_id)
         self.tree_context_parallel = TreeContextParallel.from_accelerator(self.accelerator, context_parallel)
+        # The whole training set, before the first step (the per-batch check in get_batch_samples stays).
+        check_dataset_rope_lengths(self.model.config, self.data_collator, self.train_dataset)
 
     @property
     def tree_self_check(self) -> bool | None:
@@ -236,6 +237,9 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         batch_samples, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         sums = torch.zeros(len(STEP_SUM_KEYS), dtype=torch.float64)
         for batch in batch_samples:
+            # Before the step, on the whole batch (context parallel shards it later, and each rank's rope would see
+            # only its shard's largest position).
+            check_rope_lengths(self.model.config, batch["position_ids"])
             sums += self._pop_batch_sums(batch)
         sums = sums.to(device)
         if self.accelerator.num_processes > 1:
@@ -262,8 +266,6 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         the batch unchanged. Replaces Trainer's torch CP (causal-only ring attention, SDPA only)."""
         if self.tree_context_parallel is None:
             return contextlib.nullcontext, inputs
-        # On the global batch: each rank's rope would see only its shard's largest position.
-        check_rope_lengths(extract_model_from_parallel(model).config, inputs["position_ids"])
         return self.tree_context_parallel.prepare(inputs)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):

@@ -8,11 +8,14 @@ trees) frequencies they do not get alone: measured before the refusal at gradien
 
 from __future__ import annotations
 
+import datasets
 import pytest
 import torch
+import transformers
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.length_rope import check_rope_lengths, length_switches, longest_exact_branch
+from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
 from tests.helpers import grads_of, max_grad_relative_error, per_branch_loss, relative_error, tiny_model
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -95,3 +98,28 @@ def test_switches_are_read_per_layer_type_and_only_for_length_dependent_ropes():
     assert (switch.rope_type, switch.switch, switch.longest_exact) == ("longrope", SWITCH, SWITCH)
     config.rope_parameters = {"full_attention": dict(LONGROPE["rope_parameters"]), "sliding_attention": {}}
     assert [s.layer_type for s in length_switches(config)] == ["full_attention"]
+
+
+def test_model_specific_rotaries():
+    """HunYuan turns "dynamic" with a fixed alpha into static NTK-alpha frequencies (no switch); PhiMoE switches its
+    attention scale (short/long mscale) at original_max_position_embeddings."""
+    alpha = {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 1.0, "alpha": 1000.0}
+    assert length_switches(transformers.AutoConfig.for_model("hunyuan_v1_dense", rope_parameters=alpha)) == []
+    mscale = {**LONGROPE["rope_parameters"], "short_mscale": 1.0, "long_mscale": 1.2}
+    phimoe = transformers.AutoConfig.for_model("phimoe", **{**LONGROPE, "rope_parameters": mscale})
+    assert [s.longest_exact for s in length_switches(phimoe)] == [SWITCH]
+
+
+def test_trainer_refuses_a_dataset_crossing_the_switch_before_training(tmp_path):
+    """Before the first step, not at the first long batch: the whole training set's longest branch as the collator
+    passes it on. The fix in the message (cut branches at the switch) trains."""
+    rows = [Tree.from_sequences(branches([12, 16])).to_dict(), Tree.from_sequences(branches([40], seed=1)).to_dict()]
+    dataset = datasets.Dataset.from_list(rows)
+
+    def trainer(**packing):
+        args = TreeTrainingArguments(output_dir=str(tmp_path), report_to=[], max_packed_tokens=64, **packing)
+        return TreeTrainer(model=tiny_model("phi3", **LONGROPE), args=args, train_dataset=dataset)
+
+    with pytest.raises(ValueError, match=r"training dataset \(max_branch_tokens=64\)'s longest branch has 40 tokens"):
+        trainer()
+    trainer(max_branch_tokens=SWITCH, overlong="truncate")
