@@ -40,7 +40,8 @@ class TreeDPOTrainer(FSDPFullSaveMixin, DPOTrainer):
     Accepts exactly ``DPOTrainer``'s arguments with ``args`` a ``TreeDPOConfig``. Raises ``ValueError`` for what
     the tree passes do not support: a model (or ``ref_model``) that cannot be switched to ``tree_flash`` (an
     instance on ``sdpa``/``eager`` is switched with a warning, a name is loaded with it),
-    vision datasets and vision-language models, MoE router auxiliary losses, and configs that rescale logits.
+    vision datasets and vision-language models, and configs that rescale logits. An MoE model's router
+    load-balancing loss is TRL's, computed on the trees.
     """
 
     def __init__(self, model: Any, ref_model: Any = None, args: TreeDPOConfig | None = None, **kwargs: Any) -> None:

@@ -37,8 +37,8 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
     Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is
     refused: it lacks the tree fields). The model is put on ``tree_flash`` as ``TreeSFTTrainer`` does (a name loads
     with it, an instance on ``sdpa``/``eager`` is switched with a warning). Raises ``ValueError`` for what the tree
-    passes do not support: a model that cannot be switched, vision-language models and image inputs, MoE router
-    auxiliary losses, and configs that rescale logits.
+    passes do not support: a model that cannot be switched, vision-language models and image inputs, and configs
+    that rescale logits. An MoE model's router load-balancing loss is TRL's, computed on the trees.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: TreeGRPOConfig | None = None, **kwargs: Any) -> None:
@@ -68,8 +68,9 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
         """TRL's contract: ``input_ids``/``attention_mask`` ``[B, T]`` (left-padded prompts, right-padded
         completions) -> log-probs ``[B, logits_to_keep]`` of the last ``logits_to_keep`` columns, entropies (or
-        ``None``), no aux loss. All ``B`` rows are packed together (groups are never cut by ``batch_size``); each
-        backbone call holds at most ``batch_size * T`` packed tokens, the tokens of one TRL forward."""
+        ``None``) and, with ``compute_aux_loss``, the MoE router loss as TRL computes it. All ``B`` rows are packed
+        together (groups are never cut by ``batch_size``); each backbone call holds at most ``batch_size * T`` packed
+        tokens, the tokens of one TRL forward."""
         if not self.args.tree_logprobs:
             return super()._get_per_token_logps_and_entropies(
                 model,
@@ -82,25 +83,29 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
                 **multimodal_inputs,
             )
         given = sorted(name for name, value in multimodal_inputs.items() if value is not None)
-        if given or compute_aux_loss:
+        if given:
             raise ValueError(
-                f"tree log-probs do not support {given or 'the MoE aux loss'} (image inputs of vision-language "
-                "models, router losses); set tree_logprobs=False."
+                f"tree log-probs do not support {given} (image inputs of vision-language models); set "
+                "tree_logprobs=False."
             )
         # Only the completion tokens are scored, as in TRL
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
-        tokens_per_forward = (batch_size or input_ids.size(0)) * input_ids.size(1)
+        rows_per_forward = batch_size or input_ids.size(0)
+        # MoE: TRL's router loss is the mean of one per forward chunk of batch_size rows; the tree weights each
+        # packed token by the rows of each chunk that contain it (hf_tree.router_loss).
+        router_inputs = {"output_router_logits": True, "tree_router_chunk_rows": rows_per_forward}
         with self.accelerator.autocast():
             outputs = model(
                 input_ids=input_ids,
                 attention_mask=attention_mask,
                 labels=labels,
                 fused_lm_head=True,
-                tree_tokens_per_forward=tokens_per_forward,
+                tree_tokens_per_forward=rows_per_forward * input_ids.size(1),
+                **(router_inputs if compute_aux_loss else {}),
             )
         logps = outputs.log_probs[:, -logits_to_keep:]
         entropies = outputs.entropy[:, -logits_to_keep:] if compute_entropy else None
         if compute_entropy:  # the policy pass: log how much the trees saved (nothing if it scored nothing)
             log_tree_stats(self, model)
-        return logps, entropies, None
+        return logps, entropies, outputs.aux_loss if compute_aux_loss else None

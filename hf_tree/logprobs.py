@@ -41,6 +41,7 @@ from trl.kernels import ChunkedLogProbFunction
 from hf_tree.head import LogitHead, backbone_of, detect_logit_head
 from hf_tree.length_rope import check_rope_lengths
 from hf_tree.packing import PackingStats, pack_and_place
+from hf_tree.router_loss import tree_router_loss
 from hf_tree.tree import Tree
 from hf_tree.versions import require_tested_trl
 
@@ -64,6 +65,8 @@ class ScoredLayout:
             holds the label at column ``j + 1``.
         output_shape: ``(B, T - 1)``.
         stats: packing statistics; ``stats.dedup_ratio`` = branch tokens / packed tokens.
+        router_weights: ``[C, R * N]`` float32, for an MoE router loss: how many rows of each of ``C`` row chunks
+            (TRL's forward chunks) contain each packed token (``hf_tree.router_loss``); ``None`` without one.
     """
 
     batch: dict[str, torch.Tensor]
@@ -72,6 +75,7 @@ class ScoredLayout:
     output_index: torch.Tensor
     output_shape: tuple[int, int]
     stats: PackingStats
+    router_weights: torch.Tensor | None = None
 
     @property
     def num_scored(self) -> int:
@@ -83,6 +87,7 @@ def layout_scored_rows(
     attention_mask: torch.Tensor | None,
     labels: torch.Tensor,
     max_packed_tokens: int,
+    router_chunk_rows: int | None = None,
 ) -> ScoredLayout:
     """Merge the rows of a padded batch into trees and pack them, keeping track of every scored token.
 
@@ -92,6 +97,9 @@ def layout_scored_rows(
         labels: ``[B, T]``, the token to score at each column or ``-100``; column ``j`` is predicted from the hidden
             state at column ``j - 1``, as in TRL's fused head.
         max_packed_tokens: capacity of a packed row; a tree larger than this is split by its branches (exact).
+        router_chunk_rows: for an MoE router loss, the rows of each of TRL's forward chunks: every row's real tokens
+            are packed (scored or not, as TRL's router loss counts them) and ``router_weights`` counts, per chunk,
+            the rows that contain each packed token. ``None``: rows are packed up to their last scored token.
 
     Raises:
         ValueError: when a row's real tokens are not one contiguous run, a scored token lies outside it or is its
@@ -108,27 +116,28 @@ def layout_scored_rows(
     scored_columns: dict[int, np.ndarray] = {}
     for row in range(batch_size):
         columns = np.nonzero(shifted_labels[row] != -100)[0] + 1
-        if columns.size == 0:
-            continue
         run = np.nonzero(real[row])[0]
+        if columns.size == 0 and (router_chunk_rows is None or run.size == 0):
+            continue
         start, end = (int(run[0]), int(run[-1]) + 1) if run.size else (0, 0)
         if run.size != end - start:
             raise ValueError(
                 f"row {row}: attention_mask is not one contiguous run of real tokens; hf_tree's tree log-probs "
                 "support left-padded prompts and right-padded completions (set tree_logprobs=False otherwise)."
             )
-        if columns[0] <= start or columns[-1] >= end:
+        if columns.size and (columns[0] <= start or columns[-1] >= end):
             raise ValueError(
                 f"row {row}: the scored token at column {int(columns[0] if columns[0] <= start else columns[-1])} "
                 f"is outside the row's real tokens [{start + 1}, {end}) that have a real predecessor: it would be "
                 "predicted from padding. Check the attention mask and labels."
             )
-        if columns[-1] + 1 - start > max_packed_tokens:
+        stop = end if router_chunk_rows is not None else int(columns[-1]) + 1
+        if stop - start > max_packed_tokens:
             raise ValueError(
-                f"row {row} has {int(columns[-1] + 1 - start)} tokens, more than max_packed_tokens="
-                f"{max_packed_tokens}: a row must fit in one packed row. Raise max_packed_tokens."
+                f"row {row} has {stop - start} tokens, more than max_packed_tokens={max_packed_tokens}: a row must "
+                "fit in one packed row. Raise max_packed_tokens."
             )
-        sequences[row] = ids[row, start : columns[-1] + 1].tolist()
+        sequences[row] = ids[row, start:stop].tolist()
         starts[row], scored_columns[row] = start, columns
         groups[sequences[row][0]].append(row)
 
@@ -136,12 +145,18 @@ def layout_scored_rows(
     batch, stats, parts, placements = pack_and_place(trees, max_packed_tokens)
     row_length = batch["input_ids"].shape[1]
 
+    router_weights = None
+    if router_chunk_rows is not None:
+        num_chunks = -(-batch_size // router_chunk_rows)
+        router_weights = torch.zeros(num_chunks, batch["input_ids"].numel(), dtype=torch.float32)
     predictors, targets, outputs = [], [], []
     for part, (packed_row, offset) in zip(parts, placements):
         base = packed_row * row_length + offset
         for branch, row in enumerate(part.branch_fields["row"]):
             columns = scored_columns[row]
             flat = part.branch_flat_indices(branch)
+            if router_weights is not None:
+                router_weights[row // router_chunk_rows, torch.from_numpy(base + flat)] += 1
             predictors.append(base + flat[columns - 1 - starts[row]])  # the token before each scored one
             targets.append(shifted_labels[row, columns - 1])
             outputs.append(row * (width - 1) + columns - 1)
@@ -159,16 +174,27 @@ def layout_scored_rows(
         output_index=tensor(outputs),
         output_shape=(batch_size, width - 1),
         stats=stats,
+        router_weights=router_weights,
     )
 
 
-def _backbone_hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+def _backbone_hidden_states(
+    model: PreTrainedModel, batch: dict[str, torch.Tensor], router_logits: list | None = None
+) -> torch.Tensor:
     """``[R * N, D]`` last hidden states of packed tree rows (what the LM head reads; ``detect_logit_head`` checked
-    that the model's logits are ``LogitHead.logits`` of exactly this tensor)."""
+    that the model's logits are ``LogitHead.logits`` of exactly this tensor). With a ``router_logits`` list, the
+    backbone's router logits (one ``[R * N, E]`` tensor per MoE layer) are appended to it."""
     check_rope_lengths(model.config, batch["position_ids"])
+    router_inputs = {} if router_logits is None else {"output_router_logits": True}
     outputs = backbone_of(model)(
-        input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"], use_cache=False
+        input_ids=batch["input_ids"],
+        position_ids=batch["position_ids"],
+        kv_end=batch["kv_end"],
+        use_cache=False,
+        **router_inputs,
     )
+    if router_logits is not None:
+        router_logits.append(outputs.router_logits)
     hidden = outputs.last_hidden_state
     return hidden.reshape(-1, hidden.shape[-1])
 
@@ -195,7 +221,9 @@ def tree_token_log_probs(
         logit_head: the model's scale and softcap (``check_model_for_trees``; detected here when ``None``).
 
     Returns:
-        ``{field: [M]}`` in the order of ``layout.predictor_index`` (float32; ``is_top1`` bool).
+        ``{field: [M]}`` in the order of ``layout.predictor_index`` (float32; ``is_top1`` bool); with
+        ``layout.router_weights``, also ``aux_loss``: the 0-dim router load-balancing loss of the padded batch (the
+        mean over its row chunks, ``hf_tree.router_loss``).
     """
     device = model.get_input_embeddings().weight.device
     batch = {k: v.to(device) for k, v in layout.batch.items()}
@@ -216,8 +244,10 @@ def tree_token_log_probs(
     targets = layout.targets.to(weight.device)
 
     results: dict[str, list[torch.Tensor]] = defaultdict(list)
+    router_logits = None if layout.router_weights is None else []
     for r0, r1, lo, hi in zip(row_starts[:-1], row_starts[1:], bounds[:-1], bounds[1:]):  # every row scores tokens
-        hidden = _backbone_hidden_states(model, {k: v[r0:r1] for k, v in batch.items()}).to(weight.device)
+        rows = {k: v[r0:r1] for k, v in batch.items()}
+        hidden = _backbone_hidden_states(model, rows, router_logits).to(weight.device)
         hidden = hidden.index_select(0, predictor_index[lo:hi] - int(r0) * row_length)
         autocast = nullcontext()
         if cast_lm_head_to_fp32:
@@ -238,7 +268,11 @@ def tree_token_log_probs(
         for name, value in zip(FUSED_OUTPUTS, values):
             if value is not None:
                 results[name].append(value)
-    return {name: torch.cat(chunks) for name, chunks in results.items()}
+    values = {name: torch.cat(chunks) for name, chunks in results.items()}
+    if router_logits is not None:  # the loss is a product of batch means: over all forwards' logits at once
+        whole = tuple(torch.cat(layer) for layer in zip(*router_logits))
+        values["aux_loss"] = tree_router_loss(model, whole, layout.router_weights)
+    return values
 
 
 def scatter_to_rows(values: torch.Tensor, layout: ScoredLayout) -> torch.Tensor:

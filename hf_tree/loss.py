@@ -7,6 +7,7 @@ HF's shifted causal-LM loss cannot score several children of one position, so th
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from accelerate.utils import extract_model_from_parallel
@@ -17,6 +18,7 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.head import LogitHead, capture_last_hidden_state, causal_lm_of
 from hf_tree.length_rope import check_rope_lengths
 from hf_tree.model_check import check_model_for_trees
+from hf_tree.router_loss import router_aux_loss_coef, tree_router_loss
 
 # Bytes of one float32 [rows, vocab] logits tile: sets the rows per loss chunk (``loss_chunk_rows``). The fused
 # cross-entropy over SmolLM2's 49k vocabulary took 4% less time with 512-row chunks (this size) than 256, the
@@ -234,34 +236,37 @@ def weighted_cross_entropy(
     return chunked_token_loss(_weighted_ce_chunk, head, hidden, targets, weights, chunk_size, logit_head)
 
 
-def tree_causal_lm_loss(
+@dataclass
+class TreeLosses:
+    """The losses of one packed tree batch.
+
+    Attributes:
+        token: 0-dim weighted cross-entropy (or ``token_loss``) divided by the divisor.
+        router: 0-dim MoE load-balancing loss of the batch's branches (``hf_tree.router_loss``), ``None`` when the
+            model computes none.
+        router_coef: the model's ``router_aux_loss_coef`` (0.0 without a router loss).
+    """
+
+    token: torch.Tensor
+    router: torch.Tensor | None = None
+    router_coef: float = 0.0
+
+    def model_loss(self) -> torch.Tensor:
+        """What the model's own forward returns as ``loss`` on the branches: ``token + coef * router``."""
+        return self.token if self.router is None else self.token + self.router_coef * self.router
+
+
+def tree_losses(
     model: torch.nn.Module,
     batch: dict[str, torch.Tensor],
     num_items_in_batch: torch.Tensor | float | None = None,
     chunk_size: int | None = None,
     token_loss: Callable[..., torch.Tensor] | None = None,
     self_check: bool | None = None,
-) -> torch.Tensor:
-    """Weighted CE of a packed tree batch (from ``TreeDataCollator``), as a 0-dim tensor.
-
-    Args:
-        model: a causal LM loaded with ``attn_implementation="tree_flash"`` (may be PEFT-, DDP- or
-            FSDP-wrapped).
-        batch: ``input_ids``, ``position_ids``, ``kv_end`` ``[B, N]`` and the loss gather tensors.
-        num_items_in_batch: the divisor for the whole optimizer step (sum of weights, or trained
-            branches for ``"sequence"``) across accumulation steps and ranks; defaults to the batch's
-            own ``num_loss_items``.
-        chunk_size: rows of logits computed at once (None: ``loss_chunk_rows`` of the vocabulary).
-        token_loss: replaces ``weighted_cross_entropy`` (same arguments), e.g. the DFT or label-smoothed losses
-            of ``hf_tree.sft_losses``.
-        self_check: before the model's first tree batch, refuse known non-tree-aware models and probe the real
-            model with a tiny tree against its branches run alone (``hf_tree.model_check``; once per model
-            instance). ``None``: on unless ``HF_TREE_SELF_CHECK=0``.
-
-    Raises:
-        ValueError: a model not on ``tree_flash``, one the self-check finds not tree-exact, or a batch whose longest
-            branch crosses a length switch of the model's RoPE (``hf_tree.length_rope``).
-    """
+) -> TreeLosses:
+    """The token loss and (MoE models with ``output_router_logits`` and a non-zero ``router_aux_loss_coef``) the
+    router load-balancing loss of a packed tree batch; arguments and errors as ``tree_causal_lm_loss``. The router
+    loss weights each packed token by ``batch["token_multiplicity"]``, so it is the per-branch batch's."""
     config = extract_model_from_parallel(model).config
     if config._attn_implementation != TREE_ATTENTION_NAME:
         raise ValueError(
@@ -272,13 +277,22 @@ def tree_causal_lm_loss(
     check_rope_lengths(config, batch["position_ids"])
     logit_head = check_model_for_trees(model, self_check)
     causal_lm = causal_lm_of(model)
+    router_coef = router_aux_loss_coef(causal_lm)
+    if router_coef and "token_multiplicity" not in batch:
+        raise ValueError(
+            f"router_aux_loss_coef={router_coef}: the MoE load-balancing loss needs the batch's token_multiplicity "
+            "(TreeDataCollator adds it; context parallel shards do not carry it). Set router_aux_loss_coef=0.0 to "
+            "train without the router loss."
+        )
+    router_inputs = {"output_router_logits": True} if router_coef else {}
     with capture_last_hidden_state(causal_lm) as captured:
-        model(
+        outputs = model(
             input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
             kv_end=batch["kv_end"],
             use_cache=False,
             logits_to_keep=1,  # the tree loss applies the head itself, to the gathered positions only
+            **router_inputs,
         )
     hidden = captured["hidden"]  # the backbone's last hidden state: what detect_logit_head verified
     gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
@@ -294,4 +308,43 @@ def tree_causal_lm_loss(
     )
     divisor = batch["num_loss_items"] if num_items_in_batch is None else num_items_in_batch
     divisor = torch.as_tensor(divisor, device=total.device, dtype=total.dtype)
-    return total / divisor.clamp_min(torch.finfo(total.dtype).tiny)
+    losses = TreeLosses(token=total / divisor.clamp_min(torch.finfo(total.dtype).tiny), router_coef=router_coef)
+    if router_coef:
+        losses.router = tree_router_loss(causal_lm, outputs.router_logits, batch["token_multiplicity"].reshape(-1))
+    return losses
+
+
+def tree_causal_lm_loss(
+    model: torch.nn.Module,
+    batch: dict[str, torch.Tensor],
+    num_items_in_batch: torch.Tensor | float | None = None,
+    chunk_size: int | None = None,
+    token_loss: Callable[..., torch.Tensor] | None = None,
+    self_check: bool | None = None,
+) -> torch.Tensor:
+    """Weighted CE of a packed tree batch (from ``TreeDataCollator``), as a 0-dim tensor; for an MoE model whose
+    forward adds its router load-balancing loss (``output_router_logits`` with a non-zero
+    ``router_aux_loss_coef``), plus ``router_aux_loss_coef`` times that loss over the batch's branches, as the
+    model's own ``loss`` on the branches (``TreeLosses.model_loss``).
+
+    Args:
+        model: a causal LM loaded with ``attn_implementation="tree_flash"`` (may be PEFT-, DDP- or
+            FSDP-wrapped).
+        batch: ``input_ids``, ``position_ids``, ``kv_end`` ``[B, N]`` and the loss gather tensors
+            (``token_multiplicity`` ``[B, N]`` too for a router loss).
+        num_items_in_batch: the divisor for the whole optimizer step (sum of weights, or trained
+            branches for ``"sequence"``) across accumulation steps and ranks; defaults to the batch's
+            own ``num_loss_items``.
+        chunk_size: rows of logits computed at once (None: ``loss_chunk_rows`` of the vocabulary).
+        token_loss: replaces ``weighted_cross_entropy`` (same arguments), e.g. the DFT or label-smoothed losses
+            of ``hf_tree.sft_losses``.
+        self_check: before the model's first tree batch, refuse known non-tree-aware models and probe the real
+            model with a tiny tree against its branches run alone (``hf_tree.model_check``; once per model
+            instance). ``None``: on unless ``HF_TREE_SELF_CHECK=0``.
+
+    Raises:
+        ValueError: a model not on ``tree_flash``, one the self-check finds not tree-exact, a batch whose longest
+            branch crosses a length switch of the model's RoPE (``hf_tree.length_rope``), or a router loss the
+            tree cannot weight (``hf_tree.router_loss``).
+    """
+    return tree_losses(model, batch, num_items_in_batch, chunk_size, token_loss, self_check).model_loss()

@@ -4,7 +4,7 @@ Before the first tree batch reaches a model (``tree_causal_lm_loss``, the TRL lo
 and context parallel), ``check_model_for_trees`` runs, once per model instance:
 
 1. name-based refusals (fast, clear): modules of a class in ``NOT_TREE_AWARE_MODULES`` (token mixers that run over
-   the packed row as one sequence) and MoE router auxiliary losses;
+   the packed row as one sequence) and MoE router losses the tree cannot weight by token multiplicity;
 2. ``detect_logit_head`` (hf_tree.head): the tree passes must reproduce the model's own logits;
 3. a probe through the real model (``hf_tree.probe``): a three-branch tree whose first sibling is longer than the
    farthest the model declares it reads back (and than ``DEFAULT_PROBE_REACH``), run packed (``kv_end``, depth
@@ -44,6 +44,7 @@ from hf_tree.probe import (
     routes_tokens,
     verdicts,
 )
+from hf_tree.router_loss import load_balancing_function, router_aux_loss_coef
 
 SELF_CHECK_ENV_VAR = "HF_TREE_SELF_CHECK"
 
@@ -94,7 +95,8 @@ def self_check_enabled(self_check: bool | None) -> bool:
 
 
 def refuse_known_unsupported(model: PreTrainedModel) -> None:
-    """The name-based first line: ``ValueError`` for modules in ``NOT_TREE_AWARE_MODULES`` and MoE aux losses."""
+    """The name-based first line: ``ValueError`` for modules in ``NOT_TREE_AWARE_MODULES`` and MoE router losses
+    of another form than transformers' ``load_balancing_loss_func`` (``hf_tree.router_loss``)."""
     found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in NOT_TREE_AWARE_MODULES})
     if found:
         reasons = "; ".join(f"{name}: {NOT_TREE_AWARE_MODULES[name]}" for name in found)
@@ -103,13 +105,8 @@ def refuse_known_unsupported(model: PreTrainedModel) -> None:
             "packed tree would leak into each other. This model cannot be trained on trees yet; train it on flat "
             "sequences instead."
         )
-    config = model.config.get_text_config()
-    if getattr(config, "output_router_logits", False) and getattr(config, "router_aux_loss_coef", 0.0):
-        raise ValueError(
-            f"{type(model).__name__}'s config sets output_router_logits=True with router_aux_loss_coef="
-            f"{config.router_aux_loss_coef}: the MoE load-balancing loss is not part of the tree loss (and packed rows "
-            "change which tokens the routers see). Set config.output_router_logits=False (or router_aux_loss_coef=0)."
-        )
+    if router_aux_loss_coef(model):
+        load_balancing_function(model)  # refuses a router loss the tree cannot weight by multiplicity
 
 
 def _dtype_of(causal_lm: PreTrainedModel, run: ProbeRun) -> torch.dtype:

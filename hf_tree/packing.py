@@ -261,13 +261,15 @@ def lay_out(
     """The batch of a plan, and the ``(row, offset)`` where each part starts (parts in row order).
 
     Returns:
-        The batch of docs/design.md (``input_ids``/``position_ids``/``kv_end`` ``[B, N]``; ``loss_positions``,
-        ``loss_targets`` ``[M]`` int64; ``loss_weights`` ``[M]`` float64; ``num_loss_items`` 0-dim float64).
+        The batch of docs/design.md (``input_ids``/``position_ids``/``kv_end``/``token_multiplicity`` ``[B, N]``;
+        ``loss_positions``, ``loss_targets`` ``[M]`` int64; ``loss_weights`` ``[M]`` float64; ``num_loss_items``
+        0-dim float64).
     """
     num_rows, longest = len(plan.rows), plan.row_length
     input_ids = np.full((num_rows, longest), pad_token_id, dtype=np.int64)
     position_ids = np.zeros((num_rows, longest), dtype=np.int64)
     kv_end = np.tile(np.arange(1, longest + 1, dtype=np.int64), (num_rows, 1))  # padding sees itself only
+    multiplicity = np.zeros((num_rows, longest), dtype=np.int32)
     loss_positions, loss_targets, loss_weights = [], [], []
     placements: list[tuple[int, int]] = []
     num_loss_items = 0.0
@@ -279,6 +281,7 @@ def lay_out(
             input_ids[r, span] = part.input_ids
             position_ids[r, span] = part.position_ids
             kv_end[r, span] = part.kv_end + offset
+            multiplicity[r, span] = part.token_multiplicity
             weights = part.token_weights if normalization == "token" else part.sequence_weights
             trained = np.nonzero(weights)[0]
             loss_positions.append(r * longest + offset + part.predictor_index[trained])
@@ -294,6 +297,7 @@ def lay_out(
         "input_ids": torch.from_numpy(input_ids),
         "position_ids": torch.from_numpy(position_ids),
         "kv_end": torch.from_numpy(kv_end.astype(np.int32)),
+        "token_multiplicity": torch.from_numpy(multiplicity),
         "loss_positions": torch.from_numpy(cat(loss_positions, np.int64)),
         "loss_targets": torch.from_numpy(cat(loss_targets, np.int64)),
         "loss_weights": torch.from_numpy(cat(loss_weights, np.float64)),

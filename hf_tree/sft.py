@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import datasets
+import torch
 from torch.utils.data import DataLoader
 from transformers import ProcessorMixin, TrainingArguments
 from transformers.trainer_utils import seed_worker
@@ -31,6 +32,7 @@ from hf_tree.builders.dataset import check_messages_options, detect_format
 from hf_tree.config import TreeArguments
 from hf_tree.data.sources import is_tree_dataset
 from hf_tree.dropout import warn_if_dropout
+from hf_tree.loss import TreeLosses
 from hf_tree.row_batching import BATCH_UNITS, TreePartDataset, TreeRowBatchSampler
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.trainer import TreeTrainerMixin
@@ -162,6 +164,21 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
         self.tree_token_loss = sft_token_loss(self.args.loss_type, self.args.label_smoothing_factor)
         warn_if_dropout(self.model, "set lora_dropout=0 (LoRA) and the model's dropout probabilities to 0")
         super()._init_tree_training()
+
+    def _tree_step_loss(self, losses: TreeLosses, num_items_in_batch: Any) -> torch.Tensor:
+        """TRL's SFT loss: the token loss times the processes (divided by the global divisor), plus
+        ``router_aux_loss_coef`` times the micro-batch's router loss averaged over the accumulation steps (DDP averages
+        it over the processes), which TRL also logs as ``aux_loss``."""
+        if num_items_in_batch is None:
+            return losses.model_loss()
+        loss = losses.token * self.accelerator.num_processes
+        if losses.router is None:
+            return loss
+        mode = "train" if self.model.training else "eval"
+        self._metrics[mode]["aux_loss"].append(
+            self.accelerator.gather_for_metrics(losses.router.detach()).mean().item()
+        )
+        return loss + losses.router_coef * losses.router / self.current_gradient_accumulation_steps
 
     def get_train_dataloader(self) -> DataLoader:
         """Trainer's loader; with ``batch_unit="rows"`` each optimizer step holds whole trees adding up to about

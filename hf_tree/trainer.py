@@ -7,6 +7,9 @@ What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``t
   optimizer step on every data-parallel rank (one all-reduce per step), so N accumulated micro-batches on R
   ranks give the update of one batch of N * R micro-batches;
 - evaluation uses the same loss, summed over the whole evaluation set before dividing;
+- an MoE model's router load-balancing loss (``output_router_logits`` with a non-zero ``router_aux_loss_coef``) is
+  added per micro-batch as the model's own forward adds it, each packed token weighted by the branches that contain
+  it (``hf_tree.router_loss``); evaluation reports the token loss only;
 - ``label_smoothing_factor`` applies as Trainer's ``LabelSmoother`` does on the branches; ``TrainingArguments`` fields
   tree batches cannot honour are refused or warned about (``hf_tree.training_arguments``, docs/training.md);
 - with ``parallelism_config.cp_size > 1`` each training batch is sharded over the CP group by
@@ -34,11 +37,13 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
 from hf_tree.distributed import enable_fsdp2_on_cpu
+from hf_tree.head import causal_lm_of
 from hf_tree.length_rope import check_dataset_rope_lengths, check_rope_lengths
-from hf_tree.loss import tree_causal_lm_loss
+from hf_tree.loss import TreeLosses, tree_losses
 from hf_tree.model_check import self_check_setting
 from hf_tree.packing import PackingStats
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
+from hf_tree.router_loss import router_aux_loss_coef
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.training_arguments import check_length_column, check_tree_trainer_arguments, refuse_metrics_callables
@@ -213,6 +218,13 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         else:  # plain TrainingArguments with a TreeDataCollator: the default sharding
             context_parallel = ContextParallelConfig(pad_token_id=pad_token_id)
         self.tree_context_parallel = TreeContextParallel.from_accelerator(self.accelerator, context_parallel)
+        coef = router_aux_loss_coef(causal_lm_of(self.model))
+        if coef and self.tree_context_parallel is not None:
+            raise ValueError(
+                f"router_aux_loss_coef={coef} with context parallel: each rank holds a shard of the tree, and the MoE "
+                "load-balancing loss is a mean over the whole batch. Set router_aux_loss_coef=0.0 (or "
+                "config.output_router_logits=False), or train without context parallel."
+            )
         # The whole training set, before the first step (the per-batch check in get_batch_samples stays).
         check_dataset_rope_lengths(self.model.config, self.data_collator, self.train_dataset)
 
@@ -272,16 +284,21 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         """``tree_causal_lm_loss``; with the step's global divisor, scaled by the number of processes because
         DDP/FSDP average gradients over ranks (under context parallel the CP ranks' shares add up the same way)."""
         pop_packing_stats(inputs)  # counted in get_batch_samples when training; only dropped here
-        loss = tree_causal_lm_loss(
+        losses = tree_losses(
             model,
             inputs,
             num_items_in_batch=num_items_in_batch,
             token_loss=self.tree_token_loss,
             self_check=self.tree_self_check,
         )
-        if num_items_in_batch is not None:
-            loss = loss * self.accelerator.num_processes
+        loss = self._tree_step_loss(losses, num_items_in_batch)
         return (loss, None) if return_outputs else loss
+
+    def _tree_step_loss(self, losses: TreeLosses, num_items_in_batch: Any) -> torch.Tensor:
+        """Trainer's: the model's own loss on the branches (token loss plus ``router_aux_loss_coef`` times an MoE
+        model's load-balancing loss of the micro-batch), times the processes when divided by the global divisor."""
+        loss = losses.model_loss()
+        return loss * self.accelerator.num_processes if num_items_in_batch is not None else loss
 
     # ------------------------------------------------------------------ evaluation
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
@@ -289,13 +306,13 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         inputs = self._prepare_inputs(inputs)
         pop_packing_stats(inputs)
         with torch.no_grad(), self.compute_loss_context_manager():
-            total = tree_causal_lm_loss(
+            total = tree_losses(  # the token loss: a router loss is a per-batch mean, not a sum over the set
                 model,
                 inputs,
                 num_items_in_batch=1.0,
                 token_loss=self.tree_token_loss,
                 self_check=self.tree_self_check,
-            )
+            ).token
         items = inputs["num_loss_items"].to(total.device, torch.float64)
         if self._tree_eval_sums is not None:
             self._tree_eval_sums += torch.stack([total.detach().to(torch.float64), items])

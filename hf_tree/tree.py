@@ -284,6 +284,15 @@ class Tree:
         return self._weights[1]
 
     @cached_property
+    def token_multiplicity(self) -> np.ndarray:
+        """``[num_tokens]`` int64: branches that contain each token (a per-branch batch holds it this many times)."""
+        counts = np.bincount(np.asarray(self.branch_end_nodes, dtype=np.int64), minlength=self.num_nodes)
+        for i in range(self.num_nodes - 1, -1, -1):  # preorder: every child comes after its parent
+            if self.node_parents[i] >= 0:
+                counts[self.node_parents[i]] += counts[i]
+        return np.repeat(counts, self.node_lengths)
+
+    @cached_property
     def input_ids(self) -> np.ndarray:
         """``[num_tokens]`` int64: tokens in DFS order."""
         return np.fromiter((t for seg in self.node_tokens for t in seg), dtype=np.int64, count=self.num_tokens)

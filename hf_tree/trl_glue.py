@@ -58,13 +58,15 @@ def _tree_fused_call(
     labels: torch.Tensor | None,
     num_items_in_batch: torch.Tensor | int | None,
     tokens_per_forward: int | None,
+    router_chunk_rows: int | None,
     other_inputs: dict[str, Any],
 ) -> FusedCausalLMOutput:
+    output_router_logits = bool(other_inputs.pop("output_router_logits", False))
     unsupported = sorted(k for k, v in other_inputs.items() if v is not None and v is not False)
     if unsupported:
         raise ValueError(
             f"the tree log-prob head got model inputs {unsupported} it does not support (it handles text input_ids, "
-            "attention_mask and labels; no vision inputs, position_ids, shift_labels or MoE router losses). Set "
+            "attention_mask, labels and output_router_logits; no vision inputs, position_ids or shift_labels). Set "
             "tree_logprobs=False to use TRL's own forward."
         )
     if labels is None:
@@ -73,10 +75,16 @@ def _tree_fused_call(
     # (calling the model again inside its own forward would rerun FSDP's root hooks).
     logit_head = check_model_for_trees(model, settings["self_check"], forward=previous_forward)
     tokens_per_forward = tokens_per_forward or input_ids.numel()
-    layout = layout_scored_rows(input_ids, attention_mask, labels, settings["max_packed_tokens"] or tokens_per_forward)
+    # TRL's router loss is one per forward of router_chunk_rows rows (GRPO's batch_size chunks), averaged.
+    router_chunk_rows = (router_chunk_rows or input_ids.shape[0]) if output_router_logits else None
+    capacity = settings["max_packed_tokens"] or tokens_per_forward
+    layout = layout_scored_rows(input_ids, attention_mask, labels, capacity, router_chunk_rows)
     if layout.num_scored == 0:  # nothing to score: TRL's forward keeps the zero output connected to the model
         model.hf_tree_layout_stats = None  # nothing packed: no (stale) ratio to log for this call
-        return previous_forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True)
+        router_inputs = {"output_router_logits": True} if output_router_logits else {}
+        return previous_forward(
+            input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, **router_inputs
+        )
     values = tree_token_log_probs(
         model,
         layout,
@@ -86,11 +94,15 @@ def _tree_fused_call(
         settings["cast_lm_head_to_fp32"],
         logit_head,
     )
+    aux_loss = values.pop("aux_loss", None)
     per_token = {name: scatter_to_rows(value, layout) for name, value in values.items()}
     label_mask = labels[:, 1:] != -100
     divisor = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    loss = -per_token["log_probs"].sum() / divisor
+    if aux_loss is not None:  # as TRL's fused head: plus the config's coefficient times the router loss
+        loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux_loss
     model.hf_tree_layout_stats = layout.stats  # the last call's packing, for the trainers' logs
-    return FusedCausalLMOutput(loss=-per_token["log_probs"].sum() / divisor, label_mask=label_mask, **per_token)
+    return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=aux_loss, **per_token)
 
 
 def add_tree_fused_lm_head(
@@ -106,7 +118,10 @@ def add_tree_fused_lm_head(
 
     ``model(..., labels=labels, fused_lm_head=True)`` then returns a ``FusedCausalLMOutput`` with the same fields
     and layout as TRL's, computed on packed trees; it also accepts ``tree_tokens_per_forward=`` (packed tokens per
-    backbone call, default ``B * T``). Without ``fused_lm_head`` the previous forward runs (generation is
+    backbone call, default ``B * T``). With ``output_router_logits=True`` (an MoE model), ``aux_loss`` is the router
+    load-balancing loss of the padded batch, each packed token weighted by the rows that contain it
+    (``hf_tree.router_loss``); ``tree_router_chunk_rows=`` gives the mean over chunks of that many rows, as TRL's
+    GRPO computes one per forward chunk. Without ``fused_lm_head`` the previous forward runs (generation is
     unchanged). Calling it again replaces the settings.
 
     Args:
@@ -141,6 +156,7 @@ def add_tree_fused_lm_head(
         labels: torch.Tensor | None = None,
         num_items_in_batch: torch.Tensor | int | None = None,
         tree_tokens_per_forward: int | None = None,
+        tree_router_chunk_rows: int | None = None,
         **kwargs: Any,
     ) -> Any:
         if not fused_lm_head:
@@ -159,6 +175,7 @@ def add_tree_fused_lm_head(
             labels,
             num_items_in_batch,
             tree_tokens_per_forward,
+            tree_router_chunk_rows,
             kwargs,
         )
 
@@ -252,16 +269,7 @@ def install_tree_heads(
             ``args`` carry ``max_packed_tokens`` and ``tree_self_check``).
         policy_outputs: per-token fields the policy pass computes (the reference computes ``log_probs`` only).
         temperature, cast_lm_head_to_fp32: as TRL gives them to its ``add_fused_lm_head``.
-
-    Raises:
-        ValueError: when the trainer enables the MoE router loss, which the tree passes do not compute.
     """
-    if trainer.aux_loss_enabled:
-        raise ValueError(
-            f"router_aux_loss_coef={trainer.router_aux_loss_coef} enables the MoE load-balancing loss, which the tree "
-            "log-prob passes do not compute (packed rows change which tokens the routers see). Set "
-            "router_aux_loss_coef=0.0 or tree_logprobs=False."
-        )
     settings = dict(
         temperature=temperature,
         max_packed_tokens=trainer.args.max_packed_tokens,

@@ -8,7 +8,9 @@ model cannot run float64), and checks
 (a) training: ``tree_causal_lm_loss`` (with its first-use self-check) and every parameter gradient equal training
     on each branch alone with the model's own attention (``sdpa``, else ``eager``) and its own logits;
 (b) dual mode: ``tree_flash`` without ``kv_end`` (generation, evaluation, rollouts) equals the model's own attention
-    on an unpadded and a left-padded batch.
+    on an unpadded and a left-padded batch;
+(c) MoE models: with the router load-balancing loss on (``output_router_logits``, as TRL's defaults turn it on), the
+    tree's loss and gradients equal per-branch training plus the model's own router loss of the branches.
 
 States: ``exact`` (a and b hold), ``refused`` (``tree_causal_lm_loss`` raised a ``ValueError`` before training;
 dual mode is still checked), ``not buildable`` (with the reason), ``error`` (an exception that is not our
@@ -34,7 +36,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import hf_tree  # noqa: F401  (registers tree_flash)
 from hf_tree.collator import TreeDataCollator
 from hf_tree.head import own_attention, raised_by_hf_tree
-from hf_tree.loss import tree_causal_lm_loss
+from hf_tree.loss import tree_causal_lm_loss, tree_losses
 from hf_tree.tree import Tree
 
 VOCAB = 128
@@ -151,6 +153,8 @@ class ZooResult:
     loss_error: float | None = None
     grad_error: float | None = None
     dual_error: float | None = None
+    router: str = ""  # MoE models: the router load-balancing loss on trees (a state of STATES; "" for none)
+    router_error: float | None = None
     seconds: float = 0.0
     layer_types: list[str] = field(default_factory=list)
 
@@ -384,6 +388,9 @@ def _check(result: ZooResult) -> None:
     tolerance = TOLERANCE[dtype]
 
     train_state, train_detail = _check_training(result, model, branches, masks, tolerance)
+    router_detail = _check_router_loss(result, model, branches, masks, tolerance) if train_state == "exact" else ""
+    if result.router == "MISMATCH":
+        train_state = "MISMATCH"
     dual_state, dual_detail = "exact", ""
     try:
         result.dual_error = dual_mode_error(model)
@@ -396,7 +403,7 @@ def _check(result: ZooResult) -> None:
         if state in (train_state, dual_state):
             result.state = state
             break
-    result.detail = "; ".join(d for d in (train_detail, dual_detail) if d)
+    result.detail = "; ".join(d for d in (train_detail, router_detail, dual_detail) if d)
 
 
 def _check_training(result: ZooResult, model, branches, masks, tolerance: float) -> tuple[str, str]:
@@ -422,6 +429,62 @@ def _check_training(result: ZooResult, model, branches, masks, tolerance: float)
     return "MISMATCH", "tree training differs from per-branch training"
 
 
+ROUTER_COEF = 0.5  # large, so that a wrongly weighted router loss shows in the loss and every gradient
+ROUTER_SCALE = 40.0
+
+
+def _peak_routers(model: torch.nn.Module) -> None:
+    """Scale the routers' ``[num_experts, hidden]`` weights by ``ROUTER_SCALE``: a random tiny router is nearly
+    uniform, so any weighting of the tokens gives about the same load-balancing loss (5e-5 apart); peaked,
+    token-dependent routing makes a wrong weighting visible (experts' own weights are 3-D or named ``*_proj``)."""
+    with torch.no_grad():
+        for name, parameter in model.named_parameters():
+            is_router = ("gate" in name or "router" in name) and "proj" not in name and parameter.ndim == 2
+            if is_router and parameter.shape[0] == _SIZES["num_experts"]:
+                parameter.mul_(ROUTER_SCALE)
+
+
+def _check_router_loss(result: ZooResult, model, branches, masks, tolerance: float) -> str:
+    """MoE models (a config with ``output_router_logits``): turn the router load-balancing loss on (as TRL's
+    defaults do) and compare the tree's ``token + coef * router`` loss and gradients with per-branch training plus
+    ``coef`` times the model's own router loss of the branches as one right-padded batch. Sets ``result.router``
+    (``"exact"``, ``"refused"``, ``"MISMATCH"`` or ``"error"``) and returns the detail."""
+    config = model.config.get_text_config()
+    if not hasattr(config, "output_router_logits"):
+        return ""
+    config.output_router_logits, config.router_aux_loss_coef = True, ROUTER_COEF
+    _peak_routers(model)
+    try:
+        batch = TreeDataCollator(max_packed_tokens=64)([Tree.from_sequences(branches, masks).to_dict()])
+        try:
+            losses = tree_losses(model, batch, self_check=False)  # the model passed the self-check above
+        except ValueError as error:
+            if not raised_by_hf_tree(error):
+                raise
+            result.router = "refused"
+            return f"router loss: {_first_line(error, 300)}"
+        losses.model_loss().backward()
+        tree_grads = _grads(model)
+        model.zero_grad()
+        length = max(map(len, branches))
+        ids = torch.tensor([list(b) + [0] * (length - len(b)) for b in branches])
+        attention_mask = torch.tensor([[1] * len(b) + [0] * (length - len(b)) for b in branches])
+        with own_attention(model):
+            padded_router = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).aux_loss
+        reference = per_branch_loss(model, branches, masks) + ROUTER_COEF * padded_router
+        reference.backward()
+        reference_grads = _grads(model)
+        model.zero_grad()
+    except Exception as error:  # noqa: BLE001 - classified, never hidden
+        result.router = "error"
+        return f"router loss: {type(error).__name__}: {_first_line(error, 300)}"
+    finally:
+        config.output_router_logits = False
+    result.router_error = max(_relative(losses.model_loss(), reference), _max_grad_error(tree_grads, reference_grads))
+    result.router = "exact" if result.router_error <= tolerance else "MISMATCH"
+    return "" if result.router == "exact" else "router loss differs from per-branch training"
+
+
 def zoo_variants() -> list[str]:
     """The ``ZOO_VARIANTS`` names (configs beyond the defaults, checked like model types)."""
     return list(ZOO_VARIANTS)
@@ -438,15 +501,20 @@ def markdown_table(results: Sequence[ZooResult]) -> str:
     def number(value: float | None) -> str:
         return "" if value is None else f"{value:.1e}"
 
+    def router_cell(r: ZooResult) -> str:
+        return f"{r.router} ({number(r.router_error)})" if r.router_error is not None else r.router
+
     lines = [
-        "| model_type | class | state | dtype | loss err | grad err | dual-mode err | layer kinds | detail |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| model_type | class | state | dtype | loss err | grad err | dual-mode err | router loss | layer kinds "
+        "| detail |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         detail = r.detail.replace("|", "\\|").replace("\n", " ")
         lines.append(
             f"| {r.model_type} | {r.model_class} | {r.state} | {r.dtype} | {number(r.loss_error)} | "
-            f"{number(r.grad_error)} | {number(r.dual_error)} | {', '.join(r.layer_types)} | {detail} |"
+            f"{number(r.grad_error)} | {number(r.dual_error)} | {router_cell(r)} | {', '.join(r.layer_types)} | "
+            f"{detail} |"
         )
     counts = {state: sum(r.state == state for r in results) for state in STATES}
     lines.append("")

@@ -38,14 +38,34 @@ TINY = dict(
 VOCAB = TINY["vocab_size"]  # token ids of the tiny-model workloads (tests/workloads.py)
 
 
+# Mixture-of-experts families (4 experts, top-2, float64-capable eager experts); gpt-oss also has sinks in every
+# layer and a small window on half of them, Qwen3.5-MoE a GatedDeltaNet layer before its attention layer.
+MOE_SETTINGS = {
+    "mixtral": dict(num_local_experts=4),
+    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16, head_dim=8),
+    "olmoe": dict(num_experts=4),
+    "gpt_oss": dict(num_local_experts=4, sliding_window=4, head_dim=8),
+    "qwen3_5_moe_text": dict(
+        num_experts=4,
+        moe_intermediate_size=16,
+        shared_expert_intermediate_size=16,
+        head_dim=8,
+        layer_types=["linear_attention", "full_attention"],
+        linear_num_key_heads=2,
+        linear_num_value_heads=2,
+        linear_key_head_dim=8,
+        linear_value_head_dim=8,
+    ),
+}
+
+
 def tiny_config(family: str = "llama", **overrides) -> transformers.PretrainedConfig:
-    """A tiny random config of a decoder family (GQA: 4 query heads, 2 KV heads)."""
+    """A tiny random config of a decoder family (GQA: 4 query heads, 2 KV heads; ``MOE_SETTINGS`` for MoE ones)."""
     kwargs = dict(TINY, **overrides)
-    if family in ("qwen3", "gpt_oss"):
+    if family == "qwen3":
         kwargs.setdefault("head_dim", 8)
-    if family == "gpt_oss":  # sinks in every layer, a small window on half of them; float64-capable experts
-        gpt_oss = dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=4, experts_implementation="eager")
-        kwargs = gpt_oss | kwargs
+    if family in MOE_SETTINGS:
+        kwargs = dict(MOE_SETTINGS[family], num_experts_per_tok=2, experts_implementation="eager") | kwargs
     return transformers.AutoConfig.for_model(family, **kwargs)
 
 
@@ -254,9 +274,12 @@ def word_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tokenizer, pad_token="[PAD]", eos_token="[EOS]", unk_token="[UNK]")
 
 
-def saved_tiny_model(path, dtype: torch.dtype) -> str:
-    """Save the tiny Llama (``sdpa``) to ``path`` for trainers that load their models by path; returns the path."""
-    tiny_model(dtype=dtype, attn="sdpa").save_pretrained(path)
+def saved_tiny_model(path, dtype: torch.dtype, family: str = "llama", **overrides) -> str:
+    """Save a tiny model (Llama by default; ``sdpa``, or ``eager`` where the model refuses it) to ``path`` for
+    trainers that load their models by path; returns the path."""
+    model = tiny_model(family, dtype=dtype, **overrides)
+    model.set_attn_implementation(own_attention(model))
+    model.save_pretrained(path)
     return str(path)
 
 
@@ -312,15 +335,15 @@ def varied_reward(completion_ids, **_) -> list[float]:
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
-def one_step(cls, config_cls, path: str, peft: bool):
+def one_step(cls, config_cls, path: str, peft: bool, **overrides):
     """One optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per generation: old
-    policy, reference and policy passes all run), SGD without clipping so gradient errors stay visible."""
+    policy, reference and policy passes all run), SGD without clipping so gradient errors stay visible;
+    ``overrides`` add to or override the config's settings."""
     from datasets import Dataset  # imported here: most users of this module never need them
     from peft import LoraConfig
 
-    args = trainer_args(
-        config_cls, path, torch.float64, gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0
-    )
+    settings = dict(gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0)
+    args = trainer_args(config_cls, path, torch.float64, **{**settings, **overrides})
     trainer = cls(
         path,
         varied_reward,

@@ -21,7 +21,7 @@ FAST_SUBSET = {
     "mistral": "exact",  # sliding window on every layer
     "gemma3_text": "exact",  # mixed sliding/full layers
     "gemma2": "exact",  # attention and final logit softcapping
-    "gpt_oss": "exact",  # attention sinks, MoE
+    "gpt_oss": "exact",  # attention sinks, MoE (with its router load-balancing loss)
     "cohere": "exact",  # logit_scale
     "granite": "exact",  # logits_scaling (and residual/attention multipliers)
     "qwen3_next": "exact",  # GatedDeltaNet linear attention + conv (hybrid; hf_tree.mixers)
@@ -38,6 +38,8 @@ def test_fast_subset(model_type):
     assert result.state == FAST_SUBSET[model_type], result.detail
     if result.state == "exact":
         assert result.loss_error is not None and result.grad_error is not None and result.dual_error is not None
+    # gpt-oss is the MoE model of the subset: its router load-balancing loss is checked on trees too
+    assert result.router == ("exact" if model_type == "gpt_oss" else ""), result.detail
 
 
 @pytest.mark.parametrize("variant", sorted(ZOO_VARIANTS))
