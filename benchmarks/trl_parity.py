@@ -15,9 +15,10 @@ once from a temporary copy whose ``from trl import ...`` lines import hf_tree's 
   run logged ``hf_tree.dropout``'s warning;
 - ``MISMATCH`` (a silent difference) or ``CRASH`` (any other error): failures.
 
-Setup: a tiny Llama (2 layers, hidden 32) with SmolLM2's real tokenizer (vocab 49152, from the offline asset), saved
-to a temporary folder; float32, ``--bf16 false``, SGD at a constant rate without clipping (a gradient error stays
-visible in the update), 2 optimizer steps unless the row says otherwise. GRPO generates 4 completions of at most 6
+Setup: a tiny Llama (2 layers, hidden 32; the MoE rows: a tiny Qwen3-MoE, 4 experts, top-2) with SmolLM2's real
+tokenizer (vocab 49152, from the offline asset), saved to a temporary folder; float32, ``--bf16 false``, SGD at a
+constant rate without clipping (a gradient error stays visible in the update), 2 optimizer steps unless the row says
+otherwise. GRPO generates 4 completions of at most 6
 tokens per prompt; the model's end-of-sequence token is made likely (``eos_bias``) so that some completions end and
 others are truncated, and rewards come from ``benchmarks/trl_parity_rewards.py`` through the script's
 ``--reward_funcs`` dotted paths.
@@ -90,6 +91,7 @@ class Row:
     steps_only: bool = False  # batches cannot hold TRL's rows (random row order, groups larger than a batch): only
     # the optimizer step counts are compared ("same steps", or "rounded" when whole groups make fewer steps)
     dataset: str | None = None  # a dataset of write_setup other than the script's own (e.g. "sft_messages")
+    model: str = "model"  # a model of write_setup: "model" (tiny Llama) or "moe_model" (tiny Qwen3-MoE)
 
 
 @dataclass
@@ -198,6 +200,11 @@ ROWS: tuple[Row, ...] = (
     _grpo("--use_peft --lora_dropout 0", "--use_peft", "true", "--lora_dropout", "0"),
     Row("grpo --use_peft (lora_dropout 0.05, TRL's default)", "grpo", ("--use_peft", "true"), dropout=True),
     _grpo("--use_peft --disable_dropout true", "--use_peft", "true", "--disable_dropout", "true"),
+    # MoE: TRL's defaults turn the router load-balancing loss on with the architecture's coefficient (0.001)
+    Row("sft Qwen3-MoE (router loss, TRL's default coefficient)", "sft", model="moe_model", fast=True),
+    Row("sft Qwen3-MoE --router_aux_loss_coef 0.5", "sft", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
+    Row("dpo Qwen3-MoE --router_aux_loss_coef 0.5", "dpo", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
+    Row("grpo Qwen3-MoE --router_aux_loss_coef 0.5", "grpo", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
 )
 
 COMMON = (
@@ -279,13 +286,14 @@ def write_setup(folder: pathlib.Path) -> dict[str, str]:
     """Save the tiny model + SmolLM2 tokenizer and the datasets (one per script, and SFT messages) under ``folder``;
     returns their paths."""
     tokenizer = smollm2_tokenizer_or_skip()
-    model = tiny_model(vocab_size=len(tokenizer), dtype=torch.float32, attn="sdpa")
-    if not os.environ.get("NO_EOS_BIAS"):
-        eos_bias(model, tokenizer.eos_token_id)
-    model.generation_config.eos_token_id = tokenizer.eos_token_id
-    model.generation_config.pad_token_id = tokenizer.pad_token_id
-    model.save_pretrained(folder / "model")
-    tokenizer.save_pretrained(folder / "model")
+    for name, family in (("model", "llama"), ("moe_model", "qwen3_moe")):
+        model = tiny_model(family, vocab_size=len(tokenizer), dtype=torch.float32, attn="sdpa")
+        if not os.environ.get("NO_EOS_BIAS"):
+            eos_bias(model, tokenizer.eos_token_id)
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.save_pretrained(folder / name)
+        tokenizer.save_pretrained(folder / name)
     questions = ["The capital of France is", "Two plus two is", "Water boils at", "The sky is", "Cats like to"]
     answers = [" Paris.", " Paris, on the Seine.", " a city.", " Lyon? No, Paris."]
     data = {
@@ -304,7 +312,7 @@ def write_setup(folder: pathlib.Path) -> dict[str, str]:
             for i, (q, a) in enumerate(zip(questions[:4] * 2, answers * 2))
         ],
     }
-    paths = {"model": str(folder / "model")}
+    paths = {"model": str(folder / "model"), "moe_model": str(folder / "moe_model")}
     for script, rows in data.items():
         (folder / script).mkdir()
         (folder / script / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
@@ -337,7 +345,7 @@ def run_script(row: Row, swapped: bool, paths: dict[str, str], folder: pathlib.P
     """Run one script; returns the recorded training (``updates``, ``trainer``) or ``{"error": exception}``."""
     out = folder / ("tree" if swapped else "trl")
     argv = [
-        "--model_name_or_path", paths["model"], "--dataset_name", paths[row.dataset or row.script],
+        "--model_name_or_path", paths[row.model], "--dataset_name", paths[row.dataset or row.script],
         "--output_dir", str(out),
         *COMMON, *BASE[row.script], *row.flags,
     ]  # fmt: skip

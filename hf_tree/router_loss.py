@@ -49,10 +49,10 @@ def load_balancing_function(model: PreTrainedModel) -> Callable[..., torch.Tenso
     parameters = tuple(inspect.signature(function).parameters) if callable(function) else ()
     if parameters != LOAD_BALANCING_PARAMETERS:
         raise ValueError(
-            f"{type(model).__name__} computes a router auxiliary loss (router_aux_loss_coef="
-            f"{router_aux_loss_coef(model)}) that hf_tree cannot weight over a tree (its module {module.__name__} has "
-            f"no load_balancing_loss_func{LOAD_BALANCING_PARAMETERS}). Set router_aux_loss_coef=0.0 (or "
-            "config.output_router_logits=False) to train without it."
+            f"{type(model).__name__} has output_router_logits=True with router_aux_loss_coef="
+            f"{router_aux_loss_coef(model)}, but its module {module.__name__} has no load_balancing_loss_func"
+            f"{LOAD_BALANCING_PARAMETERS}: hf_tree cannot reproduce that router loss over a tree. Set "
+            "router_aux_loss_coef=0.0 (or config.output_router_logits=False) to train without it."
         )
     return function
 

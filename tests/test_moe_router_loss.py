@@ -111,7 +111,7 @@ def test_a_router_loss_of_another_form_is_refused(monkeypatch):
     module = __import__(type(model).__module__, fromlist=["load_balancing_loss_func"])
     monkeypatch.setattr(module, "load_balancing_loss_func", lambda gate_logits, num_experts, num_keys, top_k: 0.0)
     batch = TreeDataCollator(max_packed_tokens=16)([Tree.from_sequences(SEQUENCES[:3], MASKS[:3]).to_dict()])
-    with pytest.raises(ValueError, match="router_aux_loss_coef=0.1.*cannot weight over a tree"):
+    with pytest.raises(ValueError, match="router_aux_loss_coef=0.1.*cannot reproduce that router loss"):
         tree_causal_lm_loss(model, batch)
 
 
