@@ -1,4 +1,4 @@
-"""TRL option parity: TRL's own ``trl/scripts/{sft,dpo,grpo}.py``, unmodified vs with the class swap.
+"""TRL option parity: TRL's own ``trl/scripts/{sft,dpo,grpo,rloo}.py``, unmodified vs with the class swap.
 
 For every row of ``ROWS`` (a script and a few of its ``SFTConfig``/``DPOConfig``/``GRPOConfig``/``ModelConfig``
 flags) the installed script runs twice in this process on the same tiny local model and dataset: once as shipped,
@@ -63,6 +63,8 @@ SWAP = {
     "DPOTrainer": ("hf_tree.dpo", "TreeDPOTrainer"),
     "GRPOConfig": ("hf_tree.grpo", "TreeGRPOConfig"),
     "GRPOTrainer": ("hf_tree.grpo", "TreeGRPOTrainer"),
+    "RLOOConfig": ("hf_tree.rloo", "TreeRLOOConfig"),
+    "RLOOTrainer": ("hf_tree.rloo", "TreeRLOOTrainer"),
 }
 # Largest per-parameter relative difference of two float32 updates counted as equal. Seen: 1e-7 .. 1e-5 (TRL's
 # float32 kernels round differently for differently shaped batches); a missing or misweighted token moves > 1e-3.
@@ -80,7 +82,7 @@ STATES = ("exact", "refused", "same steps", "rounded", "warned")
 
 @dataclass(frozen=True)
 class Row:
-    """One option set: ``script`` in {"sft", "dpo", "grpo"}, extra command-line ``flags`` (added to ``BASE``)."""
+    """One option set: ``script`` in {"sft", "dpo", "grpo", "rloo"}, extra command-line ``flags`` (added to ``BASE``)."""
 
     name: str
     script: str
@@ -113,6 +115,10 @@ def _dpo(name: str, *flags: str, fast: bool = False) -> Row:
 
 def _grpo(name: str, *flags: str, fast: bool = False) -> Row:
     return Row(f"grpo {name}", "grpo", flags, fast)
+
+
+def _rloo(name: str, *flags: str, fast: bool = False) -> Row:
+    return Row(f"rloo {name}", "rloo", flags, fast, dataset="grpo")  # RLOO samples groups from GRPO's prompts
 
 
 ROWS: tuple[Row, ...] = (
@@ -198,6 +204,13 @@ ROWS: tuple[Row, ...] = (
     _grpo("--use_peft --lora_dropout 0", "--use_peft", "true", "--lora_dropout", "0"),
     Row("grpo --use_peft (lora_dropout 0.05, TRL's default)", "grpo", ("--use_peft", "true"), dropout=True),
     _grpo("--use_peft --disable_dropout true", "--use_peft", "true", "--disable_dropout", "true"),
+    _rloo("defaults", fast=True),
+    _rloo("--beta 0", "--beta", "0"),
+    _rloo("--num_iterations 2", "--num_iterations", "2"),
+    _rloo("--normalize_advantages true", "--normalize_advantages", "true"),
+    _rloo("--epsilon_high 0.28", "--epsilon_high", "0.28"),
+    _rloo("--mask_truncated_completions true", "--mask_truncated_completions", "true"),
+    _rloo("--use_peft --lora_dropout 0", "--use_peft", "true", "--lora_dropout", "0"),
 )
 
 COMMON = (
@@ -210,6 +223,10 @@ BASE = {
     "sft": ("--train_sampling_strategy", "sequential"),
     "dpo": ("--per_device_train_batch_size", "2"),
     "grpo": (
+        "--num_generations", "4", "--max_completion_length", "6", "--beta", "0.04",
+        "--reward_funcs", f"{REWARDS}.length_reward",
+    ),
+    "rloo": (
         "--num_generations", "4", "--max_completion_length", "6", "--beta", "0.04",
         "--reward_funcs", f"{REWARDS}.length_reward",
     ),

@@ -32,7 +32,7 @@ def _offline(monkeypatch):
 
 
 def test_swap_changes_only_the_import_lines():
-    for script in ("sft", "dpo", "grpo"):
+    for script in ("sft", "dpo", "grpo", "rloo"):
         source = (SCRIPTS / f"{script}.py").read_text()
         swapped = swapped_source(source)
         changed = [line for line in swapped.splitlines() if line not in source.splitlines()]
@@ -67,6 +67,6 @@ def test_every_row(row, paths):
 
 def test_rows_cover_the_issue_table():
     names = {r.name for r in ROWS}
-    for script in ("sft", "dpo", "grpo"):
+    for script in ("sft", "dpo", "grpo", "rloo"):
         assert any(n.startswith(script) and "--use_peft" in n for n in names)
     assert pathlib.Path(SCRIPTS / "grpo.py").is_file()
