@@ -54,6 +54,8 @@ def _check(row, paths) -> None:
         assert outcome.state == "rounded", (outcome.state, outcome.steps, outcome.detail)
     elif row.name in SAME_STEPS:
         assert outcome.state == "same steps", (outcome.state, outcome.steps, outcome.detail)
+    elif row.padding_noise:  # exact, or within twice TRL's own float32 noise (see benchmarks/trl_parity.py)
+        assert outcome.state in ("exact", "float32 noise"), (outcome.state, outcome.error, outcome.detail)
     else:
         assert outcome.state == "exact", (outcome.state, outcome.steps, outcome.error, outcome.detail)
 
