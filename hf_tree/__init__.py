@@ -31,6 +31,8 @@ _LAZY = {
     "TreeRLOOTrainer": "hf_tree.rloo",
     "TreeRewardConfig": "hf_tree.reward",
     "TreeRewardTrainer": "hf_tree.reward",
+    "TreeKTOConfig": "hf_tree.kto",
+    "TreeKTOTrainer": "hf_tree.kto",
 }
 
 
