@@ -1,9 +1,9 @@
-"""TRL option parity: TRL's own ``trl/scripts/{sft,dpo,grpo,rloo,reward}.py``, unmodified vs with the class swap.
+"""TRL option parity: TRL's own ``trl/scripts/{sft,dpo,grpo,rloo,kto,reward}.py``, unmodified vs the class swap.
 
-For every row of ``ROWS`` (a script and a few of its ``SFTConfig``/``DPOConfig``/``GRPOConfig``/``ModelConfig``
-flags) the installed script runs twice in this process on the same tiny local model and dataset: once as shipped,
-once from a temporary copy whose ``from trl import ...`` lines import hf_tree's classes under TRL's names instead
-(``swapped_source``; nothing else changes). Each row ends in one state:
+For every row of ``ROWS`` (a script and a few flags of its TRL config or ``ModelConfig``) the installed script runs
+twice in this process on the same tiny local model and dataset: once as shipped, once from a temporary copy whose
+``from trl import ...`` lines import hf_tree's classes under TRL's names instead (``swapped_source``; nothing else
+changes). Each row ends in one state:
 
 - ``exact``: both trained the same number of optimizer steps and every trainable parameter moved the same way (the
   largest per-parameter relative difference of the updates is at most ``EXACT_TOLERANCE``, float32 rounding);
@@ -13,6 +13,8 @@ once from a temporary copy whose ``from trl import ...`` lines import hf_tree's 
   the documented group rounding (``hf_tree.row_batching``);
 - ``warned`` (rows marked ``dropout``): LoRA dropout stays on, the updates differ by their noise, and the swapped
   run logged ``hf_tree.dropout``'s warning;
+- ``float32 noise`` (rows marked ``padding_noise``, the reward model's): the difference exceeds ``EXACT_TOLERANCE``
+  but is at most twice TRL's own, measured by a third run of TRL's script in which only the padding changes;
 - ``MISMATCH`` (a silent difference) or ``CRASH`` (any other error): failures.
 
 Setup: a tiny Llama (2 layers, hidden 32) with SmolLM2's real tokenizer (vocab 49152, from the offline asset), saved
@@ -68,6 +70,8 @@ SWAP = {
     "RLOOTrainer": ("hf_tree.rloo", "TreeRLOOTrainer"),
     "RewardConfig": ("hf_tree.reward", "TreeRewardConfig"),
     "RewardTrainer": ("hf_tree.reward", "TreeRewardTrainer"),
+    "KTOConfig": ("hf_tree.kto", "TreeKTOConfig"),
+    "KTOTrainer": ("hf_tree.kto", "TreeKTOTrainer"),
 }
 # Largest per-parameter relative difference of two float32 updates counted as equal. Seen: 1e-7 .. 1e-5 (TRL's
 # float32 kernels round differently for differently shaped batches); a missing or misweighted token moves > 1e-3.
@@ -129,6 +133,10 @@ def _grpo(name: str, *flags: str, fast: bool = False) -> Row:
 
 def _rloo(name: str, *flags: str, fast: bool = False) -> Row:
     return Row(f"rloo {name}", "rloo", flags, fast, dataset="grpo")  # RLOO samples groups from GRPO's prompts
+
+
+def _kto(name: str, *flags: str, fast: bool = False) -> Row:
+    return Row(f"kto {name}", "kto", flags, fast)
 
 
 def _reward(name: str, *flags: str, fast: bool = False) -> Row:
@@ -228,6 +236,11 @@ ROWS: tuple[Row, ...] = (
     _rloo("--epsilon_high 0.28", "--epsilon_high", "0.28"),
     _rloo("--mask_truncated_completions true", "--mask_truncated_completions", "true"),
     _rloo("--use_peft --lora_dropout 0", "--use_peft", "true", "--lora_dropout", "0"),
+    _kto("defaults (KL term on)", fast=True),
+    _kto("--loss_type apo_zero_unpaired", "--loss_type", "apo_zero_unpaired"),
+    _kto("--desirable_weight 1.33", "--desirable_weight", "1.33"),
+    _kto("--precompute_ref_log_probs true", "--precompute_ref_log_probs", "true"),
+    _kto("--use_peft", "--use_peft", "true"),  # KTOConfig's disable_dropout=True zeroes LoRA's dropout too
     _reward("defaults", fast=True),
     _reward("--center_rewards_coefficient 0.01", "--center_rewards_coefficient", "0.01"),
     _reward("--pad_to_multiple_of 8", "--pad_to_multiple_of", "8"),
@@ -256,6 +269,7 @@ BASE = {
         "--num_generations", "4", "--max_completion_length", "6", "--beta", "0.04",
         "--reward_funcs", f"{REWARDS}.length_reward", "--learning_rate", "0.02",
     ),
+    "kto": (),  # KTOConfig samples sequentially, as its KL term needs
     "reward": ("--per_device_train_batch_size", "2"),
 }  # fmt: skip
 
@@ -339,6 +353,10 @@ def write_setup(folder: pathlib.Path) -> dict[str, str]:
             for i, q in enumerate(questions[:4])
         ],
         "grpo": [{"prompt": q} for q in questions[:2]],
+        # unpaired rows, each prompt's 4 answers listed together (half of them desirable)
+        "kto": [
+            {"prompt": q, "completion": a, "label": i % 2 == 0} for q in questions[:3] for i, a in enumerate(answers)
+        ],
         # conversations (8 rows, two turns in half of them): each row is one branch, TRL's rendering
         "sft_messages": [
             {

@@ -32,7 +32,7 @@ def _offline(monkeypatch):
 
 
 # script -> the TRL name of its trainer (without "Trainer")
-TRAINERS = {"sft": "SFT", "dpo": "DPO", "grpo": "GRPO", "rloo": "RLOO", "reward": "Reward"}
+TRAINERS = {"sft": "SFT", "dpo": "DPO", "grpo": "GRPO", "rloo": "RLOO", "reward": "Reward", "kto": "KTO"}
 
 
 def test_swap_changes_only_the_import_lines():
