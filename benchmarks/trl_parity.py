@@ -241,11 +241,13 @@ ROWS: tuple[Row, ...] = (
     _kto("--desirable_weight 1.33", "--desirable_weight", "1.33"),
     _kto("--precompute_ref_log_probs true", "--precompute_ref_log_probs", "true"),
     _kto("--use_peft", "--use_peft", "true"),  # KTOConfig's disable_dropout=True zeroes LoRA's dropout too
+    _kto("--gradient_checkpointing true", "--gradient_checkpointing", "true"),
     _reward("defaults", fast=True),
     _reward("--center_rewards_coefficient 0.01", "--center_rewards_coefficient", "0.01"),
     _reward("--pad_to_multiple_of 8", "--pad_to_multiple_of", "8"),
     # RewardConfig's disable_dropout=True (the default) also zeroes LoRA's dropout
     _reward("--use_peft --lora_task_type SEQ_CLS", "--use_peft", "true", "--lora_task_type", "SEQ_CLS"),
+    _reward("--gradient_checkpointing true", "--gradient_checkpointing", "true"),
     _reward("--neftune_noise_alpha 5", "--neftune_noise_alpha", "5"),
 )
 
