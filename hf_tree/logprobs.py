@@ -180,8 +180,9 @@ def layout_scored_rows(
 
 
 def backbone_hidden_states(model: PreTrainedModel, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-    """``[R * N, D]`` last hidden states of packed tree rows (what the LM head reads; ``detect_logit_head`` checked
-    that the model's logits are ``LogitHead.logits`` of exactly this tensor)."""
+    """``[R * N, D]`` last hidden states of packed tree rows: what the LM head reads (``detect_logit_head`` checked
+    that the model's logits are ``LogitHead.logits`` of exactly this tensor), and what a sequence-classification
+    model's ``score`` head reads (``hf_tree.reward_head``)."""
     check_rope_lengths(model.config, batch["position_ids"])
     outputs = backbone_of(model)(
         input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"], use_cache=False

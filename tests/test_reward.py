@@ -108,3 +108,10 @@ def test_unsupported_setups_raise(tmp_path):
     with pytest.raises(ValueError, match="position_ids"):
         tree = make_trainer(TreeRewardTrainer, TreeRewardConfig, path)
         tree.model(input_ids=ids, position_ids=ids)
+
+
+def test_tree_rewards_false_keeps_trls_forward(tmp_path):
+    path = saved_tiny_model(tmp_path, torch.float64)
+    trainer = make_trainer(TreeRewardTrainer, TreeRewardConfig, path, tree_rewards=False)
+    assert not hasattr(trainer.model, "hf_tree_previous_forward")
+    assert trainer.model.config._attn_implementation == "sdpa"
