@@ -1,9 +1,9 @@
-"""TRL option parity: TRL's own ``trl/scripts/{sft,dpo,grpo}.py``, unmodified vs with the class swap.
+"""TRL option parity: TRL's own ``trl/scripts/{sft,dpo,grpo,rloo,kto,reward}.py``, unmodified vs the class swap.
 
-For every row of ``ROWS`` (a script and a few of its ``SFTConfig``/``DPOConfig``/``GRPOConfig``/``ModelConfig``
-flags) the installed script runs twice in this process on the same tiny local model and dataset: once as shipped,
-once from a temporary copy whose ``from trl import ...`` lines import hf_tree's classes under TRL's names instead
-(``swapped_source``; nothing else changes). Each row ends in one state:
+For every row of ``ROWS`` (a script and a few flags of its TRL config or ``ModelConfig``) the installed script runs
+twice in this process on the same tiny local model and dataset: once as shipped, once from a temporary copy whose
+``from trl import ...`` lines import hf_tree's classes under TRL's names instead (``swapped_source``; nothing else
+changes). Each row ends in one state:
 
 - ``exact``: both trained the same number of optimizer steps and every trainable parameter moved the same way (the
   largest per-parameter relative difference of the updates is at most ``EXACT_TOLERANCE``, float32 rounding);
@@ -13,6 +13,8 @@ once from a temporary copy whose ``from trl import ...`` lines import hf_tree's 
   the documented group rounding (``hf_tree.row_batching``);
 - ``warned`` (rows marked ``dropout``): LoRA dropout stays on, the updates differ by their noise, and the swapped
   run logged ``hf_tree.dropout``'s warning;
+- ``float32 noise`` (rows marked ``padding_noise``, the reward model's): the difference exceeds ``EXACT_TOLERANCE``
+  but is at most twice TRL's own, measured by a third run of TRL's script in which only the padding changes;
 - ``MISMATCH`` (a silent difference) or ``CRASH`` (any other error): failures.
 
 Setup: a tiny Llama (2 layers, hidden 32; the MoE rows: a tiny Qwen3-MoE, 4 experts, top-2) with SmolLM2's real
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import importlib.util
 import json
 import logging
@@ -64,6 +67,12 @@ SWAP = {
     "DPOTrainer": ("hf_tree.dpo", "TreeDPOTrainer"),
     "GRPOConfig": ("hf_tree.grpo", "TreeGRPOConfig"),
     "GRPOTrainer": ("hf_tree.grpo", "TreeGRPOTrainer"),
+    "RLOOConfig": ("hf_tree.rloo", "TreeRLOOConfig"),
+    "RLOOTrainer": ("hf_tree.rloo", "TreeRLOOTrainer"),
+    "RewardConfig": ("hf_tree.reward", "TreeRewardConfig"),
+    "RewardTrainer": ("hf_tree.reward", "TreeRewardTrainer"),
+    "KTOConfig": ("hf_tree.kto", "TreeKTOConfig"),
+    "KTOTrainer": ("hf_tree.kto", "TreeKTOTrainer"),
 }
 # Largest per-parameter relative difference of two float32 updates counted as equal. Seen: 1e-7 .. 1e-5 (TRL's
 # float32 kernels round differently for differently shaped batches); a missing or misweighted token moves > 1e-3.
@@ -76,12 +85,17 @@ REWARDS = "benchmarks.trl_parity_rewards"
 # TRL's copy of Qwen3's template: assistant_only_loss swaps in its {% generation %}-marked training variant
 QWEN3_TEMPLATE = SCRIPTS.parent / "chat_templates" / "qwen3.jinja"
 # Row outcomes that are not failures (MISMATCH and CRASH are).
-STATES = ("exact", "refused", "same steps", "rounded", "warned")
+STATES = ("exact", "refused", "same steps", "rounded", "warned", "float32 noise")
+# What a ``padding_noise`` row adds to a second TRL run so that only TRL's padding changes (the difference of the two
+# TRL runs is TRL's own float32 noise): padding to 32 (longer than every row of the setup), or none for a row that
+# pads already.
+PADDING_NOISE_FLAGS = ("--pad_to_multiple_of", "32")
+UNPADDED_FLAGS = ("--pad_to_multiple_of", "None")
 
 
 @dataclass(frozen=True)
 class Row:
-    """One option set: ``script`` in {"sft", "dpo", "grpo"}, extra command-line ``flags`` (added to ``BASE``)."""
+    """One option set: ``script`` (a key of ``BASE``), extra command-line ``flags`` (added to ``BASE``)."""
 
     name: str
     script: str
@@ -92,6 +106,8 @@ class Row:
     # the optimizer step counts are compared ("same steps", or "rounded" when whole groups make fewer steps)
     dataset: str | None = None  # a dataset of write_setup other than the script's own (e.g. "sft_messages")
     model: str = "model"  # a model of write_setup: "model" (tiny Llama) or "moe_model" (tiny Qwen3-MoE)
+    padding_noise: bool = False  # a difference above EXACT_TOLERANCE is "float32 noise" when it is at most twice
+    # TRL's own difference under PADDING_NOISE_FLAGS (ill-conditioned updates, see _reward)
 
 
 @dataclass
@@ -115,6 +131,21 @@ def _dpo(name: str, *flags: str, fast: bool = False) -> Row:
 
 def _grpo(name: str, *flags: str, fast: bool = False) -> Row:
     return Row(f"grpo {name}", "grpo", flags, fast)
+
+
+def _rloo(name: str, *flags: str, fast: bool = False) -> Row:
+    return Row(f"rloo {name}", "rloo", flags, fast, dataset="grpo")  # RLOO samples groups from GRPO's prompts
+
+
+def _kto(name: str, *flags: str, fast: bool = False) -> Row:
+    return Row(f"kto {name}", "kto", flags, fast)
+
+
+def _reward(name: str, *flags: str, fast: bool = False) -> Row:
+    """The same preference pairs as DPO. The random tiny model scores chosen and rejected within ~1e-4 of each other,
+    so the loss gradient is a difference of two nearly equal gradients, which amplifies float32 rounding ~1e4-fold:
+    TRL's own updates move by ~6e-4 when only its padding changes (``padding_noise``)."""
+    return Row(f"reward {name}", "reward", flags, fast, dataset="dpo", padding_noise=True)
 
 
 ROWS: tuple[Row, ...] = (
@@ -205,6 +236,26 @@ ROWS: tuple[Row, ...] = (
     Row("sft Qwen3-MoE --router_aux_loss_coef 0.5", "sft", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
     Row("dpo Qwen3-MoE --router_aux_loss_coef 0.5", "dpo", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
     Row("grpo Qwen3-MoE --router_aux_loss_coef 0.5", "grpo", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
+    _rloo("defaults", fast=True),
+    _rloo("--beta 0", "--beta", "0"),
+    _rloo("--num_iterations 2", "--num_iterations", "2"),
+    _rloo("--normalize_advantages true", "--normalize_advantages", "true"),
+    _rloo("--epsilon_high 0.28", "--epsilon_high", "0.28"),
+    _rloo("--mask_truncated_completions true", "--mask_truncated_completions", "true"),
+    _rloo("--use_peft --lora_dropout 0", "--use_peft", "true", "--lora_dropout", "0"),
+    _kto("defaults (KL term on)", fast=True),
+    _kto("--loss_type apo_zero_unpaired", "--loss_type", "apo_zero_unpaired"),
+    _kto("--desirable_weight 1.33", "--desirable_weight", "1.33"),
+    _kto("--precompute_ref_log_probs true", "--precompute_ref_log_probs", "true"),
+    _kto("--use_peft", "--use_peft", "true"),  # KTOConfig's disable_dropout=True zeroes LoRA's dropout too
+    _kto("--gradient_checkpointing true", "--gradient_checkpointing", "true"),
+    _reward("defaults", fast=True),
+    _reward("--center_rewards_coefficient 0.01", "--center_rewards_coefficient", "0.01"),
+    _reward("--pad_to_multiple_of 8", "--pad_to_multiple_of", "8"),
+    # RewardConfig's disable_dropout=True (the default) also zeroes LoRA's dropout
+    _reward("--use_peft --lora_task_type SEQ_CLS", "--use_peft", "true", "--lora_task_type", "SEQ_CLS"),
+    _reward("--gradient_checkpointing true", "--gradient_checkpointing", "true"),
+    _reward("--neftune_noise_alpha 5", "--neftune_noise_alpha", "5"),
 )
 
 COMMON = (
@@ -220,6 +271,15 @@ BASE = {
         "--num_generations", "4", "--max_completion_length", "6", "--beta", "0.04",
         "--reward_funcs", f"{REWARDS}.length_reward",
     ),
+    # At COMMON's rate 0.5 the first RLOO step collapses the groups (equal rewards: TRL's own later updates are zero,
+    # so beta, num_iterations or clipping would change nothing); at 0.02 the second step moves the weights as much as
+    # the first and beta changes the updates by 3%.
+    "rloo": (
+        "--num_generations", "4", "--max_completion_length", "6", "--beta", "0.04",
+        "--reward_funcs", f"{REWARDS}.length_reward", "--learning_rate", "0.02",
+    ),
+    "kto": (),  # KTOConfig samples sequentially, as its KL term needs
+    "reward": ("--per_device_train_batch_size", "2"),
 }  # fmt: skip
 
 
@@ -303,6 +363,10 @@ def write_setup(folder: pathlib.Path) -> dict[str, str]:
             for i, q in enumerate(questions[:4])
         ],
         "grpo": [{"prompt": q} for q in questions[:2]],
+        # unpaired rows, each prompt's 4 answers listed together (half of them desirable)
+        "kto": [
+            {"prompt": q, "completion": a, "label": i % 2 == 0} for q in questions[:3] for i, a in enumerate(answers)
+        ],
         # conversations (8 rows, two turns in half of them): each row is one branch, TRL's rendering
         "sft_messages": [
             {
@@ -406,6 +470,14 @@ def run_row(row: Row, paths: dict[str, str]) -> Outcome:
     error = update_difference(ours, theirs)
     extra = {"rows_per_step": _last_log(tree["trainer"], "rows_per_step")}
     state = "exact" if steps[0] == steps[1] and error <= EXACT_TOLERANCE else "MISMATCH"
+    if state == "MISMATCH" and row.padding_noise and steps[0] == steps[1]:
+        noise_flags = UNPADDED_FLAGS if "--pad_to_multiple_of" in row.flags else PADDING_NOISE_FLAGS
+        with tempfile.TemporaryDirectory() as tmp:
+            other = run_script(dataclasses.replace(row, flags=row.flags + noise_flags), False, paths, pathlib.Path(tmp))
+        noise = update_difference(other["updates"], theirs) if "updates" in other else 0.0
+        if error <= 2 * noise:
+            note = f"TRL itself moves by {noise:.1e} when only its padding changes"
+            return Outcome(row, "float32 noise", note, steps, error, time.perf_counter() - start, extra)
     if state == "MISMATCH" and row.dropout and any(DROPOUT_WARNING in m for m in tree["warnings"]):
         return Outcome(row, "warned", "dropout: one mask per shared token (hf_tree.dropout)", steps, error, seconds)
     return Outcome(row, state, "", steps, error, seconds, extra)

@@ -27,6 +27,12 @@ _LAZY = {
     "TreeGRPOTrainer": "hf_tree.grpo",
     "TreeDPOConfig": "hf_tree.dpo",
     "TreeDPOTrainer": "hf_tree.dpo",
+    "TreeRLOOConfig": "hf_tree.rloo",
+    "TreeRLOOTrainer": "hf_tree.rloo",
+    "TreeRewardConfig": "hf_tree.reward",
+    "TreeRewardTrainer": "hf_tree.reward",
+    "TreeKTOConfig": "hf_tree.kto",
+    "TreeKTOTrainer": "hf_tree.kto",
 }
 
 

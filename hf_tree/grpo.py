@@ -17,13 +17,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from trl import GRPOConfig, GRPOTrainer
-from trl.extras.profiling import profiling_decorator
 
-from hf_tree.dropout import warn_if_dropout
+from hf_tree.rollout_logprobs import TreeRolloutLogProbsMixin
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.trl_glue import TreeLogProbArguments, install_tree_heads, log_tree_stats, prepare_trl_args
+from hf_tree.trl_glue import TreeLogProbArguments, prepare_trl_args
 
 
 @dataclass
@@ -31,7 +29,7 @@ class TreeGRPOConfig(TreeLogProbArguments, GRPOConfig):
     """``GRPOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
 
 
-class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
+class TreeGRPOTrainer(FSDPFullSaveMixin, TreeRolloutLogProbsMixin, GRPOTrainer):
     """``GRPOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is
@@ -44,68 +42,4 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
     def __init__(self, model: Any, reward_funcs: Any = None, args: TreeGRPOConfig | None = None, **kwargs: Any) -> None:
         args = prepare_trl_args(args, TreeGRPOConfig, model, "GRPO")
         super().__init__(model, reward_funcs, args, **kwargs)
-        if not self.args.tree_logprobs:
-            return
-        install_tree_heads(
-            self,
-            ("log_probs", "entropy"),
-            temperature=self.temperature,
-            cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32,
-        )
-        warn_if_dropout(self.model, "set disable_dropout=True (it also zeroes LoRA's dropout)")
-
-    @profiling_decorator
-    def _get_per_token_logps_and_entropies(
-        self,
-        model: torch.nn.Module,
-        input_ids: torch.Tensor,
-        attention_mask: torch.Tensor,
-        logits_to_keep: int,
-        batch_size: int | None = None,
-        compute_entropy: bool = False,
-        compute_aux_loss: bool = False,
-        **multimodal_inputs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """TRL's contract: ``input_ids``/``attention_mask`` ``[B, T]`` (left-padded prompts, right-padded
-        completions) -> log-probs ``[B, logits_to_keep]`` of the last ``logits_to_keep`` columns, entropies (or
-        ``None``) and, with ``compute_aux_loss``, the MoE router loss as TRL computes it. All ``B`` rows are packed
-        together (groups are never cut by ``batch_size``); each backbone call holds at most ``batch_size * T`` packed
-        tokens, the tokens of one TRL forward."""
-        if not self.args.tree_logprobs:
-            return super()._get_per_token_logps_and_entropies(
-                model,
-                input_ids,
-                attention_mask,
-                logits_to_keep,
-                batch_size,
-                compute_entropy,
-                compute_aux_loss,
-                **multimodal_inputs,
-            )
-        given = sorted(name for name, value in multimodal_inputs.items() if value is not None)
-        if given:
-            raise ValueError(
-                f"tree log-probs do not support {given} (image inputs of vision-language models); set "
-                "tree_logprobs=False."
-            )
-        # Only the completion tokens are scored, as in TRL
-        labels = input_ids.masked_fill(attention_mask == 0, -100)
-        labels[:, :-logits_to_keep] = -100
-        rows_per_forward = batch_size or input_ids.size(0)
-        # MoE: TRL's router loss is the mean of one per forward chunk of batch_size rows; the tree weights each
-        # packed token by the rows of each chunk that contain it (hf_tree.router_loss).
-        router_inputs = {"output_router_logits": True, "tree_router_chunk_rows": rows_per_forward}
-        with self.accelerator.autocast():
-            outputs = model(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                labels=labels,
-                fused_lm_head=True,
-                tree_tokens_per_forward=rows_per_forward * input_ids.size(1),
-                **(router_inputs if compute_aux_loss else {}),
-            )
-        logps = outputs.log_probs[:, -logits_to_keep:]
-        entropies = outputs.entropy[:, -logits_to_keep:] if compute_entropy else None
-        if compute_entropy:  # the policy pass: log how much the trees saved (nothing if it scored nothing)
-            log_tree_stats(self, model)
-        return logps, entropies, outputs.aux_loss if compute_aux_loss else None
+        self._install_rollout_tree_heads(cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)

@@ -82,6 +82,32 @@ class ScoredLayout:
         return int(self.targets.numel())
 
 
+def pack_rows(
+    sequences: dict[int, list[int]], max_packed_tokens: int
+) -> tuple[dict[str, torch.Tensor], PackingStats, dict[int, np.ndarray]]:
+    """Merge rows into tries (rows are grouped by their tokens: one trie per first token) and pack them.
+
+    Args:
+        sequences: row -> its real tokens (non-empty).
+        max_packed_tokens: capacity of a packed row; a tree larger than this is split by its branches (exact).
+
+    Returns:
+        The packed batch (``pack_and_place``: ``input_ids``, ``position_ids``, ``kv_end`` ``[R, N]``, ...), its
+        statistics, and row -> ``[len(tokens)]`` int64 flat indices into ``R * N`` of the row's tokens.
+    """
+    groups: dict[int, list[int]] = defaultdict(list)
+    for row, tokens in sequences.items():
+        groups[tokens[0]].append(row)
+    trees = [Tree.from_sequences([sequences[r] for r in rows], branch_fields={"row": rows}) for rows in groups.values()]
+    batch, stats, parts, placements = pack_and_place(trees, max_packed_tokens)
+    row_length = batch["input_ids"].shape[1]
+    token_index = {}
+    for part, (packed_row, offset) in zip(parts, placements):
+        for branch, row in enumerate(part.branch_fields["row"]):
+            token_index[row] = packed_row * row_length + offset + part.branch_flat_indices(branch)
+    return batch, stats, token_index
+
+
 def layout_scored_rows(
     input_ids: torch.Tensor,
     attention_mask: torch.Tensor | None,
@@ -110,7 +136,6 @@ def layout_scored_rows(
     shifted_labels = labels[:, 1:].detach().cpu().numpy()
     batch_size, width = ids.shape
 
-    groups: dict[int, list[int]] = defaultdict(list)  # first token -> rows: one trie per root token
     sequences: dict[int, list[int]] = {}
     starts: dict[int, int] = {}
     scored_columns: dict[int, np.ndarray] = {}
@@ -139,27 +164,18 @@ def layout_scored_rows(
             )
         sequences[row] = ids[row, start:stop].tolist()
         starts[row], scored_columns[row] = start, columns
-        groups[sequences[row][0]].append(row)
 
-    trees = [Tree.from_sequences([sequences[r] for r in rows], branch_fields={"row": rows}) for rows in groups.values()]
-    batch, stats, parts, placements = pack_and_place(trees, max_packed_tokens)
-    row_length = batch["input_ids"].shape[1]
-
+    batch, stats, token_index = pack_rows(sequences, max_packed_tokens)
     router_weights = None
-    if router_chunk_rows is not None:
-        num_chunks = -(-batch_size // router_chunk_rows)
-        router_weights = torch.zeros(num_chunks, batch["input_ids"].numel(), dtype=torch.float32)
+    if router_chunk_rows is not None:  # every row's real tokens, scored or not, count in TRL's router loss
+        router_weights = torch.zeros(-(-batch_size // router_chunk_rows), batch["input_ids"].numel())
+        for row, index in token_index.items():
+            router_weights[row // router_chunk_rows, torch.from_numpy(index)] += 1
     predictors, targets, outputs = [], [], []
-    for part, (packed_row, offset) in zip(parts, placements):
-        base = packed_row * row_length + offset
-        for branch, row in enumerate(part.branch_fields["row"]):
-            columns = scored_columns[row]
-            flat = part.branch_flat_indices(branch)
-            if router_weights is not None:
-                router_weights[row // router_chunk_rows, torch.from_numpy(base + flat)] += 1
-            predictors.append(base + flat[columns - 1 - starts[row]])  # the token before each scored one
-            targets.append(shifted_labels[row, columns - 1])
-            outputs.append(row * (width - 1) + columns - 1)
+    for row, columns in scored_columns.items():
+        predictors.append(token_index[row][columns - 1 - starts[row]])  # the token before each scored one
+        targets.append(shifted_labels[row, columns - 1])
+        outputs.append(row * (width - 1) + columns - 1)
     predictor_index = np.concatenate(predictors) if predictors else np.zeros(0, dtype=np.int64)
     order = np.argsort(predictor_index, kind="stable")
 
@@ -178,12 +194,13 @@ def layout_scored_rows(
     )
 
 
-def _backbone_hidden_states(
+def backbone_hidden_states(
     model: PreTrainedModel, batch: dict[str, torch.Tensor], router_logits: list | None = None
 ) -> torch.Tensor:
-    """``[R * N, D]`` last hidden states of packed tree rows (what the LM head reads; ``detect_logit_head`` checked
-    that the model's logits are ``LogitHead.logits`` of exactly this tensor). With a ``router_logits`` list, the
-    backbone's router logits (one ``[R * N, E]`` tensor per MoE layer) are appended to it."""
+    """``[R * N, D]`` last hidden states of packed tree rows: what the LM head reads (``detect_logit_head`` checked
+    that the model's logits are ``LogitHead.logits`` of exactly this tensor), and what a sequence-classification
+    model's ``score`` head reads (``hf_tree.reward_head``). With a ``router_logits`` list, the backbone's router
+    logits (one ``[R * N, E]`` tensor per MoE layer) are appended to it."""
     check_rope_lengths(model.config, batch["position_ids"])
     router_inputs = {} if router_logits is None else {"output_router_logits": True}
     outputs = backbone_of(model)(
@@ -247,7 +264,7 @@ def tree_token_log_probs(
     router_logits = None if layout.router_weights is None else []
     for r0, r1, lo, hi in zip(row_starts[:-1], row_starts[1:], bounds[:-1], bounds[1:]):  # every row scores tokens
         rows = {k: v[r0:r1] for k, v in batch.items()}
-        hidden = _backbone_hidden_states(model, rows, router_logits).to(weight.device)
+        hidden = backbone_hidden_states(model, rows, router_logits).to(weight.device)
         hidden = hidden.index_select(0, predictor_index[lo:hi] - int(r0) * row_length)
         autocast = nullcontext()
         if cast_lm_head_to_fp32:

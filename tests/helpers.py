@@ -335,10 +335,11 @@ def varied_reward(completion_ids, **_) -> list[float]:
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
-def one_step(cls, config_cls, path: str, peft: bool, **overrides):
+def one_step(cls, config_cls, path: str, peft: bool, rollout: bool = True, **overrides):
     """One optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per generation: old
     policy, reference and policy passes all run), SGD without clipping so gradient errors stay visible;
-    ``overrides`` add to or override the config's settings."""
+    ``overrides`` add to or override the config's settings. ``rollout``: completions from ``fixed_rollout``
+    (GRPO's ``rollout_func`` hook); RLOO has none and samples its own (the same seed and logits give the same)."""
     from datasets import Dataset  # imported here: most users of this module never need them
     from peft import LoraConfig
 
@@ -350,8 +351,8 @@ def one_step(cls, config_cls, path: str, peft: bool, **overrides):
         args,
         train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
         processing_class=word_tokenizer(),
-        rollout_func=fixed_rollout,
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
+        **({"rollout_func": fixed_rollout} if rollout else {}),
     )
     return trainer, train_and_measure_updates(trainer)
 

@@ -16,12 +16,25 @@ import torch.nn.functional as F
 from datasets import Dataset
 from peft import LoraConfig
 from transformers import Trainer, TrainingArguments
-from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+from trl import (
+    DPOConfig,
+    DPOTrainer,
+    GRPOConfig,
+    GRPOTrainer,
+    KTOConfig,
+    KTOTrainer,
+    RLOOConfig,
+    RLOOTrainer,
+    SFTConfig,
+    SFTTrainer,
+)
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.dpo import TreeDPOConfig, TreeDPOTrainer
 from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
+from hf_tree.kto import TreeKTOConfig, TreeKTOTrainer
 from hf_tree.loss import tree_losses
+from hf_tree.rloo import TreeRLOOConfig, TreeRLOOTrainer
 from hf_tree.router_loss import tree_router_loss
 from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
@@ -200,34 +213,64 @@ def test_sft_trains_trls_router_loss(tmp_path, family, coef):
     assert_same_moe_step(trl, trl_updates, tree, tree_updates)
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_grpo_trains_trls_router_loss(tmp_path, monkeypatch, peft):
+@pytest.mark.parametrize(
+    "trainers, peft",
+    [
+        ((GRPOTrainer, GRPOConfig, TreeGRPOTrainer, TreeGRPOConfig), False),
+        ((GRPOTrainer, GRPOConfig, TreeGRPOTrainer, TreeGRPOConfig), True),
+        ((RLOOTrainer, RLOOConfig, TreeRLOOTrainer, TreeRLOOConfig), False),
+    ],
+    ids=["grpo-full", "grpo-lora", "rloo-full"],
+)
+def test_rollout_trainers_train_trls_router_loss(tmp_path, monkeypatch, trainers, peft):
+    """GRPO (fixed completions) and RLOO (sampled: same seed, same logits): TRL's router loss is the mean over its
+    forward chunks; each chunk's tokens are weighted by the rows of that chunk that contain them."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    trl_cls, trl_config, tree_cls, tree_config = trainers
     path = saved_tiny_model(tmp_path, torch.float64, "qwen3_moe")
-    trl, trl_updates = one_step(GRPOTrainer, GRPOConfig, path, peft, router_aux_loss_coef=0.5, **LOAD_MOE)
-    tree, tree_updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, peft, router_aux_loss_coef=0.5, **LOAD_MOE)
+    rollout = trl_cls is GRPOTrainer
+    settings = dict(rollout=rollout, router_aux_loss_coef=0.5, **LOAD_MOE)
+    trl, trl_updates = one_step(trl_cls, trl_config, path, peft, **settings)
+    tree, tree_updates = one_step(tree_cls, tree_config, path, peft, **settings)
     assert trl.aux_loss_enabled
     base = tree.model.get_base_model() if peft else tree.model
     assert base.hf_tree_layout_stats.dedup_ratio > 1
     assert_same_moe_step(trl, trl_updates, tree, tree_updates)
 
 
-def test_dpo_trains_trls_router_loss(tmp_path):
-    path = saved_tiny_model(tmp_path, torch.float64, "olmoe")
-    pairs = {
-        "prompt": ["w10 w11 w12 w13", "w14 w15", "w10 w11 w12 w13", "w16 w17 w18"],
-        "chosen": [" w20 w21", " w22", " w23 w24 w25", " w26 w27"],
-        "rejected": [" w20 w28 w29 w30", " w31 w32", " w33", " w26"],
-    }
+KTO_ROWS = {
+    "prompt": ["w10 w11 w12 w13", "w10 w11 w12 w13", "w14 w15", "w16 w17 w18"],
+    "completion": [" w20 w21", " w22", " w23 w24 w25", " w27"],
+    "label": [True, False, True, False],
+}
+DPO_ROWS = {
+    "prompt": ["w10 w11 w12 w13", "w14 w15", "w10 w11 w12 w13", "w16 w17 w18"],
+    "chosen": [" w20 w21", " w22", " w23 w24 w25", " w26 w27"],
+    "rejected": [" w20 w28 w29 w30", " w31 w32", " w33", " w26"],
+}
+
+
+@pytest.mark.parametrize(
+    "trainers, family, rows",
+    [
+        ((DPOTrainer, DPOConfig, TreeDPOTrainer, TreeDPOConfig), "olmoe", DPO_ROWS),
+        ((KTOTrainer, KTOConfig, TreeKTOTrainer, TreeKTOConfig), "mixtral", KTO_ROWS),
+    ],
+    ids=["dpo-olmoe", "kto-mixtral"],
+)
+def test_preference_trainers_train_trls_router_loss(tmp_path, trainers, family, rows):
+    """One forward per pass in TRL (DPO: chosen and rejected rows; KTO: the policy rows), one router loss each."""
+    trl_cls, trl_config, tree_cls, tree_config = trainers
+    path = saved_tiny_model(tmp_path, torch.float64, family)
 
     def step(cls, config_cls):
         settings = dict(max_steps=1, learning_rate=1.0, router_aux_loss_coef=0.5, **LOAD_MOE)
         args = tiny_trl_config(config_cls, path, torch.float64, **settings)
-        trainer = cls(path, args=args, train_dataset=Dataset.from_dict(pairs), processing_class=word_tokenizer())
+        trainer = cls(path, args=args, train_dataset=Dataset.from_dict(rows), processing_class=word_tokenizer())
         return trainer, train_and_measure_updates(trainer)
 
-    trl, trl_updates = step(DPOTrainer, DPOConfig)
-    tree, tree_updates = step(TreeDPOTrainer, TreeDPOConfig)
+    trl, trl_updates = step(trl_cls, trl_config)
+    tree, tree_updates = step(tree_cls, tree_config)
     assert tree.model.hf_tree_layout_stats.dedup_ratio > 1
     assert_same_moe_step(trl, trl_updates, tree, tree_updates)
 

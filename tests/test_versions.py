@@ -10,7 +10,16 @@ import trl
 
 from hf_tree.versions import TESTED_TRL, is_tested, require_tested_trl
 
-TRL_MODULES = ("hf_tree.sft", "hf_tree.grpo", "hf_tree.dpo", "hf_tree.logprobs", "hf_tree.trl_glue")
+TRL_MODULES = (
+    "hf_tree.sft",
+    "hf_tree.grpo",
+    "hf_tree.rloo",
+    "hf_tree.dpo",
+    "hf_tree.kto",
+    "hf_tree.reward",
+    "hf_tree.logprobs",
+    "hf_tree.trl_glue",
+)
 
 
 def test_the_installed_trl_is_in_the_tested_range():

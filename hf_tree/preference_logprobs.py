@@ -1,0 +1,65 @@
+"""What ``TreeDPOTrainer`` and ``TreeKTOTrainer`` share: TRL's offline preference trainers run every log-prob pass
+(policy, reference, the precomputed reference, KTO's KL pass) through the fused LM head that their ``__init__``
+installs, so the tree trainers only replace that head (``hf_tree.trl_glue.install_tree_heads``) before the first
+pass, and log the packing of the policy pass.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from datasets import Dataset
+
+from hf_tree.dropout import warn_if_dropout
+from hf_tree.trainer import use_tree_attention
+from hf_tree.trl_glue import install_tree_heads, log_tree_stats, prepare_trl_args
+
+
+class TreePreferenceLogProbsMixin:
+    """Placed before TRL's ``DPOTrainer``/``KTOTrainer`` in the bases. The subclass names its tree config
+    (``tree_config_class``, TRL's config plus ``TreeLogProbArguments``), TRL's name of the method (``trl_name``, for
+    the default output folder) and the policy's fused-head fields (``_tree_policy_outputs``)."""
+
+    tree_config_class: type
+    trl_name: str
+
+    def __init__(self, model: Any, ref_model: Any = None, args: Any = None, **kwargs: Any) -> None:
+        """TRL's arguments; ``args`` must be a ``tree_config_class``. The model (and a ``ref_model`` instance) is put
+        on ``tree_flash`` as ``TreeSFTTrainer`` does (a name loads with it, an instance is switched with a warning)."""
+        args = prepare_trl_args(args, self.tree_config_class, model, self.trl_name)
+        if args.tree_logprobs and ref_model is not None and not isinstance(ref_model, str):
+            use_tree_attention(ref_model, "ref_model")
+        self._tree_heads_ready = False
+        super().__init__(model, ref_model, args, **kwargs)
+        self._install_tree_heads()
+        if self.args.tree_logprobs:
+            warn_if_dropout(self.model, f"keep disable_dropout=True ({self.trl_name}Config's default)")
+
+    def _tree_policy_outputs(self) -> tuple[str, ...]:
+        """The per-token fields TRL's trainer reads from the policy's fused head (the reference reads
+        ``log_probs``)."""
+        raise NotImplementedError
+
+    def _install_tree_heads(self) -> None:
+        """Put the tree fused head on the policy (and reference); runs before the first log-prob pass, which may
+        be the reference precompute inside TRL's ``__init__``."""
+        if self._tree_heads_ready or not self.args.tree_logprobs:
+            return
+        if self._is_vision_dataset:
+            raise ValueError(
+                "tree log-probs support text datasets only (this one has images); set tree_logprobs=False."
+            )
+        install_tree_heads(self, self._tree_policy_outputs())
+        self._tree_heads_ready = True
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.args.tree_logprobs:
+            log_tree_stats(self, model)
+        return loss
+
+    def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:
+        self._install_tree_heads()
+        return super()._precompute_ref_logps(dataset, name, batch_size)

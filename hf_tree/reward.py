@@ -1,0 +1,101 @@
+"""``TreeRewardTrainer``: TRL's ``RewardTrainer`` with chosen and rejected sharing one prompt node.
+
+TRL's reward trainer runs the sequence-classification model on ``[chosen; rejected]`` (prompt + response each), so
+every prompt is computed twice per pair, and once more for every other pair of the same prompt in the batch. Here
+the model's forward packs the rows into trees (``hf_tree.reward_head``: rows are grouped by their tokens, so pairs
+that share a prompt or a system prompt share it) and scores each branch at the token the model itself pools. The
+one-line swap::
+
+    from hf_tree.reward import TreeRewardConfig, TreeRewardTrainer  # instead of trl's RewardConfig, RewardTrainer
+
+Data handling, the loss (margins and ``center_rewards_coefficient`` included) and metrics are TRL's own; the scores
+equal TRL's (tests/test_reward.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from accelerate.utils import is_peft_model
+from trl import RewardConfig, RewardTrainer
+from trl.trainer.utils import get_config_model_id
+
+from hf_tree.dropout import warn_if_dropout
+from hf_tree.model_check import self_check_setting, tree_self_check_field
+from hf_tree.reward_head import add_tree_reward_forward
+from hf_tree.saving import FSDPFullSaveMixin
+from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
+from hf_tree.training_arguments import refuse_neftune
+from hf_tree.trl_glue import log_tree_stats
+
+
+@dataclass
+class TreeRewardConfig(RewardConfig):
+    """``RewardConfig`` plus the tree fields. With ``tree_rewards=True``, a model given by name is loaded with
+    ``attn_implementation="tree_flash"`` (another name in ``model_init_kwargs`` is replaced with a warning)."""
+
+    tree_rewards: bool = field(
+        default=True,
+        metadata={
+            "help": "Score chosen and rejected on packed prompt trees. False runs TRL's own forward unchanged (for "
+            "comparison)."
+        },
+    )
+    max_packed_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Capacity of one packed row in tokens. None: the tokens of TRL's forward (rows x padded length), "
+            "so no packed row holds more tokens than TRL's own forward. A larger tree is split by its branches "
+            "(exact; the prompt is repeated)."
+        },
+    )
+    tree_self_check: bool = tree_self_check_field()
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.max_packed_tokens is not None and (
+            not isinstance(self.max_packed_tokens, int) or self.max_packed_tokens < 1
+        ):
+            raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} must be a positive integer, or None.")
+        if self.tree_rewards:  # TRL's own forward (tree_rewards=False) applies NEFTune per row as usual
+            refuse_neftune(self)
+
+
+class TreeRewardTrainer(FSDPFullSaveMixin, RewardTrainer):
+    """``RewardTrainer`` whose rewards come from packed prompt trees.
+
+    Accepts exactly ``RewardTrainer``'s arguments with ``args`` a ``TreeRewardConfig``. The model is put on
+    ``tree_flash`` as ``TreeSFTTrainer`` does (a name loads with it, an instance on ``sdpa``/``eager`` is switched
+    with a warning). Raises ``ValueError`` for a plain ``RewardConfig``, ``neftune_noise_alpha``, a model that is not
+    a transformers ``GenericForSequenceClassification`` or cannot be switched, and (at the first batch) models that
+    fail hf_tree's self-check.
+    """
+
+    def __init__(self, model: Any, args: TreeRewardConfig | None = None, *rest: Any, **kwargs: Any) -> None:
+        if args is None:
+            name = model if isinstance(model, str) else get_config_model_id(model.config)
+            args = TreeRewardConfig(f"{name.split('/')[-1]}-Reward")
+        if not isinstance(args, TreeRewardConfig):
+            raise ValueError(
+                f"args is a {type(args).__name__}; TreeRewardTrainer needs a TreeRewardConfig (the same fields plus "
+                "the tree ones): swap the config class too."
+            )
+        if args.tree_rewards and isinstance(model, str):
+            args.model_init_kwargs = tree_model_init_kwargs(args.model_init_kwargs)
+        elif args.tree_rewards:
+            use_tree_attention(model)
+        super().__init__(model, args, *rest, **kwargs)
+        if not self.args.tree_rewards:
+            return
+        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
+        add_tree_reward_forward(base, self.args.max_packed_tokens, self_check_setting(self.args.tree_self_check))
+        warn_if_dropout(self.model, "keep disable_dropout=True (RewardConfig's default)")
+
+    def compute_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
+    ):
+        loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        if self.args.tree_rewards:
+            log_tree_stats(self, model)
+        return loss

@@ -1,0 +1,42 @@
+"""``TreeRLOOTrainer``: TRL's ``RLOOTrainer`` computing each prompt once per group in its log-prob passes.
+
+RLOO samples and scores groups exactly like GRPO (G completions of one prompt; old policy, reference and policy
+passes through ``_get_per_token_logps_and_entropies``), so it shares ``TreeGRPOTrainer``'s pass
+(``hf_tree.rollout_logprobs``). The one-line swap::
+
+    from hf_tree.rloo import TreeRLOOConfig, TreeRLOOTrainer  # instead of trl's RLOOConfig, RLOOTrainer
+
+Generation, rewards (with the KL penalty of ``beta``), leave-one-out advantages and the sequence-level clipped loss
+are TRL's own; the log-probs equal TRL's (tests/test_rloo.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from trl import RLOOConfig, RLOOTrainer
+
+from hf_tree.rollout_logprobs import TreeRolloutLogProbsMixin
+from hf_tree.saving import FSDPFullSaveMixin
+from hf_tree.trl_glue import TreeLogProbArguments, prepare_trl_args
+
+
+@dataclass
+class TreeRLOOConfig(TreeLogProbArguments, RLOOConfig):
+    """``RLOOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
+
+
+class TreeRLOOTrainer(FSDPFullSaveMixin, TreeRolloutLogProbsMixin, RLOOTrainer):
+    """``RLOOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
+
+    Accepts exactly ``RLOOTrainer``'s arguments with ``args`` a ``TreeRLOOConfig``; the model is put on
+    ``tree_flash`` and unsupported setups are refused as in ``TreeGRPOTrainer`` (a model that cannot be switched,
+    vision-language models and image inputs, configs that rescale logits). An MoE model's router loss is TRL's,
+    computed on the trees (as ``TreeGRPOTrainer``).
+    """
+
+    def __init__(self, model: Any, reward_funcs: Any = None, args: TreeRLOOConfig | None = None, **kwargs: Any) -> None:
+        args = prepare_trl_args(args, TreeRLOOConfig, model, "RLOO")
+        super().__init__(model, reward_funcs, args, **kwargs)
+        self._install_rollout_tree_heads()  # RLOO's fused head has no cast_lm_head_to_fp32
