@@ -19,15 +19,13 @@ from typing import Any
 
 from accelerate.utils import is_peft_model
 from trl import RewardConfig, RewardTrainer
-from trl.trainer.utils import get_config_model_id
 
 from hf_tree.dropout import warn_if_dropout
 from hf_tree.model_check import self_check_setting, tree_self_check_field
 from hf_tree.reward_head import add_tree_reward_forward
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
 from hf_tree.training_arguments import refuse_neftune
-from hf_tree.trl_glue import log_tree_stats
+from hf_tree.trl_glue import log_tree_stats, prepare_trl_args
 
 
 @dataclass
@@ -73,18 +71,7 @@ class TreeRewardTrainer(FSDPFullSaveMixin, RewardTrainer):
     """
 
     def __init__(self, model: Any, args: TreeRewardConfig | None = None, *rest: Any, **kwargs: Any) -> None:
-        if args is None:
-            name = model if isinstance(model, str) else get_config_model_id(model.config)
-            args = TreeRewardConfig(f"{name.split('/')[-1]}-Reward")
-        if not isinstance(args, TreeRewardConfig):
-            raise ValueError(
-                f"args is a {type(args).__name__}; TreeRewardTrainer needs a TreeRewardConfig (the same fields plus "
-                "the tree ones): swap the config class too."
-            )
-        if args.tree_rewards and isinstance(model, str):
-            args.model_init_kwargs = tree_model_init_kwargs(args.model_init_kwargs)
-        elif args.tree_rewards:
-            use_tree_attention(model)
+        args = prepare_trl_args(args, TreeRewardConfig, model, "Reward", switch="tree_rewards")
         super().__init__(model, args, *rest, **kwargs)
         if not self.args.tree_rewards:
             return

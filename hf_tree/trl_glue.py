@@ -220,11 +220,13 @@ class TreeLogProbArguments:
             refuse_neftune(self)
 
 
-def prepare_trl_args(args: Any, config_class: type, model: Any, trainer_name: str) -> Any:
-    """The tree trainer's arguments: ``args`` (TRL's default naming when ``None``); with ``tree_logprobs``, the
-    model on ``tree_flash`` as ``TreeSFTTrainer`` does it: by name, ``model_init_kwargs["attn_implementation"]``
-    becomes ``tree_flash`` (``None``/unset silently, another name with a warning); an instance is switched
-    (``hf_tree.trainer.use_tree_attention``).
+def prepare_trl_args(
+    args: Any, config_class: type, model: Any, trainer_name: str, switch: str = "tree_logprobs"
+) -> Any:
+    """The tree trainer's arguments: ``args`` (TRL's default naming when ``None``); when the config's ``switch``
+    field (``tree_logprobs``, or ``tree_rewards``) is on, the model on ``tree_flash`` as ``TreeSFTTrainer`` does it:
+    by name, ``model_init_kwargs["attn_implementation"]`` becomes ``tree_flash`` (``None``/unset silently, another
+    name with a warning); an instance is switched (``hf_tree.trainer.use_tree_attention``).
 
     Raises:
         ValueError: for a plain TRL config, which lacks the tree fields, or a model that cannot be switched.
@@ -237,9 +239,9 @@ def prepare_trl_args(args: Any, config_class: type, model: Any, trainer_name: st
             f"args is a {type(args).__name__}; the tree trainer needs a {config_class.__name__} (the same fields plus "
             "the tree ones): swap the config class too."
         )
-    if args.tree_logprobs and isinstance(model, str):
+    if getattr(args, switch) and isinstance(model, str):
         args.model_init_kwargs = tree_model_init_kwargs(args.model_init_kwargs)
-    elif args.tree_logprobs:
+    elif getattr(args, switch):
         use_tree_attention(model)
     return args
 
