@@ -38,9 +38,9 @@ from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
 from hf_tree.attention import select_backend
-from hf_tree.dpo import POLICY_OUTPUTS
-from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
-from hf_tree.trl_glue import add_tree_fused_lm_head
+from hf_tree.trl.dpo import POLICY_OUTPUTS
+from hf_tree.trl.glue import add_tree_fused_lm_head
+from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 
 KINDS = ("trl", "tree")  # TRL's own passes and the tree trainers'
 

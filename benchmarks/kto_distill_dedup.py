@@ -36,7 +36,7 @@ if str(REPO) not in sys.path:  # run as a script: tests.helpers imports from the
 
 from hf_tree.assets import load_smollm2_tokenizer  # noqa: E402
 from hf_tree.data.champ import champ_dataset  # noqa: E402
-from hf_tree.logprobs import pack_rows  # noqa: E402
+from hf_tree.trl.logprobs import pack_rows  # noqa: E402
 from tests.helpers import tiny_model  # noqa: E402
 
 BATCH_SIZE = 8  # TRL's per_device_train_batch_size default

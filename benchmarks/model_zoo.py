@@ -1,7 +1,7 @@
 """Model-zoo conformance: every causal-LM architecture of the installed transformers, built tiny, in one state.
 
     python benchmarks/model_zoo.py                       # the whole zoo (196 types in transformers 5.24, and the
-                                                         # length-switch variants of hf_tree.zoo.ZOO_VARIANTS; minutes)
+                                                         # length-switch variants of ZOO_VARIANTS; minutes)
     python benchmarks/model_zoo.py llama gemma2 cohere   # some model types
     python benchmarks/model_zoo.py --json zoo.json       # also write the results as JSON
 

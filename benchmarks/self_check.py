@@ -1,4 +1,4 @@
-"""Cost of the first-use self-check (hf_tree.model_check) against ordinary forwards of the same model, in one run.
+"""Cost of the first-use self-check (hf_tree.models.check) against ordinary forwards of the same model, in one run.
 
     python benchmarks/self_check.py                 # SmolLM2-135M (offline, float32), 3 repeats
     python benchmarks/self_check.py --dtype bfloat16 --repeats 5
@@ -19,8 +19,8 @@ import torch
 import transformers
 
 from hf_tree.assets import load_smollm2_model
-from hf_tree.model_check import probe_tree_exactness
-from hf_tree.probe import probe_shape
+from hf_tree.models.check import probe_tree_exactness
+from hf_tree.models.probe import probe_shape
 
 
 def main(argv: list[str] | None = None) -> None:

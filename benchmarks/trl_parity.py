@@ -12,7 +12,7 @@ changes). Each row ends in one state:
   shuffles rows, the tree trainer whole trees; whole groups cannot fill a smaller batch) and are equal / differ by
   the documented group rounding (``hf_tree.row_batching``);
 - ``warned`` (rows marked ``dropout``): LoRA dropout stays on, the updates differ by their noise, and the swapped
-  run logged ``hf_tree.dropout``'s warning;
+  run logged ``hf_tree.models.dropout``'s warning;
 - ``float32 noise`` (rows marked ``padding_noise``, the reward model's): the difference exceeds ``EXACT_TOLERANCE``
   but is at most twice TRL's own, measured by a third run of TRL's script in which only the padding changes;
 - ``MISMATCH`` (a silent difference) or ``CRASH`` (any other error): failures.
@@ -55,24 +55,24 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: tests.helpers and the reward module import from the repository
     sys.path.insert(0, str(REPO))
 
-from hf_tree.dropout import DROPOUT_WARNING  # noqa: E402
+from hf_tree.models.dropout import DROPOUT_WARNING  # noqa: E402
 from tests.helpers import smollm2_tokenizer_or_skip, tiny_model  # noqa: E402
 
 SCRIPTS = pathlib.Path(importlib.util.find_spec("trl").origin).parent / "scripts"
 # TRL's names -> hf_tree's (module, class): the whole swap.
 SWAP = {
-    "SFTConfig": ("hf_tree.sft", "TreeSFTConfig"),
-    "SFTTrainer": ("hf_tree.sft", "TreeSFTTrainer"),
-    "DPOConfig": ("hf_tree.dpo", "TreeDPOConfig"),
-    "DPOTrainer": ("hf_tree.dpo", "TreeDPOTrainer"),
-    "GRPOConfig": ("hf_tree.grpo", "TreeGRPOConfig"),
-    "GRPOTrainer": ("hf_tree.grpo", "TreeGRPOTrainer"),
-    "RLOOConfig": ("hf_tree.rloo", "TreeRLOOConfig"),
-    "RLOOTrainer": ("hf_tree.rloo", "TreeRLOOTrainer"),
-    "RewardConfig": ("hf_tree.reward", "TreeRewardConfig"),
-    "RewardTrainer": ("hf_tree.reward", "TreeRewardTrainer"),
-    "KTOConfig": ("hf_tree.kto", "TreeKTOConfig"),
-    "KTOTrainer": ("hf_tree.kto", "TreeKTOTrainer"),
+    "SFTConfig": ("hf_tree.trl.sft", "TreeSFTConfig"),
+    "SFTTrainer": ("hf_tree.trl.sft", "TreeSFTTrainer"),
+    "DPOConfig": ("hf_tree.trl.dpo", "TreeDPOConfig"),
+    "DPOTrainer": ("hf_tree.trl.dpo", "TreeDPOTrainer"),
+    "GRPOConfig": ("hf_tree.trl.grpo", "TreeGRPOConfig"),
+    "GRPOTrainer": ("hf_tree.trl.grpo", "TreeGRPOTrainer"),
+    "RLOOConfig": ("hf_tree.trl.rloo", "TreeRLOOConfig"),
+    "RLOOTrainer": ("hf_tree.trl.rloo", "TreeRLOOTrainer"),
+    "RewardConfig": ("hf_tree.trl.reward", "TreeRewardConfig"),
+    "RewardTrainer": ("hf_tree.trl.reward", "TreeRewardTrainer"),
+    "KTOConfig": ("hf_tree.trl.kto", "TreeKTOConfig"),
+    "KTOTrainer": ("hf_tree.trl.kto", "TreeKTOTrainer"),
 }
 # Largest per-parameter relative difference of two float32 updates counted as equal. Seen: 1e-7 .. 1e-5 (TRL's
 # float32 kernels round differently for differently shaped batches); a missing or misweighted token moves > 1e-3.
@@ -101,7 +101,7 @@ class Row:
     script: str
     flags: tuple[str, ...] = ()
     fast: bool = False  # part of the unmarked test subset
-    dropout: bool = False  # LoRA dropout stays on: "warned" when the tree run said so (hf_tree.dropout)
+    dropout: bool = False  # LoRA dropout stays on: "warned" when the tree run said so (hf_tree.models.dropout)
     steps_only: bool = False  # batches cannot hold TRL's rows (random row order, groups larger than a batch): only
     # the optimizer step counts are compared ("same steps", or "rounded" when whole groups make fewer steps)
     dataset: str | None = None  # a dataset of write_setup other than the script's own (e.g. "sft_messages")
@@ -479,7 +479,8 @@ def run_row(row: Row, paths: dict[str, str]) -> Outcome:
             note = f"TRL itself moves by {noise:.1e} when only its padding changes"
             return Outcome(row, "float32 noise", note, steps, error, time.perf_counter() - start, extra)
     if state == "MISMATCH" and row.dropout and any(DROPOUT_WARNING in m for m in tree["warnings"]):
-        return Outcome(row, "warned", "dropout: one mask per shared token (hf_tree.dropout)", steps, error, seconds)
+        note = "dropout: one mask per shared token (hf_tree.models.dropout)"
+        return Outcome(row, "warned", note, steps, error, seconds)
     return Outcome(row, state, "", steps, error, seconds, extra)
 
 
@@ -522,7 +523,7 @@ def entropy_threshold_flips(num_batches: int = 300, quantiles: tuple[float, ...]
     from datasets import Dataset
     from trl import GRPOConfig, GRPOTrainer
 
-    from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
+    from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
     from tests.helpers import TINY, saved_tiny_model, tiny_trl_config, word_tokenizer
 
     def reward(completions, **_):

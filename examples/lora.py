@@ -14,7 +14,7 @@ from _common import QWEN3_TEMPLATE, agent_dataset, example_parser, load_model  #
 from peft import LoraConfig, PeftModel
 
 from hf_tree.assets import load_smollm2_tokenizer
-from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
+from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 
 
 def main() -> None:

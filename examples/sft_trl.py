@@ -15,11 +15,10 @@ from __future__ import annotations
 import torch
 from _common import QWEN3_TEMPLATE, agent_dataset, example_parser, load_model  # shared: examples/_common.py
 
-from hf_tree.assets import load_smollm2_tokenizer
-
 # from trl import SFTConfig, SFTTrainer                        # before
-from hf_tree.sft import TreeSFTConfig as SFTConfig  # after
-from hf_tree.sft import TreeSFTTrainer as SFTTrainer  # after
+from hf_tree import TreeSFTConfig as SFTConfig  # after
+from hf_tree import TreeSFTTrainer as SFTTrainer  # after
+from hf_tree.assets import load_smollm2_tokenizer
 
 
 def main() -> None:

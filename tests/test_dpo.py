@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from trl import DPOConfig, DPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from hf_tree.dpo import POLICY_OUTPUTS, TreeDPOConfig, TreeDPOTrainer
+from hf_tree.trl.dpo import POLICY_OUTPUTS, TreeDPOConfig, TreeDPOTrainer
 from tests.helpers import (
     TRL_TOLERANCE,
     assert_same_step_as_trl,

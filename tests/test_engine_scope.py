@@ -1,5 +1,5 @@
 """The attention engine scope (a ContextVar, how tree context parallel takes over attention) and its public
-suspension (what ``hf_tree.model_check``'s probe uses inside a context parallel block)."""
+suspension (what ``hf_tree.models.check``'s probe uses inside a context parallel block)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import torch
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.attention import attention_engine_scope, reference_tree_attention, scoped_attention_engine
-from hf_tree.model_check import check_model_for_trees
+from hf_tree.models.check import check_model_for_trees
 from hf_tree.parallel import plan_context_parallel, tree_context_parallel
 from hf_tree.parallel.context import active_context_parallel, suspend_context_parallel
 from tests.helpers import float64_norms, grads_of, max_grad_relative_error, relative_error, tiny_model

@@ -14,8 +14,8 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
-from hf_tree.trl_glue import add_tree_fused_lm_head, log_tree_stats
+from hf_tree.trl.glue import add_tree_fused_lm_head, log_tree_stats
+from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from tests.helpers import (
     TRL_TOLERANCE,
     assert_same_step_as_trl,

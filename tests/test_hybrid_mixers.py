@@ -20,7 +20,8 @@ import pytest
 import torch
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
-from hf_tree.mixers import (
+from hf_tree.models.check import SELF_CHECK_ENV_VAR
+from hf_tree.models.mixers import (
     build_topology,
     install_tree_mixers,
     tree_causal_conv1d,
@@ -28,7 +29,6 @@ from hf_tree.mixers import (
     tree_mamba2_chunk_scan,
     uninstall_tree_mixers,
 )
-from hf_tree.model_check import SELF_CHECK_ENV_VAR
 from tests.helpers import (
     FLOAT32_FLOOR,
     HYBRIDS,

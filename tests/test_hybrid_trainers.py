@@ -18,9 +18,9 @@ from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
-from hf_tree.mixers import install_tree_mixers, uninstall_tree_mixers
+from hf_tree.models.mixers import install_tree_mixers, uninstall_tree_mixers
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
+from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from tests.helpers import (
     FLOAT32_FLOOR,
     branch_loss_func,

@@ -13,7 +13,7 @@ from datasets import Dataset
 from peft import LoraConfig
 from trl import KTOConfig, KTOTrainer
 
-from hf_tree.kto import TreeKTOConfig, TreeKTOTrainer
+from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
 from tests.helpers import (
     TRL_TOLERANCE,
     assert_same_step_as_trl,

@@ -245,8 +245,8 @@ def test_launcher_and_hf_tree_stats_build_the_same_trees_from_one_file(tmp_path)
     """The launcher's data path (load_split -> TreeSFTTrainer) and `hf-tree stats --save-trees` on one messages
     file give identical trees: both read it through hf_tree.data.sources."""
     from hf_tree.cli import main as cli_main
-    from hf_tree.sft import TreeSFTTrainer
     from hf_tree.tree import TREE_KEYS
+    from hf_tree.trl.sft import TreeSFTTrainer
 
     path = tmp_path / "agent.jsonl"
     path.write_text("\n".join(json.dumps(r) for r in TOOL_CALL_RECORDS) + "\n")

@@ -1,4 +1,5 @@
-"""RoPE whose frequencies depend on the batch's length (hf_tree.length_rope): exact below the switch, refused above.
+"""RoPE whose frequencies depend on the batch's length (hf_tree.models.length_rope): exact below the switch, refused
+above.
 
 Oracle: each branch run alone with the model's own attention (``sdpa``), float64: loss and every parameter gradient.
 transformers picks Phi-3 ``longrope``'s factors and ``dynamic`` NTK's base from the largest position of the whole
@@ -14,7 +15,7 @@ import torch
 import transformers
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
-from hf_tree.length_rope import check_rope_lengths, length_switches, longest_exact_branch
+from hf_tree.models.length_rope import check_rope_lengths, length_switches, longest_exact_branch
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
 from tests.helpers import grads_of, max_grad_relative_error, per_branch_loss, relative_error, tiny_model
 

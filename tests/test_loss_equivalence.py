@@ -16,8 +16,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
-from hf_tree.head import detect_logit_head
 from hf_tree.loss import loss_chunk_rows, weighted_cross_entropy
+from hf_tree.models.head import detect_logit_head
 from tests.helpers import (
     VOCAB,
     float64_norms,
@@ -294,8 +294,8 @@ def test_trl_log_prob_head_applies_the_models_logit_scaling(family):
     """The tree fused log-prob head against TRL's own fused head on the same weights (own attention)."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from hf_tree.head import own_attention_name
-    from hf_tree.trl_glue import add_tree_fused_lm_head
+    from hf_tree.models.head import own_attention_name
+    from hf_tree.trl.glue import add_tree_fused_lm_head
 
     model = tiny_model(family, vocab_size=VOCAB, **SCALED_HEADS[family])
     twin = tiny_model(family, vocab_size=VOCAB, attn=own_attention_name(model), **SCALED_HEADS[family])

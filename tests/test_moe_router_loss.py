@@ -30,14 +30,14 @@ from trl import (
 )
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
-from hf_tree.dpo import TreeDPOConfig, TreeDPOTrainer
-from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
-from hf_tree.kto import TreeKTOConfig, TreeKTOTrainer
 from hf_tree.loss import tree_losses
-from hf_tree.rloo import TreeRLOOConfig, TreeRLOOTrainer
-from hf_tree.router_loss import tree_router_loss
-from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
+from hf_tree.models.router_loss import tree_router_loss
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
+from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
+from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
+from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
+from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer
+from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 from tests.helpers import (
     MOE_SETTINGS,
     TRL_STEP_TOLERANCE,

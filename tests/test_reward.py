@@ -16,8 +16,8 @@ from datasets import Dataset
 from peft import LoraConfig
 from trl import RewardConfig, RewardTrainer
 
-from hf_tree.reward import TreeRewardConfig, TreeRewardTrainer
-from hf_tree.reward_head import add_tree_reward_forward, layout_pooled_rows
+from hf_tree.trl.reward import TreeRewardConfig, TreeRewardTrainer
+from hf_tree.trl.reward_head import add_tree_reward_forward, layout_pooled_rows
 from tests.helpers import (
     TRL_TOLERANCE,
     assert_same_step_as_trl,

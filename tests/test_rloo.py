@@ -1,6 +1,6 @@
 """TreeRLOOTrainer against TRL's own RLOOTrainer on the same tiny models and the same batches.
 
-The log-prob pass is GRPO's (``hf_tree.rollout_logprobs``, covered in depth by tests/test_grpo.py); here: RLOO's
+The log-prob pass is GRPO's (``hf_tree.trl.rollout_logprobs``, covered in depth by tests/test_grpo.py); here: RLOO's
 passes (policy and reference) equal TRL's in float64, and one optimizer step of the class swap moves every parameter
 as TRL's does, full fine-tuning and LoRA. RLOO has no ``rollout_func`` hook, so both trainers sample their own
 completions: the same seed and the same logits (``tree_flash`` without ``kv_end`` is ``sdpa``) give the same ones.
@@ -13,7 +13,7 @@ import torch
 from datasets import Dataset
 from trl import RLOOConfig, RLOOTrainer
 
-from hf_tree.rloo import TreeRLOOConfig, TreeRLOOTrainer
+from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer
 from tests.helpers import (
     TRL_TOLERANCE,
     assert_same_step_as_trl,

@@ -1,4 +1,4 @@
-"""The first-use self-check (hf_tree.model_check): a model that would train silently wrong on trees is refused.
+"""The first-use self-check (hf_tree.models.check): a model that would train silently wrong on trees is refused.
 
 Oracle: the probe compares the packed tree with its branches run alone with the model's own attention; a layer
 patched to mix tokens across the row (a cumulative sum over the sequence, as a recurrent mixer would) must be
@@ -15,14 +15,14 @@ import torch
 import transformers
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
-from hf_tree.model_check import (
+from hf_tree.models.check import (
     NOT_TREE_AWARE_MODULES,
     SELF_CHECK_ENV_VAR,
     check_model_for_trees,
     probe_tree_exactness,
     self_check_setting,
 )
-from hf_tree.probe import (
+from hf_tree.models.probe import (
     DEFAULT_PROBE_REACH,
     FLOOR_FACTOR,
     INVARIANCE_FRACTION,
@@ -189,7 +189,7 @@ def test_probe_shape_covers_declared_reach_and_stays_within_positions():
     table = probe_shape(tiny_config("llama", max_position_embeddings=64))
     assert table.longest_branch <= 64  # never past the position table
     switch = probe_shape(tiny_config("llama", max_position_embeddings=4096), length_limit=100)
-    assert switch.longest_branch <= 100  # never past a length switch (see hf_tree.length_rope)
+    assert switch.longest_branch <= 100  # never past a length switch (see hf_tree.models.length_rope)
     assert MAX_PROBE_REACH >= DEFAULT_PROBE_REACH
 
 
@@ -205,7 +205,7 @@ def test_a_leak_below_the_rounding_of_the_dtype_is_refused(dtype):
     bfloat16's rounding, so comparing the tree with the branches alone cannot see it (the old 5e-2 bound let it
     train with gradient error 5.7x the bfloat16 floor). Replacing a sibling's tokens must leave the other branches
     bit for bit unchanged, as it does in a padded batch: that sees it in every dtype."""
-    from hf_tree.mixers.install import install_tree_mixers, uninstall_tree_mixers
+    from hf_tree.models.mixers.install import install_tree_mixers, uninstall_tree_mixers
 
     exact = hybrid_model("lfm2").to(dtype)
     assert probe_tree_exactness(exact) < 5e-2

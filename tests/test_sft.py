@@ -21,9 +21,9 @@ from hf_tree.collator import TreeDataCollator
 from hf_tree.data.synthetic_agent import synthetic_agent_dataset
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.row_batching import TreePart, plan_row_batches
-from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer, train_every_token
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.tree import Tree
+from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer, train_every_token
 from tests.helpers import QWEN3_TEMPLATE, SMOLLM2_VOCAB, float64_norms, grads_of, max_grad_relative_error, tiny_model
 from tests.workloads import prompt_completion_dataset
 

@@ -21,8 +21,8 @@ import torch
 from trl import SFTConfig, SFTTrainer
 
 from hf_tree.builders import GROUP_BY_PROMPT_TOKENS, build_tree_dataset, conversation_branch
-from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
 from hf_tree.tree import Tree
+from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 from tests.helpers import (
     TRL_STEP_TOLERANCE,
     relative_error,

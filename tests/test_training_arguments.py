@@ -18,10 +18,10 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 from hf_tree import TreeDataCollator
-from hf_tree.dpo import TreeDPOConfig
-from hf_tree.grpo import TreeGRPOConfig
-from hf_tree.sft import TreeSFTConfig
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
+from hf_tree.trl.dpo import TreeDPOConfig
+from hf_tree.trl.grpo import TreeGRPOConfig
+from hf_tree.trl.sft import TreeSFTConfig
 from tests.helpers import (
     VOCAB,
     branch_loss_func,

@@ -11,14 +11,14 @@ import trl
 from hf_tree.versions import TESTED_TRL, is_tested, require_tested_trl
 
 TRL_MODULES = (
-    "hf_tree.sft",
-    "hf_tree.grpo",
-    "hf_tree.rloo",
-    "hf_tree.dpo",
-    "hf_tree.kto",
-    "hf_tree.reward",
-    "hf_tree.logprobs",
-    "hf_tree.trl_glue",
+    "hf_tree.trl.sft",
+    "hf_tree.trl.grpo",
+    "hf_tree.trl.rloo",
+    "hf_tree.trl.dpo",
+    "hf_tree.trl.kto",
+    "hf_tree.trl.reward",
+    "hf_tree.trl.logprobs",
+    "hf_tree.trl.glue",
 )
 
 

@@ -45,7 +45,7 @@ def active_context_parallel() -> ContextParallelAttention | None:
 @contextlib.contextmanager
 def suspend_context_parallel() -> Iterator[None]:
     """Run the block's tree forwards whole (the ordinary engines), even inside ``tree_context_parallel``: for
-    work every rank does on the full row, such as ``hf_tree.model_check``'s probe."""
+    work every rank does on the full row, such as ``hf_tree.models.check``'s probe."""
     with attention_engine_scope(None):
         yield
 

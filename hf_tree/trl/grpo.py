@@ -5,10 +5,10 @@ runs the prompt once per completion each time. Here every log-prob pass packs th
 into trees (one prompt node, one leaf per completion; rows are grouped by their tokens, so a micro-batch may hold
 partial groups or several groups) and runs the model once on them. The one-line swap::
 
-    from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer  # instead of trl's GRPOConfig, GRPOTrainer
+    from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer  # instead of trl's GRPOConfig, GRPOTrainer
 
 Generation, rewards, advantages and the loss are TRL's own, and the log-probs and entropies equal TRL's (see
-``hf_tree.logprobs`` and tests/test_grpo.py). The reference pass works with a separate reference model and with a
+``hf_tree.trl.logprobs`` and tests/test_grpo.py). The reference pass works with a separate reference model and with a
 disabled PEFT adapter alike.
 """
 
@@ -19,9 +19,9 @@ from typing import Any
 
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_tree.rollout_logprobs import TreeRolloutLogProbsMixin
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.trl_glue import TreeLogProbArguments, prepare_trl_args
+from hf_tree.trl.glue import TreeLogProbArguments, prepare_trl_args
+from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """TRL glue of the tree log-prob passes: the fused-head installer and what ``TreeGRPOTrainer`` and
 ``TreeDPOTrainer`` share (config fields, argument preparation, head installation on policy and reference, logs).
 
-The layout and the kernel the head runs are ``hf_tree.logprobs``.
+The layout and the kernel the head runs are ``hf_tree.trl.logprobs``.
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from transformers import PreTrainedModel
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
-from hf_tree.logprobs import FUSED_OUTPUTS, layout_scored_rows, scatter_to_rows, tree_token_log_probs
-from hf_tree.model_check import check_model_for_trees, self_check_setting, tree_self_check_field
+from hf_tree.models.check import check_model_for_trees, self_check_setting, tree_self_check_field
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
 from hf_tree.training_arguments import refuse_neftune
+from hf_tree.trl.logprobs import FUSED_OUTPUTS, layout_scored_rows, scatter_to_rows, tree_token_log_probs
 from hf_tree.versions import require_tested_trl
 
 require_tested_trl()  # TRL internals below (FusedCausalLMOutput, the fused_lm_head call contract) change between minors
@@ -33,7 +33,7 @@ def check_tree_model(model: PreTrainedModel, name: str = "model") -> None:
     """Raise ``ValueError`` unless ``model`` can run the tree fused head (a text causal LM on ``tree_flash``).
 
     How its logits are scored (scale, softcap, or a refusal) and the tree self-check are decided on the first call
-    (``hf_tree.model_check.check_model_for_trees``), on the device the model then runs on."""
+    (``hf_tree.models.check.check_model_for_trees``), on the device the model then runs on."""
     config = model.config
     if config._attn_implementation != TREE_ATTENTION_NAME:
         raise ValueError(
@@ -120,7 +120,7 @@ def add_tree_fused_lm_head(
     and layout as TRL's, computed on packed trees; it also accepts ``tree_tokens_per_forward=`` (packed tokens per
     backbone call, default ``B * T``). With ``output_router_logits=True`` (an MoE model), ``aux_loss`` is the router
     load-balancing loss of the padded batch, each packed token weighted by the rows that contain it
-    (``hf_tree.router_loss``); ``tree_router_chunk_rows=`` gives the mean over chunks of that many rows, as TRL's
+    (``hf_tree.models.router_loss``); ``tree_router_chunk_rows=`` gives the mean over chunks of that many rows, as TRL's
     GRPO computes one per forward chunk. Without ``fused_lm_head`` the previous forward runs (generation is
     unchanged). Calling it again replaces the settings.
 
@@ -130,7 +130,7 @@ def add_tree_fused_lm_head(
         outputs: per-token fields to compute, among ``FUSED_OUTPUTS``.
         max_packed_tokens: packed row capacity; ``None``: the call's tokens per forward.
         name: how errors refer to the model.
-        self_check: run ``hf_tree.model_check``'s refusals and probe before the first tree pass (``None``: on
+        self_check: run ``hf_tree.models.check``'s refusals and probe before the first tree pass (``None``: on
             unless ``HF_TREE_SELF_CHECK=0``).
     """
     check_tree_model(model, name)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.activations import ACT2FN
 
-from hf_tree.mixers.topology import TreeTopology
+from hf_tree.models.mixers.topology import TreeTopology
 
 
 def tree_causal_conv1d(

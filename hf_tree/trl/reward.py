@@ -2,11 +2,11 @@
 
 TRL's reward trainer runs the sequence-classification model on ``[chosen; rejected]`` (prompt + response each), so
 every prompt is computed twice per pair, and once more for every other pair of the same prompt in the batch. Here
-the model's forward packs the rows into trees (``hf_tree.reward_head``: rows are grouped by their tokens, so pairs
+the model's forward packs the rows into trees (``hf_tree.trl.reward_head``: rows are grouped by their tokens, so pairs
 that share a prompt or a system prompt share it) and scores each branch at the token the model itself pools. The
 one-line swap::
 
-    from hf_tree.reward import TreeRewardConfig, TreeRewardTrainer  # instead of trl's RewardConfig, RewardTrainer
+    from hf_tree.trl.reward import TreeRewardConfig, TreeRewardTrainer  # instead of trl's RewardConfig, RewardTrainer
 
 Data handling, the loss (margins and ``center_rewards_coefficient`` included) and metrics are TRL's own; the scores
 equal TRL's (tests/test_reward.py).
@@ -20,12 +20,12 @@ from typing import Any
 from accelerate.utils import is_peft_model
 from trl import RewardConfig, RewardTrainer
 
-from hf_tree.dropout import warn_if_dropout
-from hf_tree.model_check import self_check_setting, tree_self_check_field
-from hf_tree.reward_head import add_tree_reward_forward
+from hf_tree.models.check import self_check_setting, tree_self_check_field
+from hf_tree.models.dropout import warn_if_dropout
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.training_arguments import refuse_neftune
-from hf_tree.trl_glue import log_tree_stats, prepare_trl_args
+from hf_tree.trl.glue import log_tree_stats, prepare_trl_args
+from hf_tree.trl.reward_head import add_tree_reward_forward
 
 
 @dataclass

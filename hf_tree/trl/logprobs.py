@@ -6,7 +6,7 @@ returns per-token ``log_probs`` (and entropies, ...) of every label that is not 
 layout. Rows of a GRPO group (or a DPO pair) repeat the same prompt, so that forward recomputes every prompt once per
 row.
 
-``hf_tree.trl_glue.add_tree_fused_lm_head`` installs a fused head with the same contract that instead
+``hf_tree.trl.glue.add_tree_fused_lm_head`` installs a fused head with the same contract that instead
 
 1. strips each row's padding, merges the rows into tries (``Tree.from_sequences``: identical prompts, and any other
    shared prefix, become one node; rows are grouped by their tokens, never by their position in the batch),
@@ -22,7 +22,7 @@ forward numbers left-padded rows from the padding, which rotary models do not se
 attention). Models with absolute position embeddings would therefore get different (padding-free) values than TRL's.
 
 This module is the layout and the kernel; the TRL glue (the fused-head installer, the config fields and helpers of
-``TreeGRPOTrainer``/``TreeDPOTrainer``) is ``hf_tree.trl_glue``.
+``TreeGRPOTrainer``/``TreeDPOTrainer``) is ``hf_tree.trl.glue``.
 """
 
 from __future__ import annotations
@@ -38,10 +38,10 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from trl.kernels import ChunkedLogProbFunction
 
-from hf_tree.head import LogitHead, backbone_of, detect_logit_head
-from hf_tree.length_rope import check_rope_lengths
+from hf_tree.models.head import LogitHead, backbone_of, detect_logit_head
+from hf_tree.models.length_rope import check_rope_lengths
+from hf_tree.models.router_loss import tree_router_loss
 from hf_tree.packing import PackingStats, pack_and_place
-from hf_tree.router_loss import tree_router_loss
 from hf_tree.tree import Tree
 from hf_tree.versions import require_tested_trl
 
@@ -66,7 +66,7 @@ class ScoredLayout:
         output_shape: ``(B, T - 1)``.
         stats: packing statistics; ``stats.dedup_ratio`` = branch tokens / packed tokens.
         router_weights: ``[C, R * N]`` float32, for an MoE router loss: how many rows of each of ``C`` row chunks
-            (TRL's forward chunks) contain each packed token (``hf_tree.router_loss``); ``None`` without one.
+            (TRL's forward chunks) contain each packed token (``hf_tree.models.router_loss``); ``None`` without one.
     """
 
     batch: dict[str, torch.Tensor]
@@ -199,7 +199,7 @@ def backbone_hidden_states(
 ) -> torch.Tensor:
     """``[R * N, D]`` last hidden states of packed tree rows: what the LM head reads (``detect_logit_head`` checked
     that the model's logits are ``LogitHead.logits`` of exactly this tensor), and what a sequence-classification
-    model's ``score`` head reads (``hf_tree.reward_head``). With a ``router_logits`` list, the backbone's router
+    model's ``score`` head reads (``hf_tree.trl.reward_head``). With a ``router_logits`` list, the backbone's router
     logits (one ``[R * N, E]`` tensor per MoE layer) are appended to it."""
     check_rope_lengths(model.config, batch["position_ids"])
     router_inputs = {} if router_logits is None else {"output_router_logits": True}
@@ -240,7 +240,7 @@ def tree_token_log_probs(
     Returns:
         ``{field: [M]}`` in the order of ``layout.predictor_index`` (float32; ``is_top1`` bool); with
         ``layout.router_weights``, also ``aux_loss``: the 0-dim router load-balancing loss of the padded batch (the
-        mean over its row chunks, ``hf_tree.router_loss``).
+        mean over its row chunks, ``hf_tree.models.router_loss``).
     """
     device = model.get_input_embeddings().weight.device
     batch = {k: v.to(device) for k, v in layout.batch.items()}

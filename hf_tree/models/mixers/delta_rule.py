@@ -18,7 +18,7 @@ import importlib.util
 import torch
 import torch.nn.functional as F
 
-from hf_tree.mixers.topology import LevelLayout, TreeTopology, gather_chunks, scan_levels, scatter_index
+from hf_tree.models.mixers.topology import LevelLayout, TreeTopology, gather_chunks, scan_levels, scatter_index
 
 
 def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """``TreeSFTTrainer``: ``trl.SFTTrainer`` on trees; an SFT script switches by class names only.
 
-    from hf_tree.sft import TreeSFTConfig as SFTConfig, TreeSFTTrainer as SFTTrainer
+    from hf_tree.trl.sft import TreeSFTConfig as SFTConfig, TreeSFTTrainer as SFTTrainer
 
 The trainer takes TRL's own dataset formats (``messages`` with ``reasoning_content``/``tool_calls``,
 ``prompt``/``completion``, ``prompt``/``completions``, conversational or text; ShareGPT ``conversations`` are
@@ -31,8 +31,8 @@ from hf_tree.builders import MESSAGES_BRANCHES, TRAIN_ON, build_tree_dataset
 from hf_tree.builders.dataset import check_messages_options, detect_format
 from hf_tree.config import TreeArguments
 from hf_tree.data.sources import is_tree_dataset
-from hf_tree.dropout import warn_if_dropout
 from hf_tree.loss import TreeLosses
+from hf_tree.models.dropout import warn_if_dropout
 from hf_tree.row_batching import BATCH_UNITS, TreePartDataset, TreeRowBatchSampler
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.trainer import TreeTrainerMixin
@@ -150,8 +150,8 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             return TreeSFTConfig(output_dir=f"{str(name).split('/')[-1]}-TreeSFT")
         if not isinstance(args, TreeSFTConfig):
             raise ValueError(
-                f"args is a {type(args).__name__}; TreeSFTTrainer needs hf_tree.sft.TreeSFTConfig (SFTConfig plus "
-                "the tree fields). Swap the class name: `from hf_tree.sft import TreeSFTConfig as SFTConfig`."
+                f"args is a {type(args).__name__}; TreeSFTTrainer needs hf_tree.trl.sft.TreeSFTConfig (SFTConfig plus "
+                "the tree fields). Swap the class name: `from hf_tree.trl.sft import TreeSFTConfig as SFTConfig`."
             )
         if kwargs.get("formatting_func") is not None:
             raise ValueError(

@@ -1,6 +1,6 @@
 """What ``TreeDPOTrainer`` and ``TreeKTOTrainer`` share: TRL's offline preference trainers run every log-prob pass
 (policy, reference, the precomputed reference, KTO's KL pass) through the fused LM head that their ``__init__``
-installs, so the tree trainers only replace that head (``hf_tree.trl_glue.install_tree_heads``) before the first
+installs, so the tree trainers only replace that head (``hf_tree.trl.glue.install_tree_heads``) before the first
 pass, and log the packing of the policy pass.
 """
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from datasets import Dataset
 
-from hf_tree.dropout import warn_if_dropout
+from hf_tree.models.dropout import warn_if_dropout
 from hf_tree.trainer import use_tree_attention
-from hf_tree.trl_glue import install_tree_heads, log_tree_stats, prepare_trl_args
+from hf_tree.trl.glue import install_tree_heads, log_tree_stats, prepare_trl_args
 
 
 class TreePreferenceLogProbsMixin:

@@ -6,7 +6,7 @@ and reference models packs each pair into a tree (prompt node, chosen and reject
 their tokens, so pairs or batches that share a prompt or a system prompt share more) and runs the model once on
 it. The one-line swap::
 
-    from hf_tree.dpo import TreeDPOConfig, TreeDPOTrainer  # instead of trl's DPOConfig, DPOTrainer
+    from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer  # instead of trl's DPOConfig, DPOTrainer
 
 Losses, metrics and data handling are TRL's own; the per-token values equal TRL's (tests/test_dpo.py).
 """
@@ -17,9 +17,9 @@ from dataclasses import dataclass
 
 from trl import DPOConfig, DPOTrainer
 
-from hf_tree.preference_logprobs import TreePreferenceLogProbsMixin
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.trl_glue import TreeLogProbArguments
+from hf_tree.trl.glue import TreeLogProbArguments
+from hf_tree.trl.preference_logprobs import TreePreferenceLogProbsMixin
 
 # Per-token fields TRL's DPO reads from the policy's fused head (``DPOTrainer.__init__``); the reference needs only
 # ``log_probs``.

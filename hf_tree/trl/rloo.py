@@ -2,9 +2,9 @@
 
 RLOO samples and scores groups exactly like GRPO (G completions of one prompt; old policy, reference and policy
 passes through ``_get_per_token_logps_and_entropies``), so it shares ``TreeGRPOTrainer``'s pass
-(``hf_tree.rollout_logprobs``). The one-line swap::
+(``hf_tree.trl.rollout_logprobs``). The one-line swap::
 
-    from hf_tree.rloo import TreeRLOOConfig, TreeRLOOTrainer  # instead of trl's RLOOConfig, RLOOTrainer
+    from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer  # instead of trl's RLOOConfig, RLOOTrainer
 
 Generation, rewards (with the KL penalty of ``beta``), leave-one-out advantages and the sequence-level clipped loss
 are TRL's own; the log-probs equal TRL's (tests/test_rloo.py).
@@ -17,9 +17,9 @@ from typing import Any
 
 from trl import RLOOConfig, RLOOTrainer
 
-from hf_tree.rollout_logprobs import TreeRolloutLogProbsMixin
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.trl_glue import TreeLogProbArguments, prepare_trl_args
+from hf_tree.trl.glue import TreeLogProbArguments, prepare_trl_args
+from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
 
 
 @dataclass

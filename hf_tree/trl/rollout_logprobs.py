@@ -13,8 +13,8 @@ from typing import Any
 import torch
 from trl.extras.profiling import profiling_decorator
 
-from hf_tree.dropout import warn_if_dropout
-from hf_tree.trl_glue import install_tree_heads, log_tree_stats
+from hf_tree.models.dropout import warn_if_dropout
+from hf_tree.trl.glue import install_tree_heads, log_tree_stats
 
 
 class TreeRolloutLogProbsMixin:
@@ -69,7 +69,7 @@ class TreeRolloutLogProbsMixin:
         labels[:, :-logits_to_keep] = -100
         rows_per_forward = batch_size or input_ids.size(0)
         # MoE: TRL's router loss is the mean of one per forward chunk of batch_size rows; the tree weights each
-        # packed token by the rows of each chunk that contain it (hf_tree.router_loss).
+        # packed token by the rows of each chunk that contain it (hf_tree.models.router_loss).
         router_inputs = {"output_router_logits": True, "tree_router_chunk_rows": rows_per_forward}
         with self.accelerator.autocast():
             outputs = model(

@@ -14,10 +14,10 @@ from collections.abc import Callable
 
 import torch
 
-from hf_tree.mixers.conv import tree_causal_conv1d
-from hf_tree.mixers.delta_rule import tree_chunk_gated_delta_rule
-from hf_tree.mixers.ssd import tree_mamba2_chunk_scan
-from hf_tree.mixers.topology import tree_topology
+from hf_tree.models.mixers.conv import tree_causal_conv1d
+from hf_tree.models.mixers.delta_rule import tree_chunk_gated_delta_rule
+from hf_tree.models.mixers.ssd import tree_mamba2_chunk_scan
+from hf_tree.models.mixers.topology import tree_topology
 from hf_tree.parallel.context import active_context_parallel
 
 # Modeling modules whose every sequence-mixing op below is covered (their models train exactly on trees).

@@ -4,12 +4,12 @@ trees.
 KTO scores unpaired (prompt, completion, label) rows through the fused LM head: the policy pass, the reference pass
 (or its precompute) and, for ``loss_type="kto"``, a no-grad KL pass on mismatched pairs (each prompt with the
 previous row's completion). Here each of those calls packs its rows into trees, as ``TreeDPOTrainer`` does
-(``hf_tree.preference_logprobs``). What that saves depends on the data order, since KTO's KL estimate needs
+(``hf_tree.trl.preference_logprobs``). What that saves depends on the data order, since KTO's KL estimate needs
 ``train_sampling_strategy="sequential"``: rows of one prompt listed together share it (2.1x fewer tokens per pass on
 CHAMP's 4 answers per long few-shot prompt), rows in random order share only the chat template's system prompt
 (1.03-1.05x); docs/grpo_dpo.md gives the measurements. The one-line swap::
 
-    from hf_tree.kto import TreeKTOConfig, TreeKTOTrainer  # instead of trl's KTOConfig, KTOTrainer
+    from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer  # instead of trl's KTOConfig, KTOTrainer
 
 Losses, metrics and data handling are TRL's own; the per-token values equal TRL's (tests/test_kto.py).
 """
@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 from trl import KTOConfig, KTOTrainer
 
-from hf_tree.preference_logprobs import TreePreferenceLogProbsMixin
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.trl_glue import TreeLogProbArguments
+from hf_tree.trl.glue import TreeLogProbArguments
+from hf_tree.trl.preference_logprobs import TreePreferenceLogProbsMixin
 
 
 @dataclass

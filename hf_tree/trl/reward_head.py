@@ -9,7 +9,7 @@ several pairs per prompt in most datasets), so that forward recomputes every pro
 ``add_tree_reward_forward`` replaces the model's forward by one with the same contract that instead
 
 1. cuts each row at its pooled token (a causal model's state there does not depend on later tokens), strips its
-   padding and merges the rows into tries (``hf_tree.logprobs.pack_rows``: rows are grouped by their tokens),
+   padding and merges the rows into tries (``hf_tree.trl.logprobs.pack_rows``: rows are grouped by their tokens),
 2. packs the tries into rows and runs the backbone once on them with the tree mask (``kv_end``) and depth positions,
 3. gathers the hidden state at each row's pooled token and applies the model's own ``score`` head to those states.
 
@@ -31,10 +31,10 @@ from transformers.modeling_layers import GenericForSequenceClassification
 from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
-from hf_tree.length_rope import longest_exact_branch
-from hf_tree.logprobs import backbone_hidden_states, pack_rows
-from hf_tree.model_check import probe_tree_exactness, refuse_known_unsupported, self_check_enabled
+from hf_tree.models.check import probe_tree_exactness, refuse_known_unsupported, self_check_enabled
+from hf_tree.models.length_rope import longest_exact_branch
 from hf_tree.packing import PackingStats
+from hf_tree.trl.logprobs import backbone_hidden_states, pack_rows
 
 # Inputs of a call that do not change the pooled scores: TRL's RewardTrainer passes ``use_cache=False`` and its
 # collator's ``margin`` column (which the model's own forward ignores as well); ``None`` values are ignored too.
@@ -144,7 +144,7 @@ def add_tree_reward_forward(
         model: a ``GenericForSequenceClassification`` (the base model of a PEFT model) on ``tree_flash``.
         max_packed_tokens: packed row capacity; ``None``: the call's ``B * T`` tokens (no packed row holds more
             tokens than the model's own forward).
-        self_check: run ``hf_tree.model_check``'s refusals and probe before the first tree pass (``None``: on
+        self_check: run ``hf_tree.models.check``'s refusals and probe before the first tree pass (``None``: on
             unless ``HF_TREE_SELF_CHECK=0``).
     """
     check_reward_model(model)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_tree.mixers.topology import LevelLayout, TreeTopology, gather_chunks, scan_levels, scatter_index
+from hf_tree.models.mixers.topology import LevelLayout, TreeTopology, gather_chunks, scan_levels, scatter_index
 
 
 def _level_scan(

@@ -5,8 +5,8 @@ and context parallel), ``check_model_for_trees`` runs, once per model instance:
 
 1. name-based refusals (fast, clear): modules of a class in ``NOT_TREE_AWARE_MODULES`` (token mixers that run over
    the packed row as one sequence) and MoE router losses the tree cannot weight by token multiplicity;
-2. ``detect_logit_head`` (hf_tree.head): the tree passes must reproduce the model's own logits;
-3. a probe through the real model (``hf_tree.probe``): a three-branch tree whose first sibling is longer than the
+2. ``detect_logit_head`` (hf_tree.models.head): the tree passes must reproduce the model's own logits;
+3. a probe through the real model (``hf_tree.models.probe``): a three-branch tree whose first sibling is longer than the
    farthest the model declares it reads back (and than ``DEFAULT_PROBE_REACH``), run packed (``kv_end``, depth
    positions), branch by branch with the model's own attention (``sdpa``, or ``eager`` where the model refuses
    ``sdpa``) and as a right-padded batch, in the model's dtype, forward only; then again with one sibling's tokens
@@ -32,9 +32,9 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
-from hf_tree.head import LogitHead, causal_lm_of, detect_logit_head, raised_by_hf_tree
-from hf_tree.length_rope import longest_exact_branch
-from hf_tree.probe import (
+from hf_tree.models.head import LogitHead, causal_lm_of, detect_logit_head, raised_by_hf_tree
+from hf_tree.models.length_rope import longest_exact_branch
+from hf_tree.models.probe import (
     FLOOR_FACTOR,
     ProbeRun,
     ProbeShape,
@@ -44,7 +44,7 @@ from hf_tree.probe import (
     routes_tokens,
     verdicts,
 )
-from hf_tree.router_loss import load_balancing_function, router_aux_loss_coef
+from hf_tree.models.router_loss import load_balancing_function, router_aux_loss_coef
 
 SELF_CHECK_ENV_VAR = "HF_TREE_SELF_CHECK"
 
@@ -57,7 +57,7 @@ NOT_TREE_AWARE_MODULES: dict[str, str] = {
         "Mamba (selective scan) mixer: a causal conv and a scan run over the packed row",
     ),
     # Mamba2ForCausalLM does not pass the model's keyword arguments (kv_end) to its backbone, so the tree-aware
-    # Mamba2 scan of hf_tree.mixers never sees the tree (the hybrids' Mamba2 mixers, which do, are exact).
+    # Mamba2 scan of hf_tree.models.mixers never sees the tree (the hybrids' Mamba2 mixers, which do, are exact).
     **dict.fromkeys(("Mamba2Mixer",), "Mamba2ForCausalLM does not pass kv_end to its mixers"),
     **dict.fromkeys(("RwkvSelfAttention", "RwkvFeedForward"), "RWKV time mixing: a recurrent state over the row"),
     **dict.fromkeys(("RecurrentGemmaRecurrentBlock",), "RG-LRU recurrence and conv over the packed row"),
@@ -74,7 +74,7 @@ def tree_self_check_field() -> Any:
         default=True,
         metadata={
             "help": "Before the first tree batch, refuse models with known non-tree-aware layers and probe the real "
-            "model with a tiny 3-branch tree against its branches run alone (hf_tree.model_check; once per model). "
+            "model with a tiny 3-branch tree against its branches run alone (hf_tree.models.check; once per model). "
             "A model that fails is refused with a ValueError instead of training silently wrong. False skips both "
             f"(so does the environment variable {SELF_CHECK_ENV_VAR}=0)."
         },
@@ -96,7 +96,7 @@ def self_check_enabled(self_check: bool | None) -> bool:
 
 def refuse_known_unsupported(model: PreTrainedModel) -> None:
     """The name-based first line: ``ValueError`` for modules in ``NOT_TREE_AWARE_MODULES`` and MoE router losses
-    of another form than transformers' ``load_balancing_loss_func`` (``hf_tree.router_loss``)."""
+    of another form than transformers' ``load_balancing_loss_func`` (``hf_tree.models.router_loss``)."""
     found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in NOT_TREE_AWARE_MODULES})
     if found:
         reasons = "; ".join(f"{name}: {NOT_TREE_AWARE_MODULES[name]}" for name in found)
@@ -115,7 +115,7 @@ def _dtype_of(causal_lm: PreTrainedModel, run: ProbeRun) -> torch.dtype:
 
 
 def probe_tree_exactness(model: torch.nn.Module, forward=None, length_limit: int | None = None) -> float:
-    """Run the probe (``hf_tree.probe``) and return the final hidden state's per-token relative difference.
+    """Run the probe (``hf_tree.models.probe``) and return the final hidden state's per-token relative difference.
 
     Args:
         model: the causal LM (may be wrapped).

@@ -1,0 +1,2 @@
+"""TRL-facing code: the tree trainers that subclass TRL's (SFT, GRPO, RLOO, DPO, KTO, reward), their configs and
+shared glue (fused-head installer, log-prob layout and passes)."""
