@@ -241,6 +241,7 @@ def tree_causal_lm_loss(
     chunk_size: int | None = None,
     token_loss: Callable[..., torch.Tensor] | None = None,
     self_check: bool | None = None,
+    model_inputs: dict[str, object] | None = None,
 ) -> torch.Tensor:
     """Weighted CE of a packed tree batch (from ``TreeDataCollator``), as a 0-dim tensor.
 
@@ -273,13 +274,9 @@ def tree_causal_lm_loss(
     logit_head = check_model_for_trees(model, self_check)
     causal_lm = causal_lm_of(model)
     with capture_last_hidden_state(causal_lm) as captured:
-        model(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
-            kv_end=batch["kv_end"],
-            use_cache=False,
-            logits_to_keep=1,  # the tree loss applies the head itself, to the gathered positions only
-        )
+        inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"])
+        # logits_to_keep=1: the tree loss applies the head itself, to the gathered positions only
+        model(**inputs | (model_inputs or {}), use_cache=False, logits_to_keep=1)
     hidden = captured["hidden"]  # the backbone's last hidden state: what detect_logit_head verified
     gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
     head = causal_lm.get_output_embeddings()
