@@ -68,6 +68,7 @@ def float64_norms() -> Iterator[None]:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
     from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
     def forward(self, hidden_states):
         compute = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
@@ -83,6 +84,7 @@ def float64_norms() -> Iterator[None]:
         GptOssRMSNorm,
         Qwen2VLRMSNorm,
         Qwen2_5_VLRMSNorm,
+        Qwen3VLTextRMSNorm,
     )
     originals = [cls.forward for cls in classes]
     for cls in classes:

@@ -3,7 +3,7 @@
 Each distinct image of the batch goes through the model's own ``get_image_features`` once; its features are
 handed to the model's own forward as ``mm_encoder_outputs`` (one entry per placeholder run of the packed rows, in
 row order, so the model's own placeholder merge puts them in place), and the language model runs with ``kv_end``.
-Positions are what each branch alone gets: Qwen2-VL/2.5-VL's 3-D mRoPE positions from the model's own
+Positions are what each branch alone gets: Qwen2-VL/2.5-VL/3-VL's 3-D mRoPE positions from the model's own
 ``get_rope_index`` run on each root-to-leaf path of the packed rows (equal on shared prefixes, since a token's
 position depends on its ancestors only), depths for 1-D models. Models not listed in ``SUPPORTED`` are refused.
 """
@@ -38,6 +38,7 @@ class VisionFamily:
 SUPPORTED = {
     "qwen2_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "qwen2_5_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "qwen3_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "llava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
 }
 # Why other families are refused (a family not named here: it was not tested with tree batches).
@@ -45,8 +46,6 @@ REFUSED = {
     "gemma3": "its image tokens attend to each other bidirectionally (a token_type_ids mask overlay); the tree mask "
     "is causal",
     "paligemma": "its prefix (image and prompt) is attended bidirectionally; the tree mask is causal",
-    "qwen3_vl": "its deepstack visual features (added inside the decoder layers at the placeholders) are not "
-    "reordered for packed rows yet",
 }
 
 
@@ -163,6 +162,8 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
     per_image = list(features.pooler_output)
     shown, showing = occurrences(batch["media_ids"], [len(f) for f in per_image])
     features.pooler_output = tuple(per_image[m] for m in shown)  # the model scatters them in row-major order
+    if getattr(features, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image, like pooler_output
+        features.deepstack_features = [tuple(layer[m] for m in shown) for layer in features.deepstack_features]
     inputs["mm_encoder_outputs"] = {"image": features}
     if family.mrope:
         inputs["position_ids"] = mrope_positions(
