@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.helpers import own_attention
+from tests.helpers import HYBRIDS, own_attention
 
 IMAGE_TOKEN = 100
 VISION_START, VISION_END = 102, 103
@@ -67,6 +67,14 @@ CONFIGS = {
         vision_end_token_id=VISION_END,
         **QWEN_TOKENS,
     ),
+    "qwen3_5": lambda: transformers.Qwen3_5Config(  # GatedDeltaNet layers (hf_tree.mixers) + attention
+        text_config=TEXT | HYBRIDS["qwen3_5_text"] | {"rope_parameters": dict(MROPE, mrope_interleaved=True)},
+        vision_config=dict(
+            QWEN_VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32, num_position_embeddings=16
+        ),
+        vision_end_token_id=VISION_END,
+        **QWEN_TOKENS,
+    ),
     "llava": lambda: transformers.LlavaConfig(
         text_config=dict(TEXT, model_type="llama"),
         vision_config=dict(
@@ -83,6 +91,8 @@ CONFIGS = {
     ),
 }
 FAMILIES = tuple(CONFIGS)
+# Families whose own float32 internals (GatedDeltaNet's decay parameters) bound the float64 comparison.
+FLOAT32_INTERNALS = ("qwen3_5",)
 
 
 @contextlib.contextmanager

@@ -3,7 +3,7 @@
 Each distinct image of the batch goes through the model's own ``get_image_features`` once; its features are
 handed to the model's own forward as ``mm_encoder_outputs`` (one entry per placeholder run of the packed rows, in
 row order, so the model's own placeholder merge puts them in place), and the language model runs with ``kv_end``.
-Positions are what each branch alone gets: Qwen2-VL/2.5-VL/3-VL's 3-D mRoPE positions from the model's own
+Positions are what each branch alone gets: Qwen2-VL/2.5-VL/3-VL/3.5's 3-D mRoPE positions from the model's own
 ``get_rope_index`` run on each root-to-leaf path of the packed rows (equal on shared prefixes, since a token's
 position depends on its ancestors only), depths for 1-D models. Models not listed in ``SUPPORTED`` are refused.
 """
@@ -39,6 +39,7 @@ SUPPORTED = {
     "qwen2_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "qwen2_5_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "qwen3_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "qwen3_5": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "llava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
 }
 # Why other families are refused (a family not named here: it was not tested with tree batches).
