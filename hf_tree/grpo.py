@@ -37,8 +37,8 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
     Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is
     refused: it lacks the tree fields). The model is put on ``tree_flash`` as ``TreeSFTTrainer`` does (a name loads
     with it, an instance on ``sdpa``/``eager`` is switched with a warning). Raises ``ValueError`` for what the tree
-    passes do not support: a model that cannot be switched, vision-language models and image inputs, MoE router
-    auxiliary losses, and configs that rescale logits.
+    passes do not support: a model that cannot be switched, vision-language models other than ``hf_tree.vision``'s
+    and their inputs other than images, MoE router auxiliary losses, and configs that rescale logits.
     """
 
     def __init__(self, model: Any, reward_funcs: Any = None, args: TreeGRPOConfig | None = None, **kwargs: Any) -> None:
@@ -81,12 +81,8 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
                 compute_aux_loss,
                 **multimodal_inputs,
             )
-        given = sorted(name for name, value in multimodal_inputs.items() if value is not None)
-        if given or compute_aux_loss:
-            raise ValueError(
-                f"tree log-probs do not support {given or 'the MoE aux loss'} (image inputs of vision-language "
-                "models, router losses); set tree_logprobs=False."
-            )
+        if compute_aux_loss:
+            raise ValueError("tree log-probs do not support the MoE aux loss (router losses); set tree_logprobs=False.")
         # Only the completion tokens are scored, as in TRL
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
@@ -98,6 +94,7 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, GRPOTrainer):
                 labels=labels,
                 fused_lm_head=True,
                 tree_tokens_per_forward=tokens_per_forward,
+                **multimodal_inputs,  # images: hf_tree.vision.rows (each distinct image encoded once per pass)
             )
         logps = outputs.log_probs[:, -logits_to_keep:]
         entropies = outputs.entropy[:, -logits_to_keep:] if compute_entropy else None

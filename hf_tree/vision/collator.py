@@ -8,7 +8,7 @@ from typing import Any
 import torch
 
 from hf_tree.collator import TreeDataCollator
-from hf_tree.vision.media_tree import MediaTree, decode_media_tokens, media_key
+from hf_tree.vision.media_tree import MediaStore, MediaTree, decode_media_tokens
 
 
 class MediaTreeCollator:
@@ -40,26 +40,25 @@ class MediaTreeCollator:
         if len(placeholder_ids) != 1:
             raise ValueError(f"the batch mixes image_token_id values {sorted(placeholder_ids)}; use one model's rows.")
         image_token_id = placeholder_ids.pop()
-        keys: dict[str, int] = {}
-        images: list[dict[str, torch.Tensor]] = []
-        renumbered = []
-        for tree in trees:
-            ids = []
-            for image in tree.media:
-                ids.append(keys.setdefault(media_key(image), len(keys)))
-                if ids[-1] == len(images):
-                    images.append(image)
-            renumbered.append(tree.renumbered(ids))
-        batch = self.collator(renumbered)
-        batch["input_ids"], media_ids = decode_media_tokens(batch["input_ids"], image_token_id)
+        store = MediaStore()  # an image shown by several trees is stored once
+        renumbered = [tree.renumbered([store.add(image) for image in tree.media]) for tree in trees]
+        return attach_media(self.collator(renumbered), store.images, image_token_id)
+
+
+def attach_media(batch: dict[str, Any], images: list[dict[str, torch.Tensor]], image_token_id: int) -> dict[str, Any]:
+    """Turn a packed batch of trie ids into model inputs, in place: placeholders back to ``image_token_id`` in
+    ``input_ids`` (and ``loss_targets`` when present), plus ``media_ids`` and ``image_inputs`` of the images the rows
+    show (``MediaTreeCollator``'s keys). ``images[m]`` are the tensors of trie media id ``m``."""
+    batch["input_ids"], media_ids = decode_media_tokens(batch["input_ids"], image_token_id)
+    if "loss_targets" in batch:
         batch["loss_targets"] = decode_media_tokens(batch["loss_targets"], image_token_id)[0]
-        # Keep the images the packed rows show (packing may drop trees), renumbered in order.
-        used = torch.unique(media_ids[media_ids >= 0]).tolist()
-        renumber = torch.full((len(images) + 1,), -1, dtype=torch.int64)
-        renumber[used] = torch.arange(len(used))
-        batch["media_ids"] = renumber[media_ids]  # -1 maps through the last entry
-        batch["image_inputs"] = _concatenate([images[m] for m in used])
-        return batch
+    # Keep the images the packed rows show (packing may drop trees), renumbered in order.
+    used = torch.unique(media_ids[media_ids >= 0]).tolist()
+    renumber = torch.full((len(images) + 1,), -1, dtype=torch.int64, device=media_ids.device)
+    renumber[used] = torch.arange(len(used), device=media_ids.device)
+    batch["media_ids"] = renumber[media_ids]  # -1 maps through the last entry
+    batch["image_inputs"] = _concatenate([images[m] for m in used])
+    return batch
 
 
 def _concatenate(images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -38,6 +38,21 @@ def media_key(image: ImageInputs) -> str:
     return digest.hexdigest()
 
 
+class MediaStore:
+    """Distinct images by content (``media_key``): ``add`` returns an image's id, ``images`` lists them by id."""
+
+    def __init__(self) -> None:
+        self.images: list[dict[str, torch.Tensor]] = []
+        self._ids: dict[str, int] = {}
+
+    def add(self, image: ImageInputs) -> int:
+        key = media_key(image)
+        if key not in self._ids:
+            self._ids[key] = len(self.images)
+            self.images.append(dict(image))
+        return self._ids[key]
+
+
 def placeholder_runs(tokens: Sequence[int], image_token_id: int) -> list[tuple[int, int]]:
     """``[(start, end), ...]`` of the maximal runs of ``image_token_id`` in ``tokens``."""
     is_placeholder = np.concatenate([[False], np.asarray(tokens) == image_token_id, [False]]).astype(np.int8)
@@ -94,8 +109,7 @@ class MediaTree:
                 f"images has {len(images)} entries but sequences has {len(sequences)}: pass one list of images per "
                 "sample (an empty list for a text-only sample)."
             )
-        keys: dict[str, int] = {}
-        media: list[dict[str, torch.Tensor]] = []
+        store = MediaStore()
         encoded = []
         for b, (seq, sample_images) in enumerate(zip(sequences, images)):
             tokens = np.asarray(check_token_ids(seq, where=f"sequence {b}"), dtype=np.int64)
@@ -107,13 +121,9 @@ class MediaTree:
                     "run, separated from the next image's by another token)."
                 )
             for (start, end), image in zip(runs, sample_images):
-                key = media_key(image)
-                if key not in keys:
-                    keys[key] = len(media)
-                    media.append({name: tensor.detach().cpu() for name, tensor in image.items()})
-                tokens[start:end] = MEDIA_TOKEN_BASE + keys[key]
+                tokens[start:end] = MEDIA_TOKEN_BASE + store.add({k: t.detach().cpu() for k, t in image.items()})
             encoded.append(tokens.tolist())
-        return cls(Tree.from_sequences(encoded, loss_masks, branch_fields), image_token_id, media)
+        return cls(Tree.from_sequences(encoded, loss_masks, branch_fields), image_token_id, store.images)
 
     # ------------------------------------------------------------------ branches back out
     @property

@@ -1,0 +1,117 @@
+"""TreeGRPOTrainer on image prompts against TRL's own GRPOTrainer (same saved tiny vision-language model).
+
+Oracle: TRL's ``_get_per_token_logps_and_entropies`` on padded rows carrying each row's copy of its prompt's image
+(TRL chunks rows by ``batch_size``). The tree passes merge rows by tokens *and* image (two prompts with the same
+tokens but different images stay apart) and encode each distinct image once per pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_tree.grpo import TreeGRPOConfig, TreeGRPOTrainer
+from tests.helpers import (
+    TRL_STEP_TOLERANCE,
+    TRL_TOLERANCE,
+    float64_norms,
+    max_grad_relative_error,
+    relative_error,
+    trainer_args,
+    word_tokenizer,
+    zero_reward,
+)
+from tests.vision_models import IMAGE_TOKEN, float64_vision_rotary, is_mrope, placeholders, tiny_image, tiny_vlm
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+COMPLETIONS = [[20, 21, 22], [20, 21, 1], [23, 24, 25, 26], [20, 21, 22]]  # a duplicate and shared prefixes
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+def trainers(request, tmp_path_factory):
+    family = request.param
+    path = str(tmp_path_factory.mktemp(family))
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
+    setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
+    trl = GRPOTrainer(path, zero_reward, trainer_args(GRPOConfig, path, torch.float64), **setup)
+    tree = TreeGRPOTrainer(path, zero_reward, trainer_args(TreeGRPOConfig, path, torch.float64), **setup)
+    return family, trl, tree
+
+
+def image_groups(family: str) -> tuple[torch.Tensor, torch.Tensor, int, dict, int]:
+    """Three groups of 4 completions: two prompts with the same tokens and different images, one with another
+    image size (Qwen) and text. Returns ids, mask ``[12, T]``, completion columns, the image inputs TRL passes and the
+    number of distinct images' encoder rows (patches for Qwen, images for LLaVA)."""
+    first, same_size, other = tiny_image(family, 1), tiny_image(family, 3), tiny_image(family, 2, height=4, width=8)
+    prompts = [
+        ([3, 4, *placeholders(family, first), 5], first),
+        ([3, 4, *placeholders(family, same_size), 5], same_size),
+        ([6, *placeholders(family, other), 5], other),
+    ]
+    rows = [(prompt, image, completion) for prompt, image in prompts for completion in COMPLETIONS]
+    prompt_width, width = max(len(p) for p, _ in prompts), max(len(c) for c in COMPLETIONS)
+    ids = torch.zeros(len(rows), prompt_width + width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, (prompt, _, completion) in enumerate(rows):  # left-padded prompts, right-padded completions
+        ids[r, prompt_width - len(prompt) : prompt_width + len(completion)] = torch.tensor(prompt + completion)
+        mask[r, prompt_width - len(prompt) : prompt_width + len(completion)] = 1
+    images = [image for _, image, _ in rows]
+    inputs = {k: torch.cat([image[k] for image in images]) for k in images[0]}
+    inputs["num_images"] = [1] * len(rows)
+    if is_mrope(family):
+        inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
+    distinct = sum(image["pixel_values"].shape[0] for _, image in prompts)
+    return ids, mask, width, inputs, distinct
+
+
+def log_probs_and_grads(trainer, model, batch) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    ids, mask, keep, inputs, _ = batch
+    model.zero_grad()
+    with float64_norms(), float64_vision_rotary():
+        logps, entropy, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids, mask, keep, batch_size=4, compute_entropy=True, **inputs
+        )
+        (logps * torch.linspace(0.1, 1.0, keep)).sum().backward()
+    return logps.detach(), entropy, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_image_logprobs_entropies_and_gradients_match_trl(trainers):
+    family, trl, tree = trainers
+    batch = image_groups(family)
+    encoded = []
+    encoder = tree.model.model.visual.patch_embed if is_mrope(family) else tree.model.model.vision_tower
+    hook = encoder.register_forward_hook(lambda m, args, out: encoded.append(args[0].shape[0]))
+    logps, entropy, grads = log_probs_and_grads(tree, tree.model, batch)
+    hook.remove()
+    trl_logps, trl_entropy, trl_grads = log_probs_and_grads(trl, trl.model, batch)
+    assert relative_error(logps, trl_logps) <= TRL_TOLERANCE
+    assert relative_error(entropy, trl_entropy) <= TRL_TOLERANCE
+    # TRL's fused kernel computes its gradients in float32 even for float64 models (docs/grpo_dpo.md)
+    assert max_grad_relative_error(grads, trl_grads) <= TRL_STEP_TOLERANCE
+    assert encoded == [batch[4]], "one encoder call over the 3 distinct images (TRL: 12 images in 3 chunks)"
+    stats = tree.model.hf_tree_layout_stats  # tries by first token: the two "3 4 <image> 5" prompts share one
+    assert stats.num_trees == 2 and stats.dedup_ratio > 2
+
+
+def test_reference_pass_matches_trl(trainers):
+    family, trl, tree = trainers
+    ids, mask, keep, inputs, _ = image_groups(family)
+    with torch.no_grad(), float64_norms(), float64_vision_rotary():
+        ref = tree._get_per_token_logps_and_entropies(tree.ref_model, ids, mask, keep, batch_size=4, **inputs)[0]
+        trl_ref = trl._get_per_token_logps_and_entropies(trl.ref_model, ids, mask, keep, batch_size=4, **inputs)[0]
+    assert relative_error(ref, trl_ref) <= TRL_TOLERANCE
+
+
+def test_unsupported_image_inputs_raise(trainers):
+    family, _, tree = trainers
+    ids, mask, keep, inputs, _ = image_groups(family)
+    with pytest.raises(ValueError, match=r"\['image_sizes'\]"):
+        tree._get_per_token_logps_and_entropies(
+            tree.model, ids, mask, keep, image_sizes=torch.tensor([[8, 8]] * ids.shape[0]), **inputs
+        )
+    with pytest.raises(ValueError, match=r"num_images=\[2, 0"):
+        tree._get_per_token_logps_and_entropies(
+            tree.model, ids, mask, keep, **{**inputs, "num_images": [2, 0] + [1] * (ids.shape[0] - 2)}
+        )
