@@ -133,12 +133,46 @@ def train_every_token(row: dict) -> dict:
     return Tree.from_sequences(sequences, None, tree.branch_fields or None).to_dict()
 
 
+def refuse_vision_dataset(dataset: Any, dataset_name: str) -> None:
+    """``ValueError`` for a TRL vision dataset (an ``image``/``images`` column): TRL skips dataset preparation for
+    those, so no tree would be built, and image trees need ``hf_tree.vision``'s collator and loss."""
+    if isinstance(dataset, dict):
+        for name, part in dataset.items():
+            refuse_vision_dataset(part, f"{dataset_name} ({name})")
+        return
+    columns = getattr(dataset, "column_names", None)
+    if dataset is None or is_tree_dataset(dataset) or (columns is None and not isinstance(dataset, datasets.Dataset)):
+        return
+    images = sorted({"image", "images"} & set(columns or []))
+    if images:
+        raise ValueError(
+            f"the {dataset_name} dataset has column(s) {images}: TreeSFTTrainer does not build trees from vision "
+            "datasets yet (TRL skips its dataset preparation for them). Build image trees with "
+            "hf_tree.vision.MediaTree.from_samples and train with hf_tree.vision.tree_vision_lm_loss (docs/vision.md), "
+            "train image prompts with TreeGRPOTrainer, or use trl.SFTTrainer."
+        )
+
+
 class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
     """``trl.SFTTrainer`` that builds trees from TRL datasets and trains with the exact tree loss.
 
     Same arguments as ``SFTTrainer``; ``args`` must be a ``TreeSFTConfig``. A model given by name is loaded
-    with ``attn_implementation="tree_flash"``; a model instance is switched to it.
+    with ``attn_implementation="tree_flash"``; a model instance is switched to it. Vision datasets (``images``
+    columns) are refused (``refuse_vision_dataset``).
     """
+
+    def __init__(
+        self,
+        model: Any = None,
+        args: TrainingArguments | None = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        refuse_vision_dataset(train_dataset, "train")
+        refuse_vision_dataset(eval_dataset, "eval")
+        super().__init__(model, args, data_collator, train_dataset, eval_dataset, **kwargs)
 
     def _tree_training_arguments(
         self, model: Any, args: TrainingArguments | None, data_collator: Any, kwargs: dict[str, Any]

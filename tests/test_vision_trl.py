@@ -1,4 +1,5 @@
-"""TreeGRPOTrainer on image prompts against TRL's own GRPOTrainer (same saved tiny vision-language model).
+"""TRL trainers on images: TreeGRPOTrainer on image prompts against TRL's own GRPOTrainer (same saved tiny
+vision-language model), and TreeSFTTrainer's refusal of vision datasets.
 
 Oracle: TRL's ``_get_per_token_logps_and_entropies`` on padded rows carrying each row's copy of its prompt's image
 (TRL chunks rows by ``batch_size``). The tree passes merge rows by tokens *and* image (two prompts with the same
@@ -115,3 +116,16 @@ def test_unsupported_image_inputs_raise(trainers):
         tree._get_per_token_logps_and_entropies(
             tree.model, ids, mask, keep, **{**inputs, "num_images": [2, 0] + [1] * (ids.shape[0] - 2)}
         )
+
+
+def test_vision_sft_dataset_is_refused_before_training(tmp_path):
+    from PIL import Image
+
+    from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
+
+    image = Image.new("RGB", (8, 8))
+    messages = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}]
+    dataset = Dataset.from_dict({"messages": [messages], "images": [[image]]})
+    args = TreeSFTConfig(str(tmp_path), max_packed_tokens=64, use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=r"train dataset has column\(s\) \['images'\].*hf_tree.vision.MediaTree"):
+        TreeSFTTrainer(tiny_vlm("llava"), args=args, train_dataset=dataset, processing_class=word_tokenizer())
