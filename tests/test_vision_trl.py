@@ -129,3 +129,43 @@ def test_vision_sft_dataset_is_refused_before_training(tmp_path):
     args = TreeSFTConfig(str(tmp_path), max_packed_tokens=64, use_cpu=True, report_to=[])
     with pytest.raises(ValueError, match=r"train dataset has column\(s\) \['images'\].*hf_tree.vision.MediaTree"):
         TreeSFTTrainer(tiny_vlm("llava"), args=args, train_dataset=dataset, processing_class=word_tokenizer())
+
+
+def test_tree_trainer_step_on_image_trees_equals_per_branch_sgd(tmp_path):
+    """``TreeTrainer`` with ``MediaTreeCollator`` on ``MediaTree.to_dict()`` rows: one SGD step moves every parameter
+    (vision tower included) as the per-sample loss's gradient does."""
+    from hf_tree import TreeTrainer, TreeTrainingArguments
+    from hf_tree.vision import MediaTree, MediaTreeCollator
+    from tests.helpers import exact_sgd_args, grads_of
+    from tests.vision_models import per_branch_vlm_loss
+
+    family = "qwen2_vl"
+    first, second = tiny_image(family, 1), tiny_image(family, 2)
+    a, b = placeholders(family, first), placeholders(family, second)
+    sequences = [[1, 2, *a, 5, 6, 7], [1, 2, *a, 5, 8], [1, 2, *b, 5, 6, 7]]
+    images = [[first], [first], [second]]
+    rows = [
+        MediaTree.from_samples(sequences[:2], images[:2], IMAGE_TOKEN),
+        MediaTree.from_samples(*[[x[2]] for x in (sequences, images)], IMAGE_TOKEN),
+    ]
+    reference = tiny_vlm(family)
+    with float64_norms(), float64_vision_rotary():
+        per_branch_vlm_loss(reference, sequences, images).backward()
+    expected = {n: -g for n, g in grads_of(reference).items()}  # SGD at learning rate 1
+    model = tiny_vlm(family)
+    args = TreeTrainingArguments(
+        **exact_sgd_args(str(tmp_path), max_steps=1, learning_rate=1.0, per_device_train_batch_size=2, use_cpu=True),
+        max_packed_tokens=64,
+    )
+    trainer = TreeTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list([r.to_dict() for r in rows]),
+        data_collator=MediaTreeCollator(max_packed_tokens=64),
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with float64_norms(), float64_vision_rotary():
+        trainer.train()
+    updates = {n: p.detach() - before[n] for n, p in model.named_parameters() if n in expected}
+    assert any("visual" in n for n in updates)
+    assert max_grad_relative_error(updates, expected) <= 1e-9

@@ -178,6 +178,23 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
     return inputs
 
 
+def batch_model_inputs(model: torch.nn.Module, batch: dict[str, Any], context_parallel: bool = False) -> dict | None:
+    """``vision_model_inputs`` of a ``MediaTreeCollator`` batch (it has ``media_ids``), ``None`` for a text batch: what
+    the tree trainers pass to ``tree_causal_lm_loss`` as ``model_inputs``.
+
+    Raises:
+        ValueError: for an image batch under context parallel (its shards would split placeholder runs).
+    """
+    if "media_ids" not in batch:
+        return None
+    if context_parallel:
+        raise ValueError(
+            "image tree batches (MediaTreeCollator) cannot be sharded by context parallel: a shard would split "
+            "images' placeholder runs. Set context_parallel_size=1 for vision-language trees."
+        )
+    return vision_model_inputs(model, batch)
+
+
 def tree_vision_lm_loss(
     model: torch.nn.Module,
     batch: dict[str, Any],
