@@ -106,7 +106,7 @@ def main() -> None:
 
     methods = {"per_branch": per_branch, "hf_tree": hf_tree_run}
     seconds: dict[str, list[float]] = {name: [] for name in methods}
-    for name, run in methods.items():  # warm-up (and hf_tree's one-time model check)
+    for run in methods.values():  # warm-up (and hf_tree's one-time model check)
         run()
         model.zero_grad(set_to_none=True)
     for _ in range(repeats):
@@ -127,7 +127,7 @@ def main() -> None:
         f"tokens, {len(sequences)} completions of {length}; token dedup ratio {tree.tree.dedup_ratio:.2f}; "
         f"medians of {repeats}"
     )
-    print(f"| method | step time (s) | peak memory (MiB) | images encoded |")
+    print("| method | step time (s) | peak memory (MiB) | images encoded |")
     print("|---|---|---|---|")
     for name in methods:
         encoded = len(sequences) if name == "per_branch" else 1
