@@ -46,6 +46,8 @@ def test_bad_input_names_the_sample():
     run = placeholders("llava", cat)
     with pytest.raises(ValueError, match=r"sample 1 has 2 runs of image_token_id=100 but 1 images"):
         MediaTree.from_samples([[1, *run], [1, *run, 2, *run]], [[cat], [cat]], IMAGE_TOKEN)
+    with pytest.raises(ValueError, match="sample 1 shows image 0 with 2 placeholder tokens, but an earlier sample"):
+        MediaTree.from_samples([[1, *run], [1, *run[:2]]], [[cat], [cat]], IMAGE_TOKEN)
     with pytest.raises(ValueError, match="images has 1 entries but sequences has 2"):
         MediaTree.from_samples([[1, *run], [1, 2]], [[cat]], IMAGE_TOKEN)
     row = MediaTree.from_samples([[1, *run]], [[cat]], IMAGE_TOKEN).to_dict()

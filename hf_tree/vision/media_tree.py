@@ -110,6 +110,7 @@ class MediaTree:
                 "sample (an empty list for a text-only sample)."
             )
         store = MediaStore()
+        run_lengths: dict[int, int] = {}
         encoded = []
         for b, (seq, sample_images) in enumerate(zip(sequences, images)):
             tokens = np.asarray(check_token_ids(seq, where=f"sequence {b}"), dtype=np.int64)
@@ -121,7 +122,14 @@ class MediaTree:
                     "run, separated from the next image's by another token)."
                 )
             for (start, end), image in zip(runs, sample_images):
-                tokens[start:end] = MEDIA_TOKEN_BASE + store.add({k: t.detach().cpu() for k, t in image.items()})
+                media = store.add({k: t.detach().cpu() for k, t in image.items()})
+                # One image, one run length: else a shorter run (a cut image) could share the start of a longer one.
+                if run_lengths.setdefault(media, end - start) != end - start:
+                    raise ValueError(
+                        f"sample {b} shows image {media} with {end - start} placeholder tokens, but an earlier sample "
+                        f"shows it with {run_lengths[media]}: an image's placeholder run must not be cut."
+                    )
+                tokens[start:end] = MEDIA_TOKEN_BASE + media
             encoded.append(tokens.tolist())
         return cls(Tree.from_sequences(encoded, loss_masks, branch_fields), image_token_id, store.images)
 
@@ -135,9 +143,10 @@ class MediaTree:
         return decode_media_tokens(torch.tensor(self.tree.branch_tokens(branch)), self.image_token_id)[0].tolist()
 
     def branch_media(self, branch: int) -> list[int]:
-        """Media items of the branch's placeholder runs, in order."""
+        """Media items of the branch's placeholder runs, in order (a run is one image's placeholders)."""
         tokens = np.asarray(self.tree.branch_tokens(branch))
-        return [int(tokens[start]) - MEDIA_TOKEN_BASE for start, _ in placeholder_runs(tokens >= MEDIA_TOKEN_BASE, 1)]
+        starts = np.nonzero(np.diff(np.concatenate([[-1], tokens])) != 0)[0]  # where a new run of equal ids begins
+        return [int(tokens[i]) - MEDIA_TOKEN_BASE for i in starts if tokens[i] >= MEDIA_TOKEN_BASE]
 
     def renumbered(self, media_ids: Sequence[int]) -> Tree:
         """The trie with media item ``m`` renumbered ``media_ids[m]`` (to pack several trees' media together)."""
