@@ -30,7 +30,7 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 COMPLETIONS = [[20, 21, 22], [20, 21, 1], [23, 24, 25, 26], [20, 21, 22]]  # a duplicate and shared prefixes
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "llava"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
 def trainers(request, tmp_path_factory):
     family = request.param
     path = str(tmp_path_factory.mktemp(family))
