@@ -28,6 +28,7 @@ from tests.vision_models import IMAGE_TOKEN, float64_vision_rotary, is_mrope, pl
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 COMPLETIONS = [[20, 21, 22], [20, 21, 1], [23, 24, 25, 26], [20, 21, 22]]  # a duplicate and shared prefixes
+ROLLOUTS = [[20, 21, 22], [20, 21, 2], [23, 24, 25], [20, 26, 1]]  # varied_reward (id sum mod 7): 0, 1, 2, 4
 
 
 @pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "llava"])
@@ -169,3 +170,58 @@ def test_tree_trainer_step_on_image_trees_equals_per_branch_sgd(tmp_path):
     updates = {n: p.detach() - before[n] for n, p in model.named_parameters() if n in expected}
     assert any("visual" in n for n in updates)
     assert max_grad_relative_error(updates, expected) <= 1e-9
+
+
+def image_rollout(prompts: list, trainer) -> dict:
+    """Generation replaced by fixed completions (TRL's ``rollout_func``), keyed by the prompt image's colour."""
+    seen: dict[tuple, int] = {}
+    output = {"prompt_ids": [], "completion_ids": [], "logprobs": None}
+    for prompt in prompts:
+        image = next(part["image"] for part in prompt[0]["content"] if part["type"] == "image")
+        colour = image.getpixel((0, 0))
+        k = seen[colour] = seen.get(colour, -1) + 1
+        rendered = trainer.processing_class.apply_chat_template(prompt, tokenize=True, return_dict=True)
+        output["prompt_ids"].append(list(rendered["input_ids"][0]))
+        output["completion_ids"].append(ROLLOUTS[(k + sum(colour)) % 4])
+    return output
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_one_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, peft):
+    """One optimizer step of TreeGRPOTrainer = TRL's GRPOTrainer on a LLaVA with a real processor: two prompts with the
+    same text and different images (they must not merge), old-policy, reference and policy passes (2 micro-batches,
+    2 iterations per generation), SGD without clipping."""
+    from peft import LoraConfig
+    from PIL import Image
+
+    from tests.helpers import train_and_measure_updates, varied_reward
+    from tests.vision_models import llava_processor
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    path = str(tmp_path / "llava")
+    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w5 w6 w7"}]}]
+    images = [Image.new("RGB", (8, 8), colour) for colour in ((200, 30, 30), (30, 30, 200))]
+    dataset = Dataset.from_dict({"prompt": [question, question], "image": images})
+    results = []
+    for cls, config in ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)):
+        args = trainer_args(
+            config, path, torch.float64, gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0
+        )
+        trainer = cls(
+            path,
+            varied_reward,
+            args,
+            train_dataset=dataset,
+            processing_class=llava_processor(),
+            rollout_func=image_rollout,
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
+        )
+        results.append((trainer, train_and_measure_updates(trainer)))
+    (trl, trl_updates), (tree, tree_updates) = results
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
+    assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
+    # CLIP's k_proj biases have a zero true gradient (softmax is shift-invariant): their ~1e-19 updates are rounding
+    # noise on both sides, so updates are measured against 1e-6 of the largest one (max_grad_relative_error)
+    assert max_grad_relative_error(tree_updates, trl_updates) <= TRL_STEP_TOLERANCE
+    assert any("vision_tower" in n for n in tree_updates) or peft
