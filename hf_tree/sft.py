@@ -36,6 +36,8 @@ from hf_tree.sft_losses import sft_token_loss
 from hf_tree.trainer import TreeTrainerMixin
 from hf_tree.tree import Tree
 from hf_tree.versions import require_tested_trl
+from hf_tree.vision.forward import vision_family
+from hf_tree.vision.sft import is_vision_dataset, prepare_vision_sft
 
 require_tested_trl()  # TreeSFTTrainer overrides SFTTrainer._prepare_dataset
 logger = logging.getLogger("hf_tree")
@@ -133,32 +135,12 @@ def train_every_token(row: dict) -> dict:
     return Tree.from_sequences(sequences, None, tree.branch_fields or None).to_dict()
 
 
-def refuse_vision_dataset(dataset: Any, dataset_name: str) -> None:
-    """``ValueError`` for a TRL vision dataset (an ``image``/``images`` column): TRL skips dataset preparation for
-    those, so no tree would be built, and image trees need ``hf_tree.vision``'s collator and loss."""
-    if isinstance(dataset, dict):
-        for name, part in dataset.items():
-            refuse_vision_dataset(part, f"{dataset_name} ({name})")
-        return
-    columns = getattr(dataset, "column_names", None)
-    if dataset is None or is_tree_dataset(dataset) or (columns is None and not isinstance(dataset, datasets.Dataset)):
-        return
-    images = sorted({"image", "images"} & set(columns or []))
-    if images:
-        raise ValueError(
-            f"the {dataset_name} dataset has column(s) {images}: TreeSFTTrainer does not build trees from vision "
-            "datasets yet (TRL skips its dataset preparation for them). Build image trees with "
-            "hf_tree.vision.MediaTree.from_samples and train with hf_tree.vision.tree_vision_lm_loss (docs/vision.md), "
-            "train image prompts with TreeGRPOTrainer, or use trl.SFTTrainer."
-        )
-
-
 class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
     """``trl.SFTTrainer`` that builds trees from TRL datasets and trains with the exact tree loss.
 
     Same arguments as ``SFTTrainer``; ``args`` must be a ``TreeSFTConfig``. A model given by name is loaded
-    with ``attn_implementation="tree_flash"``; a model instance is switched to it. Vision datasets (``images``
-    columns) are refused (``refuse_vision_dataset``).
+    with ``attn_implementation="tree_flash"``; a model instance is switched to it. Vision datasets (``messages`` with
+    ``images``/``image`` columns) become image trees (``hf_tree.vision.sft``), packed by ``MediaTreeCollator``.
     """
 
     def __init__(
@@ -168,11 +150,18 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
         data_collator: Any = None,
         train_dataset: Any = None,
         eval_dataset: Any = None,
+        processing_class: Any = None,
         **kwargs: Any,
     ) -> None:
-        refuse_vision_dataset(train_dataset, "train")
-        refuse_vision_dataset(eval_dataset, "eval")
-        super().__init__(model, args, data_collator, train_dataset, eval_dataset, **kwargs)
+        vision = is_vision_dataset(train_dataset) or is_vision_dataset(eval_dataset)
+        if vision:  # TRL would skip its dataset preparation: build image trees here (hf_tree.vision.sft)
+            args = self._tree_training_arguments(model, args, data_collator, kwargs)
+            named = {"train": train_dataset, "eval": eval_dataset}
+            built, data_collator = prepare_vision_sft(args, processing_class, data_collator, named)
+            train_dataset, eval_dataset = built["train"], built["eval"]
+        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
+        if vision:
+            vision_family(self.model)  # refuse an unsupported model before the first step
 
     def _tree_training_arguments(
         self, model: Any, args: TrainingArguments | None, data_collator: Any, kwargs: dict[str, Any]

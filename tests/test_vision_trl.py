@@ -119,17 +119,67 @@ def test_unsupported_image_inputs_raise(trainers):
         )
 
 
-def test_vision_sft_dataset_is_refused_before_training(tmp_path):
+def test_vision_sft_step_matches_trl(tmp_path):
+    """TreeSFTTrainer on TRL's vision rows (``messages`` + ``images``, grouped into one tree by a column: the same
+    question about two images forks at the image) = TRL's SFTTrainer (which tokenizes in its vision collator): one SGD
+    step, same loss and updates, on a LLaVA with a real processor."""
+    from PIL import Image
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
+    from tests.helpers import exact_sgd_args, train_and_measure_updates
+    from tests.vision_models import llava_processor
+
+    red, blue = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
+
+    def chat(question: str, answer: str) -> list[dict]:
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+    rows = [(red, chat("w5 w6", "w7 w8")), (red, chat("w5 w6", "w9")), (blue, chat("w5 w6", "w7 w8"))]
+    rows.append((red, chat("w10", "w11 w12 w13")))
+    dataset = Dataset.from_dict({"messages": [r[1] for r in rows], "images": [[r[0]] for r in rows], "group": [0] * 4})
+    path = str(tmp_path / "llava")
+    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    settings = dict(max_steps=1, learning_rate=1.0, per_device_train_batch_size=4, use_cpu=True, bf16=False)
+    settings |= dict(model_init_kwargs={"dtype": torch.float64}, max_length=None, shuffle_dataset=False)
+    trl = SFTTrainer(
+        path,
+        args=SFTConfig(**exact_sgd_args(str(tmp_path / "trl"), **settings)),
+        train_dataset=dataset,
+        processing_class=llava_processor(),
+    )
+    tree = TreeSFTTrainer(
+        path,
+        args=TreeSFTConfig(
+            **exact_sgd_args(str(tmp_path / "tree"), **settings), max_packed_tokens=64, group_by="group"
+        ),
+        train_dataset=dataset,
+        processing_class=llava_processor(),
+    )
+    assert len(tree.train_dataset) == 1 and len(tree.train_dataset[0]["media"]) == 2  # one tree, each image once
+    trl_updates, tree_updates = train_and_measure_updates(trl), train_and_measure_updates(tree)
+    # TRL's loss is transformers' ForCausalLMLoss, whose cross-entropy runs on float32 logits even in a float64 model
+    # (measured: 1e-7 loss, 4.5e-7 updates); a branch scored against the wrong image is off by O(1)
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=1e-6)
+    assert trl_updates.keys() == tree_updates.keys() and any("vision_tower" in n for n in tree_updates)
+    assert max_grad_relative_error(tree_updates, trl_updates) <= 1e-5
+
+
+def test_vision_sft_refusals(tmp_path):
     from PIL import Image
 
     from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
 
-    image = Image.new("RGB", (8, 8))
     messages = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}]
-    dataset = Dataset.from_dict({"messages": [messages], "images": [[image]]})
+    dataset = Dataset.from_dict({"messages": [messages], "images": [[Image.new("RGB", (8, 8))]]})
     args = TreeSFTConfig(str(tmp_path), max_packed_tokens=64, use_cpu=True, report_to=[])
-    with pytest.raises(ValueError, match=r"train dataset has column\(s\) \['images'\].*hf_tree.vision.MediaTree"):
+    with pytest.raises(ValueError, match="needs the model's processor as processing_class"):
         TreeSFTTrainer(tiny_vlm("llava"), args=args, train_dataset=dataset, processing_class=word_tokenizer())
+    prompts = Dataset.from_dict({"prompt": ["w3"], "completion": ["w4"], "image": [Image.new("RGB", (8, 8))]})
+    from tests.vision_models import llava_processor
+
+    with pytest.raises(ValueError, match="'messages' \\+ 'images'"):
+        TreeSFTTrainer(tiny_vlm("llava"), args=args, train_dataset=prompts, processing_class=llava_processor())
 
 
 def test_tree_trainer_step_on_image_trees_equals_per_branch_sgd(tmp_path):

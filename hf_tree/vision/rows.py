@@ -24,6 +24,30 @@ from hf_tree.vision.media_tree import MEDIA_TOKEN_BASE, MediaStore, placeholder_
 ROW_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
 
 
+def split_images(
+    pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None, num_images: int, name: str = "model"
+) -> list[dict[str, torch.Tensor]]:
+    """A processor's concatenated image tensors -> one dict per image (``MediaTree.media``'s form).
+
+    Args:
+        pixel_values: Qwen: ``[patches, D]`` (``image_grid_thw.prod(-1)`` rows per image); LLaVA: ``[images, C, H, W]``.
+        image_grid_thw: ``[images, 3]`` or ``None``.
+        num_images: how many images the tensors hold.
+        name: how errors refer to the model.
+    """
+    sizes = image_grid_thw.prod(-1).tolist() if image_grid_thw is not None else [1] * num_images
+    if len(sizes) != num_images or sum(sizes) != pixel_values.shape[0]:
+        raise ValueError(
+            f"{name}: pixel_values has {pixel_values.shape[0]} rows but the {num_images} images need {sum(sizes)}; "
+            "pass the processor's pixel_values (and image_grid_thw) of these rows."
+        )
+    images = [{"pixel_values": pixels} for pixels in torch.split(pixel_values, sizes)]
+    for m, image in enumerate(images):
+        if image_grid_thw is not None:
+            image["image_grid_thw"] = image_grid_thw[m : m + 1]
+    return images
+
+
 @dataclass
 class RowMedia:
     """A batch's distinct images and its rows with placeholders written as trie media ids.
@@ -76,13 +100,7 @@ class RowMedia:
                 f"{name}: the rows hold {[len(r) for r in runs]} runs of image_token_id={image_token_id} but "
                 f"num_images={list(num_images)}: each image's placeholders must be one run."
             )
-        sizes = grid.prod(-1).tolist() if grid is not None else [1] * sum(num_images)
-        if sum(sizes) != pixel_values.shape[0]:
-            raise ValueError(
-                f"{name}: pixel_values has {pixel_values.shape[0]} rows but the {sum(num_images)} images need "
-                f"{sum(sizes)}; pass the processor's pixel_values (and image_grid_thw) of these rows."
-            )
-        pixels = torch.split(pixel_values, sizes)
+        images = split_images(pixel_values, grid, sum(num_images), name)
         mm_types = given["mm_token_type_ids"]
         if mm_types is not None and not torch.equal(mm_types.cpu() != 0, rows == image_token_id):
             raise ValueError(
@@ -91,14 +109,9 @@ class RowMedia:
             )
         store = MediaStore()
         encoded = rows.clone()
-        image = 0
-        for row, row_runs in enumerate(runs):
-            for start, end in row_runs:
-                tensors = {"pixel_values": pixels[image]}
-                if grid is not None:
-                    tensors["image_grid_thw"] = grid[image : image + 1]
-                encoded[row, start:end] = MEDIA_TOKEN_BASE + store.add(tensors)
-                image += 1
+        flat_runs = [(row, start, end) for row, row_runs in enumerate(runs) for start, end in row_runs]
+        for (row, start, end), image in zip(flat_runs, images):
+            encoded[row, start:end] = MEDIA_TOKEN_BASE + store.add(image)
         return cls(model, encoded.to(input_ids.device), store.images, image_token_id)
 
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
