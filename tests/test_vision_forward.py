@@ -130,3 +130,16 @@ def test_refused_models_and_inputs():
         tree_vision_lm_loss(model, batch)
     with pytest.raises(ValueError, match="overlong='truncate'"):
         MediaTreeCollator(max_packed_tokens=64, max_branch_tokens=8, overlong="truncate")
+
+
+def test_activation_checkpointing_recomputes_the_same_tree():
+    """Recomputed vision and language layers in backward see the same inputs (kv_end, positions, features)."""
+    model = tiny_vlm("qwen2_vl")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # checkpointing runs in training mode only (the tiny models have no dropout)
+    batch, (sequences, images, masks) = tree_batch("qwen2_vl", max_packed_tokens=32)
+    loss, grads = loss_and_grads(model, lambda: tree_vision_lm_loss(model, batch))
+    model.activation_checkpointing_disable()
+    ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
+    assert relative_error(loss, ref) < TOLERANCE
+    assert max_grad_relative_error(grads, ref_grads) < TOLERANCE
