@@ -62,6 +62,12 @@ class TreeDPOTrainer(FSDPFullSaveMixin, DPOTrainer):
             raise ValueError(
                 "tree log-probs support text datasets only (this one has images); set tree_logprobs=False."
             )
+        config = self.model.config
+        if config.get_text_config() is not config:  # hf_tree.vision's models are tested with GRPO and SFT, not DPO
+            raise ValueError(
+                f"TreeDPOTrainer's tree log-probs support text-only causal LMs; {type(self.model).__name__} is a "
+                "vision-language model (hf_tree.vision covers GRPO and SFT). Set tree_logprobs=False."
+            )
         install_tree_heads(self, POLICY_OUTPUTS + (("log_sum_sq_probs",) if self.use_weighting else ()))
         self._tree_heads_ready = True
 

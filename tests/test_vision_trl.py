@@ -275,3 +275,19 @@ def test_one_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, peft)
     # noise on both sides, so updates are measured against 1e-6 of the largest one (max_grad_relative_error)
     assert max_grad_relative_error(tree_updates, trl_updates) <= TRL_STEP_TOLERANCE
     assert any("vision_tower" in n for n in tree_updates) or peft
+
+
+def test_dpo_refuses_vision_language_models(tmp_path):
+    from hf_tree.dpo import TreeDPOConfig, TreeDPOTrainer
+    from tests.helpers import tiny_trl_config
+
+    path = str(tmp_path / "qwen2_vl")
+    tiny_vlm("qwen2_vl", attn="sdpa").save_pretrained(path)
+    pairs = Dataset.from_dict({"prompt": ["w10 w11"], "chosen": [" w20"], "rejected": [" w21"]})
+    with pytest.raises(ValueError, match="TreeDPOTrainer's tree log-probs support text-only causal LMs"):
+        TreeDPOTrainer(
+            path,
+            args=tiny_trl_config(TreeDPOConfig, path, torch.float64),
+            train_dataset=pairs,
+            processing_class=word_tokenizer(),
+        )
