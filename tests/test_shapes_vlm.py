@@ -13,6 +13,7 @@ from tests.helpers import float64_norms, relative_error
 from tests.vision_models import IMAGE_TOKEN, float64_vision_rotary, per_branch_vlm_loss, placeholders, tiny_vlm
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
+pytest.importorskip("PIL")  # hf_tree[vision]: the images are drawn with PIL
 
 
 def test_shapes_are_seeded_and_answers_match_the_drawing():

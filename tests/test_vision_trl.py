@@ -123,7 +123,7 @@ def test_vision_sft_step_matches_trl(tmp_path):
     """TreeSFTTrainer on TRL's vision rows (``messages`` + ``images``, grouped into one tree by a column: the same
     question about two images forks at the image) = TRL's SFTTrainer (which tokenizes in its vision collator): one SGD
     step, same loss and updates, on a LLaVA with a real processor."""
-    from PIL import Image
+    Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
     from trl import SFTConfig, SFTTrainer
 
     from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
@@ -166,7 +166,7 @@ def test_vision_sft_step_matches_trl(tmp_path):
 
 
 def test_vision_sft_refusals(tmp_path):
-    from PIL import Image
+    Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
 
     from hf_tree.sft import TreeSFTConfig, TreeSFTTrainer
 
@@ -242,7 +242,8 @@ def test_one_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, peft)
     same text and different images (they must not merge), old-policy, reference and policy passes (2 micro-batches,
     2 iterations per generation), SGD without clipping."""
     from peft import LoraConfig
-    from PIL import Image
+
+    Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
 
     from tests.helpers import train_and_measure_updates, varied_reward
     from tests.vision_models import llava_processor

@@ -5,7 +5,8 @@ Each image holds a few circles, squares and triangles of a few colours on a whit
 answer can be checked exactly (``check_answer``). Several questions about one image are the tree-shaped case: their
 samples share the image (and the prompt tokens before the question) and fork at the question.
 
-Everything comes from ``random.Random(seed)``: the same arguments always give the same images and questions.
+Everything comes from ``random.Random(seed)``: the same arguments always give the same images and questions. Needs
+Pillow (``pip install hf_tree[vision]``), imported when an image is drawn.
 """
 
 from __future__ import annotations
