@@ -2,8 +2,8 @@
 
 Loss and every gradient (vision tower, projector, language model; LoRA on both) against the same model run on each
 sample alone with its own attention (tests/vision_models.py), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL (mRoPE positions
-from the model's ``get_rope_index`` per branch, deepstack features), Qwen3.5 (GatedDeltaNet hybrid) and LLaVA
-(1-D positions).
+from the model's ``get_rope_index`` per branch, deepstack features), Qwen3.5 (GatedDeltaNet hybrid), LLaVA and
+Idefics3/SmolVLM (1-D positions).
 """
 
 from __future__ import annotations
@@ -70,16 +70,14 @@ def loss_and_grads(model, loss_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor
     return loss.detach(), grads_of(model)
 
 
-@pytest.mark.parametrize(
-    "family", [pytest.param(f, marks=pytest.mark.slow) if f in FLOAT32_INTERNALS else f for f in FAMILIES]
-)  # Qwen3.5's GatedDeltaNet probe and scans take ~1 min on CPU
+@pytest.mark.parametrize("family", FAMILIES)
 def test_packed_forward_equals_per_branch(family):
     model = tiny_vlm(family)
     batch, (sequences, images, masks) = tree_batch(family, max_packed_tokens=32)  # two rows
     assert batch["input_ids"].shape[0] == 2
     loss, grads = loss_and_grads(model, lambda: tree_vision_lm_loss(model, batch))
     ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
-    assert any("visual" in n or "vision_tower" in n for n in grads), "the vision tower must get gradients"
+    assert any("visual" in n or "vision" in n for n in grads), "the vision tower must get gradients"
     if family in FLOAT32_INTERNALS:  # as tests/test_hybrid_mixers.py measures the text-only hybrids
         assert relative_error(loss, ref) <= FLOAT32_FLOOR
         assert float32_floor_grad_error(grads, ref_grads) <= FLOAT32_FLOOR

@@ -34,6 +34,9 @@ TEXT = dict(
 MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2]}
 QWEN_VISION = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
 QWEN_TOKENS = dict(image_token_id=IMAGE_TOKEN, video_token_id=101, vision_start_token_id=VISION_START)
+IDEFICS3_VISION = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2
+)  # 16 patches, 2x2 pixel shuffle: 4 placeholder tokens per image
 CONFIGS = {
     "qwen2_vl": lambda: transformers.Qwen2VLConfig(
         text_config=dict(TEXT, rope_parameters=MROPE),
@@ -74,6 +77,18 @@ CONFIGS = {
         ),
         vision_end_token_id=VISION_END,
         **QWEN_TOKENS,
+    ),
+    "idefics3": lambda: transformers.Idefics3Config(  # SmolVLM's architecture (unsplit images: one tile each)
+        text_config=dict(TEXT, model_type="llama"),
+        vision_config=dict(IDEFICS3_VISION),
+        scale_factor=2,
+        image_token_id=IMAGE_TOKEN,
+    ),
+    "smolvlm": lambda: transformers.SmolVLMConfig(
+        text_config=dict(TEXT, model_type="llama"),
+        vision_config=dict(IDEFICS3_VISION),
+        scale_factor=2,
+        image_token_id=IMAGE_TOKEN,
     ),
     "llava": lambda: transformers.LlavaConfig(
         text_config=dict(TEXT, model_type="llama"),
@@ -130,8 +145,11 @@ def is_mrope(family: str) -> bool:
 
 def tiny_image(family: str, seed: int, height: int = 4, width: int = 4) -> dict[str, torch.Tensor]:
     """One image's processor tensors (random pixels). Qwen: a ``height x width`` patch grid (``height * width / 4``
-    placeholder tokens after the 2x2 merge); LLaVA: an 8x8 image (4 tokens)."""
+    placeholder tokens after the 2x2 merge); LLaVA: an 8x8 image (4 tokens); Idefics3/SmolVLM: one 8x8 tile."""
     generator = torch.Generator().manual_seed(seed)
+    if family in ("idefics3", "smolvlm"):
+        pixels = torch.randn(1, 1, 3, 8, 8, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool)}
     if not is_mrope(family):
         return {"pixel_values": torch.randn(1, 3, 8, 8, generator=generator, dtype=torch.float64)}
     pixels = torch.randn(height * width, 3 * 2 * 2 * 2, generator=generator, dtype=torch.float64)

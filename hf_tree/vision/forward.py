@@ -41,6 +41,10 @@ SUPPORTED = {
     "qwen3_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "qwen3_5": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "llava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
+    # Unsplit images only (one tile each, do_image_splitting=False): a split image's tiles are separate placeholder
+    # runs between tile-position tokens, which MediaTree and the packed forward refuse (runs != images).
+    "idefics3": VisionFamily(mrope=False, image_inputs=("pixel_attention_mask", "pixel_values")),
+    "smolvlm": VisionFamily(mrope=False, image_inputs=("pixel_attention_mask", "pixel_values")),
 }
 # Why other families are refused (a family not named here: it was not tested with tree batches).
 REFUSED = {

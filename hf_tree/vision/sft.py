@@ -21,6 +21,8 @@ from hf_tree.vision.media_tree import MediaTree
 from hf_tree.vision.rows import split_images
 
 IMAGE_COLUMNS = ("image", "images")
+# What a processor's rendering of a row may hold: tokens, the mask (all ones, one row) and the images' tensors.
+RENDERED_KEYS = {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
 
 
 def is_vision_dataset(dataset: Any) -> bool:
@@ -41,6 +43,12 @@ def render_row(row: dict[str, Any], processor: ProcessorMixin) -> tuple[list[int
         return_tensors="pt",
         processor_kwargs={"add_special_tokens": False},  # TRL's collator: the template holds the special tokens
     )
+    other = sorted(set(output) - RENDERED_KEYS)
+    if other:
+        raise ValueError(
+            f"{type(processor).__name__} returns {other} besides the image tensors hf_tree.vision's SFT rows keep "
+            f"({sorted(RENDERED_KEYS)}): vision SFT is tested with LLaVA's and the Qwen-VL processors only."
+        )
     tensors = split_images(output["pixel_values"], output.get("image_grid_thw"), len(images)) if images else []
     return output["input_ids"][0].tolist(), tensors
 
