@@ -101,16 +101,20 @@ def test_lora_on_vision_and_language_equals_per_branch():
 
 
 def test_each_image_encoded_once_per_batch():
+    """Also when trees are split over rows (the image prompt repeated in each part): one encoder call."""
     model = tiny_vlm("qwen2_vl")
-    batch, _ = tree_batch("qwen2_vl")
+    batch, (sequences, images, masks) = tree_batch("qwen2_vl", max_packed_tokens=20)  # the first tree is split
+    assert batch["input_ids"].shape[0] >= 3
     # 6 showings of the 16-patch image (sample 4 shows it twice) and one of the 32-patch one: 48 patches encoded
     assert batch["image_inputs"]["pixel_values"].shape[0] == 16 + 32
     seen = []
     hook = model.model.visual.patch_embed.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
-    with torch.no_grad():
-        tree_vision_lm_loss(model, batch)
+    loss, grads = loss_and_grads(model, lambda: tree_vision_lm_loss(model, batch))
     hook.remove()
     assert seen == [48]
+    ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
+    assert relative_error(loss, ref) < TOLERANCE
+    assert max_grad_relative_error(grads, ref_grads) < TOLERANCE
 
 
 def test_refused_models_and_inputs():
