@@ -23,8 +23,7 @@ from hf_tree.model_check import check_model_for_trees, self_check_setting, tree_
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
 from hf_tree.training_arguments import refuse_neftune
 from hf_tree.versions import require_tested_trl
-from hf_tree.vision.forward import SUPPORTED as VISION_SUPPORTED
-from hf_tree.vision.rows import ROW_IMAGE_INPUTS, RowMedia
+from hf_tree.vision.rows import ROW_FAMILIES, ROW_IMAGE_INPUTS, RowMedia
 
 require_tested_trl()  # TRL internals below (FusedCausalLMOutput, the fused_lm_head call contract) change between minors
 # Inputs of a fused-head call that are ignored (``None`` values, e.g. from PEFT's forward, are ignored too).
@@ -44,11 +43,11 @@ def check_tree_model(model: PreTrainedModel, name: str = "model") -> None:
             f"sdpa, so generation is unchanged), e.g. model_init_kwargs={{'attn_implementation': "
             f"'{TREE_ATTENTION_NAME}'}}, or call {name}.set_attn_implementation('{TREE_ATTENTION_NAME}')."
         )
-    if config.get_text_config() is not config and config.model_type not in VISION_SUPPORTED:
+    if config.get_text_config() is not config and config.model_type not in ROW_FAMILIES:
         raise ValueError(
             f"{name} is a {type(model).__name__} with a separate text config (a vision-language model of "
             f"model_type={config.model_type!r}); tree log-probs support text-only causal LMs and the vision-language "
-            f"families {sorted(VISION_SUPPORTED)} (hf_tree.vision). Set tree_logprobs=False."
+            f"families {list(ROW_FAMILIES)} (hf_tree.vision). Set tree_logprobs=False."
         )
 
 

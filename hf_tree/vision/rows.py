@@ -22,6 +22,9 @@ from hf_tree.vision.media_tree import MEDIA_TOKEN_BASE, MediaStore, placeholder_
 
 # Row inputs TRL's GRPO passes for the supported families; ``from_rows`` consumes them.
 ROW_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+# Families whose TRL row inputs are exactly those (tests/test_vision_trl.py compares them with TRL's GRPO passes);
+# Idefics3/SmolVLM also pass pixel_attention_mask and are refused by the tree log-prob head.
+ROW_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_vl")
 
 
 def split_images(
