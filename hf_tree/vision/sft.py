@@ -47,7 +47,7 @@ def render_row(row: dict[str, Any], processor: ProcessorMixin) -> tuple[list[int
     if other:
         raise ValueError(
             f"{type(processor).__name__} returns {other} besides the image tensors hf_tree.vision's SFT rows keep "
-            f"({sorted(RENDERED_KEYS)}): vision SFT is tested with LLaVA's and the Qwen-VL processors only."
+            f"({sorted(RENDERED_KEYS)}); such inputs (tiles, image sizes, masks) are not supported for vision SFT."
         )
     tensors = split_images(output["pixel_values"], output.get("image_grid_thw"), len(images)) if images else []
     return output["input_ids"][0].tolist(), tensors
@@ -103,7 +103,8 @@ def prepare_vision_sft(
 
     Raises:
         ValueError: for a processing class that is not a processor, a custom ``data_collator``,
-            ``assistant_only_loss=True``, a non-map-style dataset, or what ``build_media_tree_dataset`` refuses.
+            ``chat_template_path``, ``assistant_only_loss=True``, a non-map-style dataset, or what
+            ``build_media_tree_dataset`` refuses.
     """
     from hf_tree.vision.collator import MediaTreeCollator
 
@@ -114,6 +115,11 @@ def prepare_vision_sft(
         )
     if data_collator is not None:
         raise ValueError("a vision dataset is packed by hf_tree.vision.MediaTreeCollator; do not pass data_collator.")
+    if getattr(args, "chat_template_path", None):
+        raise ValueError(
+            "chat_template_path cannot apply to vision datasets yet: rows are rendered with the processor's own chat "
+            "template; set the template on the processor instead."
+        )
     if args.assistant_only_loss:
         raise ValueError(
             "assistant_only_loss=True is not supported for vision datasets yet (every token is trained, as TRL does "
