@@ -50,6 +50,9 @@ def test_bad_input_names_the_sample():
         MediaTree.from_samples([[1, *run], [1, *run[:2]]], [[cat], [cat]], IMAGE_TOKEN)
     with pytest.raises(ValueError, match="images has 1 entries but sequences has 2"):
         MediaTree.from_samples([[1, *run], [1, 2]], [[cat]], IMAGE_TOKEN)
+    big = {"pixel_values": torch.zeros(1, 3, 16, 16, dtype=torch.float64)}
+    with pytest.raises(ValueError, match=r"pixel_values of different shapes beyond dim 0"):
+        MediaTreeCollator(max_packed_tokens=32)([MediaTree.from_samples([[1, *run], [1, *run]], [[cat], [big]], 100)])
     row = MediaTree.from_samples([[1, *run]], [[cat]], IMAGE_TOKEN).to_dict()
     with pytest.raises(ValueError, match="row 3: placeholders refer to media 0 but only 0 are stored"):
         MediaTree.from_dict({**row, "media": []}, row=3)

@@ -71,4 +71,11 @@ def _concatenate(images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
                 f"image {m} of the batch has processor tensors {sorted(image)} but image 0 has {sorted(names)}: all "
                 "images of a batch must come from the same processor."
             )
+    for name in names:
+        shapes = {tuple(image[name].shape[1:]) for image in images}
+        if len(shapes) > 1:  # e.g. LLaVA-Next's patches per image: padding would need the model's rule
+            raise ValueError(
+                f"the batch's images have {name} of different shapes beyond dim 0 ({sorted(shapes)}): they cannot be "
+                "encoded together (models with a variable number of tiles per image are not supported)."
+            )
     return {name: torch.cat([image[name] for image in images]) for name in sorted(names)}
