@@ -162,9 +162,8 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
             f"image_inputs holds {unknown}, which the tree forward of {type(causal_lm).__name__} does not pass to "
             f"get_image_features (it takes {list(family.image_inputs)}); drop them or train on flat sequences."
         )
-    missing = [
-        k for k in ("pixel_values", "image_grid_thw" if family.mrope else "pixel_values") if k not in image_inputs
-    ]
+    required = ("pixel_values", "image_grid_thw") if family.mrope else ("pixel_values",)
+    missing = [k for k in required if k not in image_inputs]
     if missing:
         raise ValueError(f"image_inputs lacks {missing}, which {type(causal_lm).__name__}'s image encoder needs.")
     device = batch["input_ids"].device
