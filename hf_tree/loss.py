@@ -263,6 +263,7 @@ def tree_losses(
     chunk_size: int | None = None,
     token_loss: Callable[..., torch.Tensor] | None = None,
     self_check: bool | None = None,
+    model_inputs: dict[str, object] | None = None,
 ) -> TreeLosses:
     """The token loss and (MoE models with ``output_router_logits`` and a non-zero ``router_aux_loss_coef``) the
     router load-balancing loss of a packed tree batch; arguments and errors as ``tree_causal_lm_loss``. The router
@@ -293,6 +294,7 @@ def tree_losses(
             use_cache=False,
             logits_to_keep=1,  # the tree loss applies the head itself, to the gathered positions only
             **router_inputs,
+            **(model_inputs or {}),
         )
     hidden = captured["hidden"]  # the backbone's last hidden state: what detect_logit_head verified
     gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
@@ -321,6 +323,7 @@ def tree_causal_lm_loss(
     chunk_size: int | None = None,
     token_loss: Callable[..., torch.Tensor] | None = None,
     self_check: bool | None = None,
+    model_inputs: dict[str, object] | None = None,
 ) -> torch.Tensor:
     """Weighted CE of a packed tree batch (from ``TreeDataCollator``), as a 0-dim tensor; for an MoE model whose
     forward adds its router load-balancing loss (``output_router_logits`` with a non-zero
@@ -341,10 +344,12 @@ def tree_causal_lm_loss(
         self_check: before the model's first tree batch, refuse known non-tree-aware models and probe the real
             model with a tiny tree against its branches run alone (``hf_tree.models.check``; once per model
             instance). ``None``: on unless ``HF_TREE_SELF_CHECK=0``.
+        model_inputs: further model inputs of the batch, e.g. the images of a vision-language tree
+            (``hf_tree.vision.forward.batch_model_inputs``).
 
     Raises:
         ValueError: a model not on ``tree_flash``, one the self-check finds not tree-exact, a batch whose longest
             branch crosses a length switch of the model's RoPE (``hf_tree.models.length_rope``), or a router loss the
             tree cannot weight (``hf_tree.models.router_loss``).
     """
-    return tree_losses(model, batch, num_items_in_batch, chunk_size, token_loss, self_check).model_loss()
+    return tree_losses(model, batch, num_items_in_batch, chunk_size, token_loss, self_check, model_inputs).model_loss()

@@ -47,6 +47,7 @@ from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParal
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.training_arguments import check_length_column, check_tree_trainer_arguments, refuse_metrics_callables
+from hf_tree.vision.forward import batch_model_inputs
 
 logger = logging.getLogger("hf_tree")
 
@@ -290,6 +291,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             num_items_in_batch=num_items_in_batch,
             token_loss=self.tree_token_loss,
             self_check=self.tree_self_check,
+            model_inputs=batch_model_inputs(model, inputs, self.tree_context_parallel is not None),  # images
         )
         loss = self._tree_step_loss(losses, num_items_in_batch)
         return (loss, None) if return_outputs else loss
@@ -312,6 +314,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
                 num_items_in_batch=1.0,
                 token_loss=self.tree_token_loss,
                 self_check=self.tree_self_check,
+                model_inputs=batch_model_inputs(model, inputs),  # images (evaluation is never context-parallel)
             ).token
         items = inputs["num_loss_items"].to(total.device, torch.float64)
         if self._tree_eval_sums is not None:

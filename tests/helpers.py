@@ -85,7 +85,10 @@ def float64_norms() -> Iterator[None]:
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
     from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRMSNorm
     from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
 
     def forward(self, hidden_states):
         compute = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
@@ -93,7 +96,16 @@ def float64_norms() -> Iterator[None]:
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         return self.weight * h.to(hidden_states.dtype)
 
-    classes = (LlamaRMSNorm, MistralRMSNorm, Qwen2RMSNorm, Qwen3RMSNorm, GptOssRMSNorm)
+    classes = (
+        LlamaRMSNorm,
+        MistralRMSNorm,
+        Qwen2RMSNorm,
+        Qwen3RMSNorm,
+        GptOssRMSNorm,
+        Qwen2VLRMSNorm,
+        Qwen2_5_VLRMSNorm,
+        Qwen3VLTextRMSNorm,
+    )
     originals = [cls.forward for cls in classes]
     for cls in classes:
         cls.forward = forward

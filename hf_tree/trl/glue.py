@@ -23,6 +23,7 @@ from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
 from hf_tree.training_arguments import refuse_neftune
 from hf_tree.trl.logprobs import FUSED_OUTPUTS, layout_scored_rows, scatter_to_rows, tree_token_log_probs
 from hf_tree.versions import require_tested_trl
+from hf_tree.vision.rows import ROW_FAMILIES, ROW_IMAGE_INPUTS, RowMedia
 
 require_tested_trl()  # TRL internals below (FusedCausalLMOutput, the fused_lm_head call contract) change between minors
 # Inputs of a fused-head call that are ignored (``None`` values, e.g. from PEFT's forward, are ignored too).
@@ -42,10 +43,11 @@ def check_tree_model(model: PreTrainedModel, name: str = "model") -> None:
             f"sdpa, so generation is unchanged), e.g. model_init_kwargs={{'attn_implementation': "
             f"'{TREE_ATTENTION_NAME}'}}, or call {name}.set_attn_implementation('{TREE_ATTENTION_NAME}')."
         )
-    if config.get_text_config() is not config:
+    if config.get_text_config() is not config and config.model_type not in ROW_FAMILIES:
         raise ValueError(
-            f"{name} is a {type(model).__name__} with a separate text config (a vision-language model); tree "
-            "log-probs support text-only causal LMs. Set tree_logprobs=False."
+            f"{name} is a {type(model).__name__} with a separate text config (a vision-language model of "
+            f"model_type={config.model_type!r}); tree log-probs support text-only causal LMs and the vision-language "
+            f"families {list(ROW_FAMILIES)} (hf_tree.vision). Set tree_logprobs=False."
         )
 
 
@@ -62,12 +64,14 @@ def _tree_fused_call(
     other_inputs: dict[str, Any],
 ) -> FusedCausalLMOutput:
     output_router_logits = bool(other_inputs.pop("output_router_logits", False))
+    media = RowMedia.from_rows(model, input_ids, other_inputs)  # takes the image inputs out of other_inputs
     unsupported = sorted(k for k, v in other_inputs.items() if v is not None and v is not False)
     if unsupported:
         raise ValueError(
             f"the tree log-prob head got model inputs {unsupported} it does not support (it handles text input_ids, "
-            "attention_mask, labels and output_router_logits; no vision inputs, position_ids or shift_labels). Set "
-            "tree_logprobs=False to use TRL's own forward."
+            f"attention_mask, labels and output_router_logits, and {list(ROW_IMAGE_INPUTS)} of hf_tree.vision's "
+            "models; no position_ids, shift_labels or other vision inputs). Set tree_logprobs=False to use TRL's own "
+            "forward."
         )
     if labels is None:
         raise ValueError("fused_lm_head=True needs labels (-100 where no token is scored).")
@@ -78,7 +82,8 @@ def _tree_fused_call(
     # TRL's router loss is one per forward of router_chunk_rows rows (GRPO's batch_size chunks), averaged.
     router_chunk_rows = (router_chunk_rows or input_ids.shape[0]) if output_router_logits else None
     capacity = settings["max_packed_tokens"] or tokens_per_forward
-    layout = layout_scored_rows(input_ids, attention_mask, labels, capacity, router_chunk_rows)
+    rows = input_ids if media is None else media.input_ids  # placeholders as image ids: rows merge by tokens and images
+    layout = layout_scored_rows(rows, attention_mask, labels, capacity, router_chunk_rows)
     if layout.num_scored == 0:  # nothing to score: TRL's forward keeps the zero output connected to the model
         model.hf_tree_layout_stats = None  # nothing packed: no (stale) ratio to log for this call
         router_inputs = {"output_router_logits": True} if output_router_logits else {}
@@ -93,6 +98,7 @@ def _tree_fused_call(
         tokens_per_forward,
         settings["cast_lm_head_to_fp32"],
         logit_head,
+        model_inputs=None if media is None else media.model_inputs,
     )
     aux_loss = values.pop("aux_loss", None)
     per_token = {name: scatter_to_rows(value, layout) for name, value in values.items()}

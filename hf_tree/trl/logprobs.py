@@ -28,7 +28,7 @@ This module is the layout and the kernel; the TRL glue (the fused-head installer
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -50,6 +50,7 @@ require_tested_trl()  # TRL's ChunkedLogProbFunction (the kernel below) changes 
 # float32 online-logsumexp of the kernel bit-compatible with TRL's.
 VOCAB_CHUNK_SIZE = 32768
 FUSED_OUTPUTS = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
+ModelInputs = Callable[[dict[str, torch.Tensor]], dict[str, object]]
 
 
 @dataclass
@@ -195,21 +196,20 @@ def layout_scored_rows(
 
 
 def backbone_hidden_states(
-    model: PreTrainedModel, batch: dict[str, torch.Tensor], router_logits: list | None = None
+    model: PreTrainedModel,
+    batch: dict[str, torch.Tensor],
+    router_logits: list | None = None,
+    model_inputs: ModelInputs | None = None,
 ) -> torch.Tensor:
     """``[R * N, D]`` last hidden states of packed tree rows: what the LM head reads (``detect_logit_head`` checked
     that the model's logits are ``LogitHead.logits`` of exactly this tensor), and what a sequence-classification
     model's ``score`` head reads (``hf_tree.trl.reward_head``). With a ``router_logits`` list, the backbone's router
-    logits (one ``[R * N, E]`` tensor per MoE layer) are appended to it."""
+    logits (one ``[R * N, E]`` tensor per MoE layer) are appended to it; ``model_inputs`` builds the backbone's
+    inputs from the rows (e.g. with their images, ``hf_tree.vision.rows``)."""
     check_rope_lengths(model.config, batch["position_ids"])
+    inputs = model_inputs(batch) if model_inputs is not None else batch
     router_inputs = {} if router_logits is None else {"output_router_logits": True}
-    outputs = backbone_of(model)(
-        input_ids=batch["input_ids"],
-        position_ids=batch["position_ids"],
-        kv_end=batch["kv_end"],
-        use_cache=False,
-        **router_inputs,
-    )
+    outputs = backbone_of(model)(**inputs, use_cache=False, **router_inputs)
     if router_logits is not None:
         router_logits.append(outputs.router_logits)
     hidden = outputs.last_hidden_state
@@ -224,6 +224,7 @@ def tree_token_log_probs(
     tokens_per_forward: int | None = None,
     cast_lm_head_to_fp32: bool = False,
     logit_head: LogitHead | None = None,
+    model_inputs: ModelInputs | None = None,
 ) -> dict[str, torch.Tensor]:
     """Run the backbone on the packed rows and TRL's chunked log-prob kernel on the predicting states.
 
@@ -236,6 +237,8 @@ def tree_token_log_probs(
         tokens_per_forward: packed tokens per backbone call (bounds activation memory); ``None``: all rows at once.
         cast_lm_head_to_fp32: run the head in float32 outside autocast, as TRL's option of that name.
         logit_head: the model's scale and softcap (``check_model_for_trees``; detected here when ``None``).
+        model_inputs: builds the backbone's inputs from a chunk of packed rows (``input_ids``, ``position_ids``,
+            ``kv_end``), e.g. ``hf_tree.vision.rows.RowMedia.model_inputs`` (images); ``None``: the rows themselves.
 
     Returns:
         ``{field: [M]}`` in the order of ``layout.predictor_index`` (float32; ``is_top1`` bool); with
@@ -263,8 +266,8 @@ def tree_token_log_probs(
     results: dict[str, list[torch.Tensor]] = defaultdict(list)
     router_logits = None if layout.router_weights is None else []
     for r0, r1, lo, hi in zip(row_starts[:-1], row_starts[1:], bounds[:-1], bounds[1:]):  # every row scores tokens
-        rows = {k: v[r0:r1] for k, v in batch.items()}
-        hidden = backbone_hidden_states(model, rows, router_logits).to(weight.device)
+        chunk = {k: v[r0:r1] for k, v in batch.items()}
+        hidden = backbone_hidden_states(model, chunk, router_logits, model_inputs).to(weight.device)
         hidden = hidden.index_select(0, predictor_index[lo:hi] - int(r0) * row_length)
         autocast = nullcontext()
         if cast_lm_head_to_fp32:

@@ -49,6 +49,13 @@ class TreePreferenceLogProbsMixin:
             raise ValueError(
                 "tree log-probs support text datasets only (this one has images); set tree_logprobs=False."
             )
+        config = self.model.config
+        if config.get_text_config() is not config:  # hf_tree.vision's models are tested with GRPO and SFT only
+            raise ValueError(
+                f"Tree{self.trl_name}Trainer's tree log-probs support text-only causal LMs; "
+                f"{type(self.model).__name__} is a vision-language model (hf_tree.vision covers GRPO and SFT). Set "
+                "tree_logprobs=False."
+            )
         install_tree_heads(self, self._tree_policy_outputs())
         self._tree_heads_ready = True
 

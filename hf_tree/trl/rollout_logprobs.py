@@ -58,12 +58,6 @@ class TreeRolloutLogProbsMixin:
                 compute_aux_loss,
                 **multimodal_inputs,
             )
-        given = sorted(name for name, value in multimodal_inputs.items() if value is not None)
-        if given:
-            raise ValueError(
-                f"tree log-probs do not support {given} (image inputs of vision-language models); set "
-                "tree_logprobs=False."
-            )
         # Only the completion tokens are scored, as in TRL
         labels = input_ids.masked_fill(attention_mask == 0, -100)
         labels[:, :-logits_to_keep] = -100
@@ -79,6 +73,7 @@ class TreeRolloutLogProbsMixin:
                 fused_lm_head=True,
                 tree_tokens_per_forward=rows_per_forward * input_ids.size(1),
                 **(router_inputs if compute_aux_loss else {}),
+                **multimodal_inputs,  # images: hf_tree.vision.rows (each distinct image encoded once per pass)
             )
         logps = outputs.log_probs[:, -logits_to_keep:]
         entropies = outputs.entropy[:, -logits_to_keep:] if compute_entropy else None

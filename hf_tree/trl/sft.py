@@ -38,6 +38,8 @@ from hf_tree.sft_losses import sft_token_loss
 from hf_tree.trainer import TreeTrainerMixin
 from hf_tree.tree import Tree
 from hf_tree.versions import require_tested_trl
+from hf_tree.vision.forward import vision_family
+from hf_tree.vision.sft import is_vision_dataset, prepare_vision_sft
 
 require_tested_trl()  # TreeSFTTrainer overrides SFTTrainer._prepare_dataset
 logger = logging.getLogger("hf_tree")
@@ -139,8 +141,29 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
     """``trl.SFTTrainer`` that builds trees from TRL datasets and trains with the exact tree loss.
 
     Same arguments as ``SFTTrainer``; ``args`` must be a ``TreeSFTConfig``. A model given by name is loaded
-    with ``attn_implementation="tree_flash"``; a model instance is switched to it.
+    with ``attn_implementation="tree_flash"``; a model instance is switched to it. Vision datasets (``messages`` with
+    ``images``/``image`` columns) become image trees (``hf_tree.vision.sft``), packed by ``MediaTreeCollator``.
     """
+
+    def __init__(
+        self,
+        model: Any = None,
+        args: TrainingArguments | None = None,
+        data_collator: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        processing_class: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        vision = is_vision_dataset(train_dataset) or is_vision_dataset(eval_dataset)
+        if vision:  # TRL would skip its dataset preparation: build image trees here (hf_tree.vision.sft)
+            args = self._tree_training_arguments(model, args, data_collator, kwargs)
+            named = {"train": train_dataset, "eval": eval_dataset}
+            built, data_collator = prepare_vision_sft(args, processing_class, data_collator, named)
+            train_dataset, eval_dataset = built["train"], built["eval"]
+        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
+        if vision:
+            vision_family(self.model)  # refuse an unsupported model before the first step
 
     def _tree_training_arguments(
         self, model: Any, args: TrainingArguments | None, data_collator: Any, kwargs: dict[str, Any]

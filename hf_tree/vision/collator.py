@@ -1,0 +1,81 @@
+"""``MediaTreeCollator``: ``MediaTree`` rows -> one packed batch whose images are each stored (and encoded) once."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from hf_tree.collator import TreeDataCollator
+from hf_tree.vision.media_tree import MediaStore, MediaTree, decode_media_tokens
+
+
+class MediaTreeCollator:
+    """Packs ``MediaTree`` rows (or their ``to_dict()``) as ``TreeDataCollator`` does, and gathers their images.
+
+    Takes ``TreeDataCollator``'s arguments. Output: ``TreeDataCollator``'s keys, with ``input_ids`` and
+    ``loss_targets`` holding the model's placeholder token, plus
+
+    - ``media_ids`` ``[B, N]`` int64: the image each placeholder token shows (index into the batch's images), ``-1``
+      for text and padding;
+    - ``image_inputs``: the processor tensors of the batch's distinct images (dropped trees' images left out),
+      concatenated along dim 0 in image order (e.g. ``pixel_values``, ``image_grid_thw``); empty without images.
+
+    An image shared by several branches or trees of the batch is stored once. ``overlong="truncate"`` is refused: a
+    cut could split an image's placeholder run.
+    """
+
+    def __init__(self, *args: Any, **options: Any) -> None:
+        self.collator = TreeDataCollator(*args, **options)
+        if self.collator.overlong == "truncate":
+            raise ValueError(
+                "MediaTreeCollator: overlong='truncate' could cut an image's placeholder run (the model then refuses "
+                "the batch); use overlong='drop' or 'error', or a larger max_branch_tokens."
+            )
+
+    def __call__(self, features: Sequence[dict[str, Any] | MediaTree]) -> dict[str, Any]:
+        trees = [f if isinstance(f, MediaTree) else MediaTree.from_dict(f, row=row) for row, f in enumerate(features)]
+        placeholder_ids = {t.image_token_id for t in trees}
+        if len(placeholder_ids) != 1:
+            raise ValueError(f"the batch mixes image_token_id values {sorted(placeholder_ids)}; use one model's rows.")
+        image_token_id = placeholder_ids.pop()
+        store = MediaStore()  # an image shown by several trees is stored once
+        renumbered = [tree.renumbered([store.add(image) for image in tree.media]) for tree in trees]
+        return attach_media(self.collator(renumbered), store.images, image_token_id)
+
+
+def attach_media(batch: dict[str, Any], images: list[dict[str, torch.Tensor]], image_token_id: int) -> dict[str, Any]:
+    """Turn a packed batch of trie ids into model inputs, in place: placeholders back to ``image_token_id`` in
+    ``input_ids`` (and ``loss_targets`` when present), plus ``media_ids`` and ``image_inputs`` of the images the rows
+    show (``MediaTreeCollator``'s keys). ``images[m]`` are the tensors of trie media id ``m``."""
+    batch["input_ids"], media_ids = decode_media_tokens(batch["input_ids"], image_token_id)
+    if "loss_targets" in batch:
+        batch["loss_targets"] = decode_media_tokens(batch["loss_targets"], image_token_id)[0]
+    # Keep the images the packed rows show (packing may drop trees), renumbered in order.
+    used = torch.unique(media_ids[media_ids >= 0]).tolist()
+    renumber = torch.full((len(images) + 1,), -1, dtype=torch.int64, device=media_ids.device)
+    renumber[used] = torch.arange(len(used), device=media_ids.device)
+    batch["media_ids"] = renumber[media_ids]  # -1 maps through the last entry
+    batch["image_inputs"] = _concatenate([images[m] for m in used])
+    return batch
+
+
+def _concatenate(images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    if not images:
+        return {}
+    names = set(images[0])
+    for m, image in enumerate(images):
+        if set(image) != names:
+            raise ValueError(
+                f"image {m} of the batch has processor tensors {sorted(image)} but image 0 has {sorted(names)}: all "
+                "images of a batch must come from the same processor."
+            )
+    for name in names:
+        shapes = {tuple(image[name].shape[1:]) for image in images}
+        if len(shapes) > 1:  # e.g. LLaVA-Next's patches per image: padding would need the model's rule
+            raise ValueError(
+                f"the batch's images have {name} of different shapes beyond dim 0 ({sorted(shapes)}): they cannot be "
+                "encoded together (models with a variable number of tiles per image are not supported)."
+            )
+    return {name: torch.cat([image[name] for image in images]) for name in sorted(names)}

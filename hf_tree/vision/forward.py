@@ -1,0 +1,215 @@
+"""The exact packed forward of a vision-language model on ``MediaTreeCollator`` batches.
+
+Each distinct image of the batch goes through the model's own ``get_image_features`` once; its features are
+handed to the model's own forward as ``mm_encoder_outputs`` (one entry per placeholder run of the packed rows, in
+row order, so the model's own placeholder merge puts them in place), and the language model runs with ``kv_end``.
+Positions are what each branch alone gets: Qwen2-VL/2.5-VL/3-VL/3.5's 3-D mRoPE positions from the model's own
+``get_rope_index`` run on each root-to-leaf path of the packed rows (equal on shared prefixes, since a token's
+position depends on its ancestors only), depths for 1-D models. Models not listed in ``SUPPORTED`` are refused.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from hf_tree.loss import tree_causal_lm_loss
+from hf_tree.models.head import causal_lm_of
+
+
+@dataclass(frozen=True)
+class VisionFamily:
+    """How a model family's packed forward is assembled.
+
+    Attributes:
+        mrope: positions are 3-D, from the model's ``get_rope_index`` per branch (else 1-D depths).
+        image_inputs: the processor tensors ``get_image_features`` takes (others are refused).
+    """
+
+    mrope: bool
+    image_inputs: tuple[str, ...]
+
+
+# Families whose packed forward is tested equal to per-branch training (tests/test_vision_forward.py).
+SUPPORTED = {
+    "qwen2_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "qwen2_5_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "qwen3_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "qwen3_5": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "llava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
+    # Unsplit images only (one tile each, do_image_splitting=False): a split image's tiles are separate placeholder
+    # runs between tile-position tokens, which MediaTree and the packed forward refuse (runs != images).
+    "idefics3": VisionFamily(mrope=False, image_inputs=("pixel_attention_mask", "pixel_values")),
+    "smolvlm": VisionFamily(mrope=False, image_inputs=("pixel_attention_mask", "pixel_values")),
+}
+# Why other families are refused (a family not named here: it was not tested with tree batches).
+REFUSED = {
+    "gemma3": "its image tokens attend to each other bidirectionally (a token_type_ids mask overlay); the tree mask "
+    "is causal",
+    "paligemma": "its prefix (image and prompt) is attended bidirectionally; the tree mask is causal",
+}
+
+
+def vision_family(model: torch.nn.Module) -> VisionFamily:
+    """The ``VisionFamily`` of ``model`` (may be PEFT-wrapped), or ``ValueError`` naming the model and why."""
+    causal_lm = causal_lm_of(model)
+    model_type = causal_lm.config.model_type
+    if model_type in SUPPORTED:
+        return SUPPORTED[model_type]
+    reason = REFUSED.get(model_type, "this family was not tested against per-branch training")
+    raise ValueError(
+        f"{type(causal_lm).__name__} (model_type={model_type!r}) cannot be trained on image trees: {reason}. "
+        f"Supported: {sorted(SUPPORTED)}; train it on flat sequences instead."
+    )
+
+
+def _placeholder_runs(media_ids: torch.Tensor) -> list[tuple[int, int, int, int]]:
+    """``(row, start, end, image)`` of each maximal run of one image's placeholders, rows in order."""
+    runs = []
+    for row, ids in enumerate(media_ids.cpu().numpy()):
+        change = np.nonzero(np.diff(np.concatenate([[-1], ids, [-1]])))[0]
+        runs.extend((row, s, e, int(ids[s])) for s, e in zip(change[:-1], change[1:]) if ids[s] >= 0)
+    return runs
+
+
+def occurrences(media_ids: torch.Tensor, feature_lengths: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Where each image is shown in the packed rows.
+
+    Args:
+        media_ids: ``[B, N]`` image of each placeholder token, ``-1`` elsewhere.
+        feature_lengths: placeholder tokens of one showing of each image (its feature rows).
+
+    Returns:
+        The image of each showing in row-major order (a run of ``k`` times an image's length is ``k`` showings), and
+        ``[B, N]`` int64: the showing each placeholder token belongs to, ``-1`` elsewhere.
+
+    Raises:
+        ValueError: when a run is not a whole number of showings of its image.
+    """
+    shown: list[int] = []
+    showing = torch.full(media_ids.shape, -1, dtype=torch.int64)
+    for row, start, end, image in _placeholder_runs(media_ids):
+        length = feature_lengths[image]
+        if (end - start) % length:
+            raise ValueError(
+                f"packed row {row} holds {end - start} placeholder tokens of image {image} (tokens {start}..{end - 1}) "
+                f"but the model encodes that image into {length} features: the placeholders do not match the image "
+                "(wrong processor settings for this model, or a truncated branch)."
+            )
+        count = (end - start) // length
+        showing[row, start:end] = torch.arange(len(shown), len(shown) + count).repeat_interleave(length)
+        shown.extend([image] * count)
+    return shown, showing
+
+
+def mrope_positions(
+    rope_model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    showing: torch.Tensor,
+    showing_grids: torch.Tensor,
+    kv_end: torch.Tensor,
+    depths: torch.Tensor,
+) -> torch.Tensor:
+    """``[3, B, N]`` positions: the model's ``get_rope_index`` run on each root-to-leaf path of the packed rows.
+
+    Args:
+        rope_model: the module with ``get_rope_index(input_ids, mm_token_type_ids, image_grid_thw)``.
+        input_ids, showing, kv_end, depths: ``[B, N]`` packed tokens, showing of each placeholder (``occurrences``),
+            subtree ends and depths.
+        showing_grids: ``[showings, 3]`` ``image_grid_thw`` of each showing.
+
+    Padding (depth 0, no descendant) keeps position 0.
+    """
+    positions = torch.zeros((3, *input_ids.shape), dtype=torch.int64)
+    index = np.arange(input_ids.shape[1])
+    for row in range(input_ids.shape[0]):
+        ends = kv_end[row].cpu().numpy()
+        leaves = np.nonzero((ends == index + 1) & (depths[row].cpu().numpy() > 0))[0]
+        for leaf in leaves:
+            path = torch.from_numpy(np.nonzero(ends[: leaf + 1] > leaf)[0])  # the leaf's ancestors and itself
+            path_showings = showing[row, path]
+            shown = torch.unique_consecutive(path_showings[path_showings >= 0])
+            branch, _ = rope_model.get_rope_index(
+                input_ids[row, path][None].cpu(),
+                mm_token_type_ids=(path_showings >= 0).int()[None],
+                image_grid_thw=showing_grids[shown] if len(shown) else None,
+            )
+            positions[:, row, path] = branch[:, 0].cpu()
+    return positions.to(input_ids.device)
+
+
+def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
+    """Forward keywords of ``model`` for a ``MediaTreeCollator`` batch: ``input_ids``, ``position_ids`` (3-D for
+    mRoPE models) and ``mm_encoder_outputs`` (each distinct image encoded once, one entry per showing).
+
+    Raises:
+        ValueError: for a model not in ``SUPPORTED``, processor tensors its ``get_image_features`` does not take, or
+            placeholder runs that do not match the image features.
+    """
+    family = vision_family(model)
+    causal_lm: PreTrainedModel = causal_lm_of(model)
+    inputs: dict[str, Any] = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"]}
+    image_inputs = batch["image_inputs"]
+    if not image_inputs:
+        return inputs
+    unknown = sorted(set(image_inputs) - set(family.image_inputs))
+    if unknown:
+        raise ValueError(
+            f"image_inputs holds {unknown}, which the tree forward of {type(causal_lm).__name__} does not pass to "
+            f"get_image_features (it takes {list(family.image_inputs)}); drop them or train on flat sequences."
+        )
+    required = ("pixel_values", "image_grid_thw") if family.mrope else ("pixel_values",)
+    missing = [k for k in required if k not in image_inputs]
+    if missing:
+        raise ValueError(f"image_inputs lacks {missing}, which {type(causal_lm).__name__}'s image encoder needs.")
+    device = batch["input_ids"].device
+    features = causal_lm.get_image_features(**{k: v.to(device) for k, v in image_inputs.items()}, return_dict=True)
+    per_image = list(features.pooler_output)
+    shown, showing = occurrences(batch["media_ids"], [len(f) for f in per_image])
+    features.pooler_output = tuple(per_image[m] for m in shown)  # the model scatters them in row-major order
+    if getattr(features, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image, like pooler_output
+        features.deepstack_features = [tuple(layer[m] for m in shown) for layer in features.deepstack_features]
+    inputs["mm_encoder_outputs"] = {"image": features}
+    if family.mrope:
+        inputs["position_ids"] = mrope_positions(
+            causal_lm.model,
+            batch["input_ids"],
+            showing,
+            image_inputs["image_grid_thw"][shown].cpu(),
+            batch["kv_end"],
+            batch["position_ids"],
+        )
+    return inputs
+
+
+def batch_model_inputs(model: torch.nn.Module, batch: dict[str, Any], context_parallel: bool = False) -> dict | None:
+    """``vision_model_inputs`` of a ``MediaTreeCollator`` batch (it has ``media_ids``), ``None`` for a text batch: what
+    the tree trainers pass to ``tree_causal_lm_loss`` as ``model_inputs``.
+
+    Raises:
+        ValueError: for an image batch under context parallel (its shards would split placeholder runs).
+    """
+    if "media_ids" not in batch:
+        return None
+    if context_parallel:
+        raise ValueError(
+            "image tree batches (MediaTreeCollator) cannot be sharded by context parallel: a shard would split "
+            "images' placeholder runs. Set context_parallel_size=1 for vision-language trees."
+        )
+    return vision_model_inputs(model, batch)
+
+
+def tree_vision_lm_loss(
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    num_items_in_batch: torch.Tensor | float | None = None,
+    **options: Any,
+) -> torch.Tensor:
+    """``tree_causal_lm_loss`` of a ``MediaTreeCollator`` batch on a vision-language model (``vision_model_inputs``);
+    ``options`` are ``tree_causal_lm_loss``'s (``chunk_size``, ``token_loss``, ``self_check``)."""
+    inputs = vision_model_inputs(model, batch)
+    return tree_causal_lm_loss(model, batch, num_items_in_batch, model_inputs=inputs, **options)

@@ -1,0 +1,124 @@
+"""Images of padded ``[B, T]`` rows (TRL's GRPO batches) for the tree log-prob passes.
+
+TRL hands the policy, reference and old-policy passes a padded batch with the processor's tensors of every row's
+images concatenated (``pixel_values``, ``image_grid_thw``, ``num_images`` per row): a group of G completions carries
+G copies of its prompt's images. ``RowMedia.from_rows`` splits them per image, keeps each distinct image once
+(``MediaStore``) and writes each placeholder run as its image's trie id, so ``layout_scored_rows`` merges rows by
+tokens *and* images; ``RowMedia.model_inputs`` turns packed rows back into the model's inputs (each image encoded
+once per backbone call, ``hf_tree.vision.forward``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from hf_tree.models.head import causal_lm_of
+from hf_tree.vision.collator import attach_media
+from hf_tree.vision.forward import vision_family, vision_model_inputs
+from hf_tree.vision.media_tree import MEDIA_TOKEN_BASE, MediaStore, placeholder_runs
+
+# Row inputs TRL's GRPO passes for the supported families; ``from_rows`` consumes them.
+ROW_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids")
+# Families whose TRL row inputs are exactly those (tests/test_vision_trl.py compares them with TRL's GRPO passes);
+# Idefics3/SmolVLM also pass pixel_attention_mask and are refused by the tree log-prob head.
+ROW_FAMILIES = ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_vl")
+
+
+def split_images(
+    pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None, num_images: int, name: str = "model"
+) -> list[dict[str, torch.Tensor]]:
+    """A processor's concatenated image tensors -> one dict per image (``MediaTree.media``'s form).
+
+    Args:
+        pixel_values: Qwen: ``[patches, D]`` (``image_grid_thw.prod(-1)`` rows per image); LLaVA: ``[images, C, H, W]``.
+        image_grid_thw: ``[images, 3]`` or ``None``.
+        num_images: how many images the tensors hold.
+        name: how errors refer to the model.
+    """
+    sizes = image_grid_thw.prod(-1).tolist() if image_grid_thw is not None else [1] * num_images
+    if len(sizes) != num_images or sum(sizes) != pixel_values.shape[0]:
+        raise ValueError(
+            f"{name}: pixel_values has {pixel_values.shape[0]} rows but the {num_images} images need {sum(sizes)}; "
+            "pass the processor's pixel_values (and image_grid_thw) of these rows."
+        )
+    images = [{"pixel_values": pixels} for pixels in torch.split(pixel_values, sizes)]
+    for m, image in enumerate(images):
+        if image_grid_thw is not None:
+            image["image_grid_thw"] = image_grid_thw[m : m + 1]
+    return images
+
+
+@dataclass
+class RowMedia:
+    """A batch's distinct images and its rows with placeholders written as trie media ids.
+
+    Attributes:
+        model: the vision-language model (may be PEFT-wrapped).
+        input_ids: ``[B, T]`` the rows, each image's placeholder run as ``MEDIA_TOKEN_BASE + image``.
+        images: per distinct image, its processor tensors.
+        image_token_id: the model's placeholder token.
+    """
+
+    model: torch.nn.Module
+    input_ids: torch.Tensor
+    images: list[dict[str, torch.Tensor]]
+    image_token_id: int
+
+    @classmethod
+    def from_rows(
+        cls, model: torch.nn.Module, input_ids: torch.Tensor, inputs: dict[str, Any], name: str = "model"
+    ) -> RowMedia | None:
+        """Take the image inputs (``ROW_IMAGE_INPUTS``) out of ``inputs``; ``None`` when there are no images.
+
+        Args:
+            model: the vision-language model.
+            input_ids: ``[B, T]`` padded rows.
+            inputs: the other forward inputs; ``pixel_values`` (Qwen: ``[patches, D]`` with ``image_grid_thw``
+                ``[images, 3]``; LLaVA: ``[images, C, H, W]``), ``num_images`` (list, per row) and
+                ``mm_token_type_ids`` ``[B, T]`` are removed from it.
+            name: how errors refer to the model.
+
+        Raises:
+            ValueError: for a model ``hf_tree.vision`` does not support, rows whose placeholder runs do not match
+                ``num_images`` or the images, or ``mm_token_type_ids`` marking other tokens than the image
+                placeholders (videos).
+        """
+        given = {k: inputs.pop(k, None) for k in ROW_IMAGE_INPUTS}
+        pixel_values, grid = given["pixel_values"], given["image_grid_thw"]
+        if pixel_values is None:
+            return None
+        try:
+            vision_family(model)
+        except ValueError as error:
+            raise ValueError(f"{name} got pixel_values: {error}") from error
+        image_token_id = int(causal_lm_of(model).config.image_token_id)
+        rows = input_ids.cpu()
+        runs = [placeholder_runs(row.numpy(), image_token_id) for row in rows]
+        num_images = given["num_images"] or [len(r) for r in runs]
+        if [len(r) for r in runs] != list(num_images):
+            raise ValueError(
+                f"{name}: the rows hold {[len(r) for r in runs]} runs of image_token_id={image_token_id} but "
+                f"num_images={list(num_images)}: each image's placeholders must be one run."
+            )
+        images = split_images(pixel_values, grid, sum(num_images), name)
+        mm_types = given["mm_token_type_ids"]
+        if mm_types is not None and not torch.equal(mm_types.cpu() != 0, rows == image_token_id):
+            raise ValueError(
+                f"{name}: mm_token_type_ids marks other tokens than the image placeholders (videos?); hf_tree's tree "
+                "log-probs support images only. Set tree_logprobs=False."
+            )
+        store = MediaStore()
+        encoded = rows.clone()
+        flat_runs = [(row, start, end) for row, row_runs in enumerate(runs) for start, end in row_runs]
+        for (row, start, end), image in zip(flat_runs, images):
+            encoded[row, start:end] = MEDIA_TOKEN_BASE + store.add(image)
+        return cls(model, encoded.to(input_ids.device), store.images, image_token_id)
+
+    def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:
+        """Forward inputs of packed rows of ``self.input_ids`` (``input_ids`` holding trie ids, ``position_ids``,
+        ``kv_end``): placeholders, positions and the features of the images they show (``vision_model_inputs``)."""
+        media = attach_media(dict(batch), self.images, self.image_token_id)
+        return {**vision_model_inputs(self.model, media), "kv_end": batch["kv_end"]}

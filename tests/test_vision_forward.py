@@ -1,0 +1,147 @@
+"""Vision-language trees: the packed forward (each image encoded once) equals per-branch training in float64.
+
+Loss and every gradient (vision tower, projector, language model; LoRA on both) against the same model run on each
+sample alone with its own attention (tests/vision_models.py), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL (mRoPE positions
+from the model's ``get_rope_index`` per branch, deepstack features), Qwen3.5 (GatedDeltaNet hybrid), LLaVA and
+Idefics3/SmolVLM (1-D positions).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_tree.vision import MediaTree, MediaTreeCollator, tree_vision_lm_loss, vision_family
+from tests.helpers import (
+    FLOAT32_FLOOR,
+    float32_floor_grad_error,
+    float64_norms,
+    grads_of,
+    max_grad_relative_error,
+    relative_error,
+)
+from tests.vision_models import (
+    FAMILIES,
+    FLOAT32_INTERNALS,
+    IMAGE_TOKEN,
+    float64_vision_rotary,
+    per_branch_vlm_loss,
+    placeholders,
+    tiny_image,
+    tiny_vlm,
+)
+
+TOLERANCE = 1e-9
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def samples(family: str) -> tuple[list[list[int]], list[list[dict]], list[list[int]]]:
+    """Two trees' worth of samples: a shared image prompt with several completions (one a prefix of another), a
+    second image of another size behind the same text, an image shown twice in one sample, a text-only sample."""
+    first, second = tiny_image(family, 1), tiny_image(family, 2, height=4, width=8)
+    a, b = placeholders(family, first), placeholders(family, second)
+    sequences = [
+        [1, 2, *a, 5, 6, 7, 8],
+        [1, 2, *a, 5, 9],
+        [1, 2, *a, 5],
+        [1, 2, *b, 5, 6, 7],
+        [1, 2, *a, 5, 6, *a, 11, 12],
+        [3, 4, 5, 6],
+    ]
+    images = [[first], [first], [first], [second], [first, first], []]
+    masks = [[0] * (len(s) - 3) + [1] * 3 for s in sequences]
+    return sequences, images, masks
+
+
+def tree_batch(family: str, max_packed_tokens: int = 128) -> tuple[dict, tuple]:
+    sequences, images, masks = samples(family)
+    trees = [
+        MediaTree.from_samples(sequences[:4], images[:4], IMAGE_TOKEN, masks[:4]),
+        MediaTree.from_samples(sequences[4:], images[4:], IMAGE_TOKEN, masks[4:]),
+    ]
+    return MediaTreeCollator(max_packed_tokens=max_packed_tokens)(trees), (sequences, images, masks)
+
+
+def loss_and_grads(model, loss_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    with float64_norms(), float64_vision_rotary():
+        loss = loss_fn()
+        loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_forward_equals_per_branch(family):
+    model = tiny_vlm(family)
+    batch, (sequences, images, masks) = tree_batch(family, max_packed_tokens=32)  # two rows
+    assert batch["input_ids"].shape[0] == 2
+    loss, grads = loss_and_grads(model, lambda: tree_vision_lm_loss(model, batch))
+    ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
+    assert any("visual" in n or "vision" in n for n in grads), "the vision tower must get gradients"
+    if family in FLOAT32_INTERNALS:  # as tests/test_hybrid_mixers.py measures the text-only hybrids
+        assert relative_error(loss, ref) <= FLOAT32_FLOOR
+        assert float32_floor_grad_error(grads, ref_grads) <= FLOAT32_FLOOR
+    else:
+        assert relative_error(loss, ref) < TOLERANCE
+        assert max_grad_relative_error(grads, ref_grads) < TOLERANCE
+
+
+def test_lora_on_vision_and_language_equals_per_branch():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(
+        tiny_vlm("qwen2_vl"), LoraConfig(r=4, target_modules=["q_proj", "v_proj", "qkv"], init_lora_weights=False)
+    )
+    batch, (sequences, images, masks) = tree_batch("qwen2_vl")
+    loss, grads = loss_and_grads(model, lambda: tree_vision_lm_loss(model, batch))
+    ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
+    assert {n.split(".lora")[0].split(".")[-1] for n in grads} == {"q_proj", "v_proj", "qkv"}
+    assert relative_error(loss, ref) < TOLERANCE
+    assert max_grad_relative_error(grads, ref_grads) < TOLERANCE
+
+
+def test_each_image_encoded_once_per_batch():
+    """Also when trees are split over rows (the image prompt repeated in each part): one encoder call."""
+    model = tiny_vlm("qwen2_vl")
+    batch, (sequences, images, masks) = tree_batch("qwen2_vl", max_packed_tokens=20)  # the first tree is split
+    assert batch["input_ids"].shape[0] >= 3
+    # 6 showings of the 16-patch image (sample 4 shows it twice) and one of the 32-patch one: 48 patches encoded
+    assert batch["image_inputs"]["pixel_values"].shape[0] == 16 + 32
+    seen = []
+    hook = model.model.visual.patch_embed.register_forward_hook(lambda m, args, out: seen.append(out.shape[0]))
+    loss, grads = loss_and_grads(model, lambda: tree_vision_lm_loss(model, batch))
+    hook.remove()
+    assert seen == [48]
+    ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
+    assert relative_error(loss, ref) < TOLERANCE
+    assert max_grad_relative_error(grads, ref_grads) < TOLERANCE
+
+
+def test_refused_models_and_inputs():
+    gemma = pytest.importorskip("transformers").Gemma3ForConditionalGeneration
+    config = pytest.importorskip("transformers").Gemma3Config(
+        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1, head_dim=8),
+        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2),
+    )
+    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*bidirectionally"):
+        vision_family(gemma(config))
+    model = tiny_vlm("qwen2_vl")
+    batch, _ = tree_batch("qwen2_vl")
+    batch["image_inputs"]["image_sizes"] = torch.tensor([[4, 4], [4, 8]])
+    with pytest.raises(ValueError, match=r"\['image_sizes'\].*get_image_features"):
+        tree_vision_lm_loss(model, batch)
+    with pytest.raises(ValueError, match="overlong='truncate'"):
+        MediaTreeCollator(max_packed_tokens=64, max_branch_tokens=8, overlong="truncate")
+
+
+def test_activation_checkpointing_recomputes_the_same_tree():
+    """Recomputed vision and language layers in backward see the same inputs (kv_end, positions, features)."""
+    model = tiny_vlm("qwen2_vl")
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()  # checkpointing runs in training mode only (the tiny models have no dropout)
+    batch, (sequences, images, masks) = tree_batch("qwen2_vl", max_packed_tokens=32)
+    loss, grads = loss_and_grads(model, lambda: tree_vision_lm_loss(model, batch))
+    model.activation_checkpointing_disable()
+    ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
+    assert relative_error(loss, ref) < TOLERANCE
+    assert max_grad_relative_error(grads, ref_grads) < TOLERANCE

@@ -1,0 +1,306 @@
+"""TRL trainers on images: TreeGRPOTrainer on image prompts against TRL's own GRPOTrainer (same saved tiny
+vision-language model), and TreeSFTTrainer's refusal of vision datasets.
+
+Oracle: TRL's ``_get_per_token_logps_and_entropies`` on padded rows carrying each row's copy of its prompt's image
+(TRL chunks rows by ``batch_size``). The tree passes merge rows by tokens *and* image (two prompts with the same
+tokens but different images stay apart) and encode each distinct image once per pass.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import GRPOConfig, GRPOTrainer
+
+from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
+from tests.helpers import (
+    FLOAT32_FLOOR,
+    TRL_STEP_TOLERANCE,
+    TRL_TOLERANCE,
+    float32_floor_grad_error,
+    float64_norms,
+    max_grad_relative_error,
+    relative_error,
+    trainer_args,
+    word_tokenizer,
+    zero_reward,
+)
+from tests.vision_models import (
+    FLOAT32_INTERNALS,
+    IMAGE_TOKEN,
+    float64_vision_rotary,
+    is_mrope,
+    placeholders,
+    tiny_image,
+    tiny_vlm,
+)
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+COMPLETIONS = [[20, 21, 22], [20, 21, 1], [23, 24, 25, 26], [20, 21, 22]]  # a duplicate and shared prefixes
+ROLLOUTS = [[20, 21, 22], [20, 21, 2], [23, 24, 25], [20, 26, 1]]  # varied_reward (id sum mod 7): 0, 1, 2, 4
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava"])
+def trainers(request, tmp_path_factory):
+    family = request.param
+    path = str(tmp_path_factory.mktemp(family))
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
+    setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
+    trl = GRPOTrainer(path, zero_reward, trainer_args(GRPOConfig, path, torch.float64), **setup)
+    tree = TreeGRPOTrainer(path, zero_reward, trainer_args(TreeGRPOConfig, path, torch.float64), **setup)
+    return family, trl, tree
+
+
+def image_groups(family: str) -> tuple[torch.Tensor, torch.Tensor, int, dict, int]:
+    """Three groups of 4 completions: two prompts with the same tokens and different images, one with another
+    image size (Qwen) and text. Returns ids, mask ``[12, T]``, completion columns, the image inputs TRL passes and the
+    number of distinct images' encoder rows (patches for Qwen, images for LLaVA)."""
+    first, same_size, other = tiny_image(family, 1), tiny_image(family, 3), tiny_image(family, 2, height=4, width=8)
+    prompts = [
+        ([3, 4, *placeholders(family, first), 5], first),
+        ([3, 4, *placeholders(family, same_size), 5], same_size),
+        ([6, *placeholders(family, other), 5], other),
+    ]
+    rows = [(prompt, image, completion) for prompt, image in prompts for completion in COMPLETIONS]
+    prompt_width, width = max(len(p) for p, _ in prompts), max(len(c) for c in COMPLETIONS)
+    ids = torch.zeros(len(rows), prompt_width + width, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for r, (prompt, _, completion) in enumerate(rows):  # left-padded prompts, right-padded completions
+        ids[r, prompt_width - len(prompt) : prompt_width + len(completion)] = torch.tensor(prompt + completion)
+        mask[r, prompt_width - len(prompt) : prompt_width + len(completion)] = 1
+    images = [image for _, image, _ in rows]
+    inputs = {k: torch.cat([image[k] for image in images]) for k in images[0]}
+    inputs["num_images"] = [1] * len(rows)
+    if is_mrope(family):
+        inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
+    distinct = sum(image["pixel_values"].shape[0] for _, image in prompts)
+    return ids, mask, width, inputs, distinct
+
+
+def log_probs_and_grads(trainer, model, batch) -> tuple[torch.Tensor, torch.Tensor | None, dict]:
+    ids, mask, keep, inputs, _ = batch
+    model.zero_grad()
+    with float64_norms(), float64_vision_rotary():
+        logps, entropy, _ = trainer._get_per_token_logps_and_entropies(
+            model, ids, mask, keep, batch_size=4, compute_entropy=True, **inputs
+        )
+        (logps * torch.linspace(0.1, 1.0, keep)).sum().backward()
+    return logps.detach(), entropy, {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+def test_image_logprobs_entropies_and_gradients_match_trl(trainers):
+    family, trl, tree = trainers
+    batch = image_groups(family)
+    encoded = []
+    encoder = tree.model.model.visual.patch_embed if is_mrope(family) else tree.model.model.vision_tower
+    hook = encoder.register_forward_hook(lambda m, args, out: encoded.append(args[0].shape[0]))
+    logps, entropy, grads = log_probs_and_grads(tree, tree.model, batch)
+    hook.remove()
+    trl_logps, trl_entropy, trl_grads = log_probs_and_grads(trl, trl.model, batch)
+    assert relative_error(logps, trl_logps) <= TRL_TOLERANCE
+    assert relative_error(entropy, trl_entropy) <= TRL_TOLERANCE
+    if family in FLOAT32_INTERNALS:  # GatedDeltaNet's float32 decay gradients (tests/test_hybrid_mixers.py's floor)
+        assert float32_floor_grad_error(grads, trl_grads) <= FLOAT32_FLOOR
+    else:  # TRL's fused kernel computes its gradients in float32 even for float64 models (docs/grpo_dpo.md)
+        assert max_grad_relative_error(grads, trl_grads) <= TRL_STEP_TOLERANCE
+    assert encoded == [batch[4]], "one encoder call over the 3 distinct images (TRL: 12 images in 3 chunks)"
+    stats = tree.model.hf_tree_layout_stats  # tries by first token: the two "3 4 <image> 5" prompts share one
+    assert stats.num_trees == 2 and stats.dedup_ratio > 2
+
+
+def test_reference_pass_matches_trl(trainers):
+    family, trl, tree = trainers
+    ids, mask, keep, inputs, _ = image_groups(family)
+    with torch.no_grad(), float64_norms(), float64_vision_rotary():
+        ref = tree._get_per_token_logps_and_entropies(tree.ref_model, ids, mask, keep, batch_size=4, **inputs)[0]
+        trl_ref = trl._get_per_token_logps_and_entropies(trl.ref_model, ids, mask, keep, batch_size=4, **inputs)[0]
+    assert relative_error(ref, trl_ref) <= TRL_TOLERANCE
+
+
+def test_unsupported_image_inputs_raise(trainers):
+    family, _, tree = trainers
+    ids, mask, keep, inputs, _ = image_groups(family)
+    with pytest.raises(ValueError, match=r"\['image_sizes'\]"):
+        tree._get_per_token_logps_and_entropies(
+            tree.model, ids, mask, keep, image_sizes=torch.tensor([[8, 8]] * ids.shape[0]), **inputs
+        )
+    with pytest.raises(ValueError, match=r"num_images=\[2, 0"):
+        tree._get_per_token_logps_and_entropies(
+            tree.model, ids, mask, keep, **{**inputs, "num_images": [2, 0] + [1] * (ids.shape[0] - 2)}
+        )
+
+
+def test_vision_sft_step_matches_trl(tmp_path):
+    """TreeSFTTrainer on TRL's vision rows (``messages`` + ``images``, grouped into one tree by a column: the same
+    question about two images forks at the image) = TRL's SFTTrainer (which tokenizes in its vision collator): one SGD
+    step, same loss and updates, on a LLaVA with a real processor."""
+    Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+    from tests.helpers import exact_sgd_args, train_and_measure_updates
+    from tests.vision_models import llava_processor
+
+    red, blue = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
+
+    def chat(question: str, answer: str) -> list[dict]:
+        return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+    rows = [(red, chat("w5 w6", "w7 w8")), (red, chat("w5 w6", "w9")), (blue, chat("w5 w6", "w7 w8"))]
+    rows.append((red, chat("w10", "w11 w12 w13")))
+    dataset = Dataset.from_dict({"messages": [r[1] for r in rows], "images": [[r[0]] for r in rows], "group": [0] * 4})
+    path = str(tmp_path / "llava")
+    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    settings = dict(max_steps=1, learning_rate=1.0, per_device_train_batch_size=4, use_cpu=True, bf16=False)
+    settings |= dict(model_init_kwargs={"dtype": torch.float64}, max_length=None, shuffle_dataset=False)
+    trl = SFTTrainer(
+        path,
+        args=SFTConfig(**exact_sgd_args(str(tmp_path / "trl"), **settings)),
+        train_dataset=dataset,
+        processing_class=llava_processor(),
+    )
+    tree = TreeSFTTrainer(
+        path,
+        args=TreeSFTConfig(
+            **exact_sgd_args(str(tmp_path / "tree"), **settings), max_packed_tokens=64, group_by="group"
+        ),
+        train_dataset=dataset,
+        processing_class=llava_processor(),
+    )
+    assert len(tree.train_dataset) == 1 and len(tree.train_dataset[0]["media"]) == 2  # one tree, each image once
+    trl_updates, tree_updates = train_and_measure_updates(trl), train_and_measure_updates(tree)
+    # TRL's loss is transformers' ForCausalLMLoss, whose cross-entropy runs on float32 logits even in a float64 model
+    # (measured: 1e-7 loss, 4.5e-7 updates); a branch scored against the wrong image is off by O(1)
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=1e-6)
+    assert trl_updates.keys() == tree_updates.keys() and any("vision_tower" in n for n in tree_updates)
+    assert max_grad_relative_error(tree_updates, trl_updates) <= 1e-5
+
+
+def test_vision_sft_refusals(tmp_path):
+    Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
+
+    from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+
+    messages = [{"role": "user", "content": "w3"}, {"role": "assistant", "content": "w4"}]
+    dataset = Dataset.from_dict({"messages": [messages], "images": [[Image.new("RGB", (8, 8))]]})
+    args = TreeSFTConfig(str(tmp_path), max_packed_tokens=64, use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match="needs the model's processor as processing_class"):
+        TreeSFTTrainer(tiny_vlm("llava"), args=args, train_dataset=dataset, processing_class=word_tokenizer())
+    prompts = Dataset.from_dict({"prompt": ["w3"], "completion": ["w4"], "image": [Image.new("RGB", (8, 8))]})
+    from tests.vision_models import llava_processor
+
+    with pytest.raises(ValueError, match="'messages' \\+ 'images'"):
+        TreeSFTTrainer(tiny_vlm("llava"), args=args, train_dataset=prompts, processing_class=llava_processor())
+
+
+def test_tree_trainer_step_on_image_trees_equals_per_branch_sgd(tmp_path):
+    """``TreeTrainer`` with ``MediaTreeCollator`` on ``MediaTree.to_dict()`` rows: one SGD step moves every parameter
+    (vision tower included) as the per-sample loss's gradient does."""
+    from hf_tree import TreeTrainer, TreeTrainingArguments
+    from hf_tree.vision import MediaTree, MediaTreeCollator
+    from tests.helpers import exact_sgd_args, grads_of
+    from tests.vision_models import per_branch_vlm_loss
+
+    family = "qwen2_vl"
+    first, second = tiny_image(family, 1), tiny_image(family, 2)
+    a, b = placeholders(family, first), placeholders(family, second)
+    sequences = [[1, 2, *a, 5, 6, 7], [1, 2, *a, 5, 8], [1, 2, *b, 5, 6, 7]]
+    images = [[first], [first], [second]]
+    rows = [
+        MediaTree.from_samples(sequences[:2], images[:2], IMAGE_TOKEN),
+        MediaTree.from_samples(*[[x[2]] for x in (sequences, images)], IMAGE_TOKEN),
+    ]
+    reference = tiny_vlm(family)
+    with float64_norms(), float64_vision_rotary():
+        per_branch_vlm_loss(reference, sequences, images).backward()
+    expected = {n: -g for n, g in grads_of(reference).items()}  # SGD at learning rate 1
+    model = tiny_vlm(family)
+    args = TreeTrainingArguments(
+        **exact_sgd_args(str(tmp_path), max_steps=1, learning_rate=1.0, per_device_train_batch_size=2, use_cpu=True),
+        max_packed_tokens=64,
+    )
+    trainer = TreeTrainer(
+        model=model,
+        args=args,
+        train_dataset=Dataset.from_list([r.to_dict() for r in rows]),
+        data_collator=MediaTreeCollator(max_packed_tokens=64),
+    )
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with float64_norms(), float64_vision_rotary():
+        trainer.train()
+    updates = {n: p.detach() - before[n] for n, p in model.named_parameters() if n in expected}
+    assert any("visual" in n for n in updates)
+    assert max_grad_relative_error(updates, expected) <= 1e-9
+
+
+def image_rollout(prompts: list, trainer) -> dict:
+    """Generation replaced by fixed completions (TRL's ``rollout_func``), keyed by the prompt image's colour."""
+    seen: dict[tuple, int] = {}
+    output = {"prompt_ids": [], "completion_ids": [], "logprobs": None}
+    for prompt in prompts:
+        image = next(part["image"] for part in prompt[0]["content"] if part["type"] == "image")
+        colour = image.getpixel((0, 0))
+        k = seen[colour] = seen.get(colour, -1) + 1
+        rendered = trainer.processing_class.apply_chat_template(prompt, tokenize=True, return_dict=True)
+        output["prompt_ids"].append(list(rendered["input_ids"][0]))
+        output["completion_ids"].append(ROLLOUTS[(k + sum(colour)) % 4])
+    return output
+
+
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_one_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, peft):
+    """One optimizer step of TreeGRPOTrainer = TRL's GRPOTrainer on a LLaVA with a real processor: two prompts with the
+    same text and different images (they must not merge), old-policy, reference and policy passes (2 micro-batches,
+    2 iterations per generation), SGD without clipping."""
+    from peft import LoraConfig
+
+    Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
+
+    from tests.helpers import train_and_measure_updates, varied_reward
+    from tests.vision_models import llava_processor
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    path = str(tmp_path / "llava")
+    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w5 w6 w7"}]}]
+    images = [Image.new("RGB", (8, 8), colour) for colour in ((200, 30, 30), (30, 30, 200))]
+    dataset = Dataset.from_dict({"prompt": [question, question], "image": images})
+    results = []
+    for cls, config in ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)):
+        args = trainer_args(
+            config, path, torch.float64, gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0
+        )
+        trainer = cls(
+            path,
+            varied_reward,
+            args,
+            train_dataset=dataset,
+            processing_class=llava_processor(),
+            rollout_func=image_rollout,
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
+        )
+        results.append((trainer, train_and_measure_updates(trainer)))
+    (trl, trl_updates), (tree, tree_updates) = results
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
+    assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
+    # CLIP's k_proj biases have a zero true gradient (softmax is shift-invariant): their ~1e-19 updates are rounding
+    # noise on both sides, so updates are measured against 1e-6 of the largest one (max_grad_relative_error)
+    assert max_grad_relative_error(tree_updates, trl_updates) <= TRL_STEP_TOLERANCE
+    assert any("vision_tower" in n for n in tree_updates) or peft
+
+
+def test_dpo_refuses_vision_language_models(tmp_path):
+    from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
+    from tests.helpers import tiny_trl_config
+
+    path = str(tmp_path / "qwen2_vl")
+    tiny_vlm("qwen2_vl", attn="sdpa").save_pretrained(path)
+    pairs = Dataset.from_dict({"prompt": ["w10 w11"], "chosen": [" w20"], "rejected": [" w21"]})
+    with pytest.raises(ValueError, match="TreeDPOTrainer's tree log-probs support text-only causal LMs"):
+        TreeDPOTrainer(
+            path,
+            args=tiny_trl_config(TreeDPOConfig, path, torch.float64),
+            train_dataset=pairs,
+            processing_class=word_tokenizer(),
+        )

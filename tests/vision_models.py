@@ -1,0 +1,222 @@
+"""Tiny vision-language models from configs (random weights), their image inputs, and the per-branch oracle.
+
+The oracle: the same model, on its own attention, run on each sample as an ordinary sequence with that sample's
+images passed as the processor would (``pixel_values`` and friends concatenated, ``mm_token_type_ids`` for the
+mRoPE families), combined with token normalization.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Iterator, Sequence
+
+import torch
+import torch.nn.functional as F
+import transformers
+
+from tests.helpers import HYBRIDS, own_attention
+
+IMAGE_TOKEN = 100
+VISION_START, VISION_END = 102, 103
+TEXT = dict(
+    vocab_size=120,
+    hidden_size=32,
+    intermediate_size=48,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    pad_token_id=0,
+    bos_token_id=0,
+    eos_token_id=1,
+)
+MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2]}
+QWEN_VISION = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
+QWEN_TOKENS = dict(image_token_id=IMAGE_TOKEN, video_token_id=101, vision_start_token_id=VISION_START)
+IDEFICS3_VISION = dict(
+    hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2
+)  # 16 patches, 2x2 pixel shuffle: 4 placeholder tokens per image
+CONFIGS = {
+    "qwen2_vl": lambda: transformers.Qwen2VLConfig(
+        text_config=dict(TEXT, rope_parameters=MROPE),
+        vision_config=dict(QWEN_VISION, embed_dim=16, hidden_size=32, mlp_ratio=2),
+        vision_end_token_id=VISION_END,
+        **QWEN_TOKENS,
+    ),
+    "qwen2_5_vl": lambda: transformers.Qwen2_5_VLConfig(
+        text_config=dict(TEXT, rope_parameters=MROPE),
+        vision_config=dict(
+            QWEN_VISION,
+            hidden_size=16,
+            intermediate_size=32,
+            out_hidden_size=32,
+            window_size=8,
+            fullatt_block_indexes=[1],
+        ),
+        vision_end_token_id=VISION_END,
+        **QWEN_TOKENS,
+    ),
+    "qwen3_vl": lambda: transformers.Qwen3VLConfig(
+        text_config=dict(TEXT, head_dim=8, rope_parameters=dict(MROPE, mrope_interleaved=True)),
+        vision_config=dict(
+            QWEN_VISION,
+            hidden_size=16,
+            intermediate_size=32,
+            out_hidden_size=32,
+            num_position_embeddings=16,
+            deepstack_visual_indexes=[0, 1],
+        ),
+        vision_end_token_id=VISION_END,
+        **QWEN_TOKENS,
+    ),
+    "qwen3_5": lambda: transformers.Qwen3_5Config(  # GatedDeltaNet layers (hf_tree.models.mixers) + attention
+        text_config=TEXT | HYBRIDS["qwen3_5_text"] | {"rope_parameters": dict(MROPE, mrope_interleaved=True)},
+        vision_config=dict(
+            QWEN_VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32, num_position_embeddings=16
+        ),
+        vision_end_token_id=VISION_END,
+        **QWEN_TOKENS,
+    ),
+    "idefics3": lambda: transformers.Idefics3Config(  # SmolVLM's architecture (unsplit images: one tile each)
+        text_config=dict(TEXT, model_type="llama"),
+        vision_config=dict(IDEFICS3_VISION),
+        scale_factor=2,
+        image_token_id=IMAGE_TOKEN,
+    ),
+    "smolvlm": lambda: transformers.SmolVLMConfig(
+        text_config=dict(TEXT, model_type="llama"),
+        vision_config=dict(IDEFICS3_VISION),
+        scale_factor=2,
+        image_token_id=IMAGE_TOKEN,
+    ),
+    "llava": lambda: transformers.LlavaConfig(
+        text_config=dict(TEXT, model_type="llama"),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=8,
+            patch_size=4,
+        ),
+        image_token_id=IMAGE_TOKEN,
+        vision_feature_layer=-1,
+    ),
+}
+FAMILIES = tuple(CONFIGS)
+# Families whose own float32 internals (GatedDeltaNet's decay parameters) bound the float64 comparison.
+FLOAT32_INTERNALS = ("qwen3_5",)
+
+
+@contextlib.contextmanager
+def float64_vision_rotary() -> Iterator[None]:
+    """The Qwen vision towers apply their rotary embedding in float32 even in a float64 model, which rounds the vision
+    gradients of a tree (an image encoded once, its feature gradients summed over showings) differently from per
+    branch (~1e-8); keep float64 in both for 1e-9 tests (what ``float64_norms`` does for RMSNorm)."""
+    from transformers.models.qwen2_vl.modeling_qwen2_vl import rotate_half
+
+    def apply(q, k, cos, sin):
+        cos, sin = cos.unsqueeze(-2).to(q.dtype), sin.unsqueeze(-2).to(q.dtype)
+        return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+
+    modules = [importlib.import_module(f"transformers.models.{n}.modeling_{n}") for n in FAMILIES if is_mrope(n)]
+    originals = [module.apply_rotary_pos_emb_vision for module in modules]
+    for module in modules:
+        module.apply_rotary_pos_emb_vision = apply
+    try:
+        yield
+    finally:
+        for module, original in zip(modules, originals):
+            module.apply_rotary_pos_emb_vision = original
+
+
+def tiny_vlm(family: str, dtype: torch.dtype = torch.float64, attn: str = "tree_flash", seed: int = 0):
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForImageTextToText.from_config(CONFIGS[family](), dtype=dtype)
+    model.set_attn_implementation(attn)
+    return model
+
+
+def is_mrope(family: str) -> bool:
+    return family.startswith("qwen")
+
+
+def tiny_image(family: str, seed: int, height: int = 4, width: int = 4) -> dict[str, torch.Tensor]:
+    """One image's processor tensors (random pixels). Qwen: a ``height x width`` patch grid (``height * width / 4``
+    placeholder tokens after the 2x2 merge); LLaVA: an 8x8 image (4 tokens); Idefics3/SmolVLM: one 8x8 tile."""
+    generator = torch.Generator().manual_seed(seed)
+    if family in ("idefics3", "smolvlm"):
+        pixels = torch.randn(1, 1, 3, 8, 8, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool)}
+    if not is_mrope(family):
+        return {"pixel_values": torch.randn(1, 3, 8, 8, generator=generator, dtype=torch.float64)}
+    pixels = torch.randn(height * width, 3 * 2 * 2 * 2, generator=generator, dtype=torch.float64)
+    return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, height, width]])}
+
+
+def placeholders(family: str, image: dict[str, torch.Tensor]) -> list[int]:
+    """The tokens a processor writes for ``image`` (Qwen: wrapped in vision start/end tokens)."""
+    if not is_mrope(family):
+        return [IMAGE_TOKEN] * 4
+    count = int(image["image_grid_thw"].prod()) // 4
+    return [VISION_START] + [IMAGE_TOKEN] * count + [VISION_END]
+
+
+def per_branch_vlm_loss(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    images: Sequence[Sequence[dict[str, torch.Tensor]]],
+    loss_masks: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Token-normalized CE of every sample run alone (its own attention, its images encoded for it alone)."""
+    previous = model.config._attn_implementation
+    model.set_attn_implementation(own_attention(model))
+    total, divisor = 0.0, 0.0
+    try:
+        for b, (seq, sample_images) in enumerate(zip(sequences, images)):
+            ids = torch.tensor([list(seq)])
+            inputs = (
+                {k: torch.cat([image[k] for image in sample_images]) for k in sample_images[0]} if sample_images else {}
+            )
+            if is_mrope(model.config.model_type):
+                inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
+            mask = torch.tensor(loss_masks[b] if loss_masks else [1] * len(seq), dtype=torch.float64)[1:]
+            logits = model(input_ids=ids, **inputs).logits[0, :-1]
+            total = total + (F.cross_entropy(logits.double(), ids[0, 1:], reduction="none") * mask).sum()
+            divisor += float(mask.sum())
+    finally:
+        model.set_attn_implementation(previous)
+    return total / divisor
+
+
+def llava_processor() -> transformers.LlavaProcessor:
+    """A real ``LlavaProcessor`` for the tiny LLaVA: a word-level tokenizer (``w{i}`` -> id ``i``, ``<image>`` ->
+    ``IMAGE_TOKEN``), CLIP's PIL image processor at 8x8 (4 placeholder tokens per image), a one-line chat template."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, **{f"w{i}": i for i in range(3, TEXT["vocab_size"])}}
+    vocab["<image>"] = IMAGE_TOKEN
+    del vocab[f"w{IMAGE_TOKEN}"]
+    words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
+    words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = transformers.PreTrainedTokenizerFast(
+        tokenizer_object=words,
+        pad_token="[PAD]",
+        eos_token="[EOS]",
+        unk_token="[UNK]",
+        extra_special_tokens={"image_token": "<image>"},
+    )
+    template = (
+        "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> {% else %}"
+        "{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
+    )
+    return transformers.LlavaProcessor(
+        image_processor=transformers.CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}),
+        tokenizer=tokenizer,
+        patch_size=4,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=template,
+    )
