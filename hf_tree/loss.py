@@ -287,14 +287,13 @@ def tree_losses(
         )
     router_inputs = {"output_router_logits": True} if router_coef else {}
     with capture_last_hidden_state(causal_lm) as captured:
+        # model_inputs may replace the rows' own (e.g. mRoPE positions and image features of a vision tree)
+        inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"])
         outputs = model(
-            input_ids=batch["input_ids"],
-            position_ids=batch["position_ids"],
-            kv_end=batch["kv_end"],
+            **inputs | (model_inputs or {}),
             use_cache=False,
             logits_to_keep=1,  # the tree loss applies the head itself, to the gathered positions only
             **router_inputs,
-            **(model_inputs or {}),
         )
     hidden = captured["hidden"]  # the backbone's last hidden state: what detect_logit_head verified
     gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])

@@ -217,7 +217,8 @@ def split_tree(tree: Tree, max_tokens: int) -> list[Tree]:
 
     Branches are taken in DFS order of their end nodes, so neighbours (which share the most) stay together.
     Every branch must already fit (``limit_branch_length``). Weights stay exact: each part's weights are
-    sums over its own branches.
+    sums over its own branches. A group whose branches train no token is left out: it adds nothing to the loss
+    (TRL drops such rows from its datasets too), and a tree must train a token.
     """
     if tree.num_tokens <= max_tokens:
         return [tree]
@@ -236,7 +237,8 @@ def split_tree(tree: Tree, max_tokens: int) -> list[Tree]:
             included = set()
             size = int(tree.branch_lengths[b])
         included.update(path)
-    return [tree.select_branches(sorted(group)) for group in groups]
+    trained = tree.branch_num_trained
+    return [tree.select_branches(sorted(group)) for group in groups if trained[group].any()]
 
 
 def best_fit_decreasing(sizes: Sequence[int], capacity: int) -> list[list[int]]:

@@ -351,5 +351,8 @@ if __name__ == "__main__":
         out = train_tree_trainer(sys.argv[2])
         if int(os.environ.get("RANK", "0")) == 0:
             torch.save(out, sys.argv[3])
+        if torch.distributed.is_initialized():  # a clean gloo teardown: exiting with it alive aborted a rank (seen)
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
     else:
         worker(sys.argv[1])

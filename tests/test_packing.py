@@ -47,6 +47,15 @@ def test_split_keeps_every_branch_once_and_fits():
     assert sum(p.num_branch_tokens for p in parts) == tree.num_branch_tokens
 
 
+def test_split_leaves_out_a_part_that_trains_nothing():
+    """A group of untrained branches would be a tree with no trained token (refused by Tree): it adds nothing to the
+    loss, so the split leaves it out (found by test_loss_equivalence's random forests: a lone 1-token branch)."""
+    tree = Tree.from_sequences([[5, 6, 7, 8, 9, 10, 11, 12], [0, 1]], [[0, 1, 1, 1, 1, 1, 1, 1], [0, 0]])
+    parts = split_tree(tree, 8)
+    assert [p.branch_tokens(0) for p in parts] == [[5, 6, 7, 8, 9, 10, 11, 12]]
+    assert sum(p.token_weights.sum() for p in parts) == tree.token_weights.sum()
+
+
 def test_batch_layout_matches_the_contract():
     trees = [Tree.from_sequences([[1, 2, 3], [1, 2, 4, 5]]), Tree.from_sequences([[7, 8]])]
     batch = TreeDataCollator(max_packed_tokens=16, pad_to_multiple_of=8)([t.to_dict() for t in trees])
