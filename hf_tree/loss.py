@@ -11,6 +11,7 @@ from collections.abc import Callable
 import torch
 from accelerate.utils import extract_model_from_parallel
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 
 from hf_tree.attention.mask import autocast_inputs, compute_dtype
 from hf_tree.attention.names import TREE_ATTENTION_NAME
@@ -262,16 +263,7 @@ def tree_causal_lm_loss(
         ValueError: a model not on ``tree_flash``, one the self-check finds not tree-exact, or a batch whose longest
             branch crosses a length switch of the model's RoPE (``hf_tree.length_rope``).
     """
-    config = extract_model_from_parallel(model).config
-    if config._attn_implementation != TREE_ATTENTION_NAME:
-        raise ValueError(
-            f"the model uses attn_implementation={config._attn_implementation!r}, which ignores kv_end and "
-            f"would let sibling branches see each other. Load it with attn_implementation="
-            f"'{TREE_ATTENTION_NAME}' or call model.set_attn_implementation('{TREE_ATTENTION_NAME}')."
-        )
-    check_rope_lengths(config, batch["position_ids"])
-    logit_head = check_model_for_trees(model, self_check)
-    causal_lm = causal_lm_of(model)
+    causal_lm, logit_head = checked_tree_model(model, batch["position_ids"], self_check)
     with capture_last_hidden_state(causal_lm) as captured:
         model(
             input_ids=batch["input_ids"],
@@ -282,16 +274,57 @@ def tree_causal_lm_loss(
         )
     hidden = captured["hidden"]  # the backbone's last hidden state: what detect_logit_head verified
     gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
-    head = causal_lm.get_output_embeddings()
-    total = (token_loss or weighted_cross_entropy)(
-        head,
-        gathered,
-        batch["loss_targets"],
-        batch["loss_weights"],
+    total = score_hidden_states(
+        causal_lm, logit_head, gathered, batch["loss_targets"], batch["loss_weights"], token_loss, chunk_size
+    )
+    divisor = batch["num_loss_items"] if num_items_in_batch is None else num_items_in_batch
+    return divide_by_items(total, divisor)
+
+
+def checked_tree_model(
+    model: torch.nn.Module, position_ids: torch.Tensor, self_check: bool | None
+) -> tuple[PreTrainedModel, LogitHead]:
+    """The causal LM inside ``model`` and its ``LogitHead``, after every check a tree forward needs: the model is on
+    ``tree_flash``, ``position_ids`` (depths) stay within its RoPE length switches, and ``check_model_for_trees``.
+
+    Raises:
+        ValueError: see ``tree_causal_lm_loss``.
+    """
+    config = extract_model_from_parallel(model).config
+    if config._attn_implementation != TREE_ATTENTION_NAME:
+        raise ValueError(
+            f"the model uses attn_implementation={config._attn_implementation!r}, which ignores kv_end and "
+            f"would let sibling branches see each other. Load it with attn_implementation="
+            f"'{TREE_ATTENTION_NAME}' or call model.set_attn_implementation('{TREE_ATTENTION_NAME}')."
+        )
+    check_rope_lengths(config, position_ids)
+    logit_head = check_model_for_trees(model, self_check)
+    return causal_lm_of(model), logit_head
+
+
+def score_hidden_states(
+    causal_lm: PreTrainedModel,
+    logit_head: LogitHead,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    token_loss: Callable[..., torch.Tensor] | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``sum_i weights[i] * loss(head(hidden[i]), targets[i])`` (0-dim) with the model's own head: ``hidden [M, D]``,
+    ``targets [M]`` int64, ``weights [M]``; ``token_loss`` defaults to ``weighted_cross_entropy``."""
+    return (token_loss or weighted_cross_entropy)(
+        causal_lm.get_output_embeddings(),
+        hidden,
+        targets,
+        weights,
         softcap=logit_head.softcap,
         chunk_size=chunk_size,
         scale=logit_head.scale,
     )
-    divisor = batch["num_loss_items"] if num_items_in_batch is None else num_items_in_batch
+
+
+def divide_by_items(total: torch.Tensor, divisor: torch.Tensor | float) -> torch.Tensor:
+    """``total / divisor`` in ``total``'s dtype and device (a zero divisor leaves ``total``, which is then zero)."""
     divisor = torch.as_tensor(divisor, device=total.device, dtype=total.dtype)
     return total / divisor.clamp_min(torch.finfo(total.dtype).tiny)

@@ -1,0 +1,302 @@
+"""Depth-first execution: a tree larger than a row, every shared prefix computed once, at the memory of one path.
+
+The tree is cut into *units* (``plan_units``), each one forward of the model:
+
+- a **group**: consecutive sibling subtrees whose tokens together fit ``max_unit_tokens``, run as one packed
+  mini-tree (its own ``kv_end``); a whole tree that fits is one group, i.e. today's packed row;
+- a **piece**: up to ``max_unit_tokens`` tokens of one node whose subtree does not fit; its keys/values are kept
+  (the *cache*) while the rest of its subtree runs.
+
+Units run in DFS order (``depth_first_backward``). A unit's queries also see its ancestors' cached keys/values
+(``hf_tree.attention.prefix``), which enter its forward as detached leaves, one per cached piece and layer: the
+unit's backward accumulates their gradients in ``.grad``. A group is backpropagated right after its forward; a
+piece once its whole subtree is done, with ``torch.autograd.backward([hidden, *keys, *values], [dL/dhidden,
+*key.grad, *value.grad])``, so every node's graph is backpropagated once and the parameters' ``.grad`` add up to the
+packed (= per-branch) gradient. The loss of a unit is scored right after its forward on detached hidden states, so
+neither logits nor head gradients are held while its subtree runs. Peak activation memory: the pieces of one
+root-to-leaf path, their caches, and one group. Loss weights and divisor are the tree's own (docs/design.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers import PreTrainedModel
+
+from hf_tree.attention.prefix import KVPrefix
+from hf_tree.head import capture_last_hidden_state
+from hf_tree.loss import checked_tree_model, divide_by_items, score_hidden_states
+from hf_tree.mixers import TREE_MIXER_MODULES
+from hf_tree.packing import Normalization
+from hf_tree.tree import Tree
+
+OPTION = "tree_execution='depth_first'"
+
+
+@dataclass(frozen=True)
+class DepthFirstConfig:
+    """Options of depth-first execution."""
+
+    max_unit_tokens: int = field(
+        default=4096,
+        metadata={
+            "help": "Tokens of one forward: sibling subtrees that fit together run as one packed mini-tree, a node "
+            "whose subtree does not fit runs alone, in pieces of at most this many tokens (the trainers use "
+            "max_packed_tokens)."
+        },
+    )
+    chunk_size: int | None = field(
+        default=None, metadata={"help": "Rows of logits scored at once (None: hf_tree.loss.loss_chunk_rows)."}
+    )
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.max_unit_tokens, int) or self.max_unit_tokens < 1:
+            raise ValueError(f"max_unit_tokens={self.max_unit_tokens!r} must be a positive integer.")
+
+
+@dataclass(frozen=True)
+class Unit:
+    """One forward of depth-first execution: the packed token range ``[start, end)`` of a tree."""
+
+    start: int
+    end: int
+    subtree_end: int
+    """Packed index where the tokens that attend to this unit end (``end`` for a group)."""
+
+    @property
+    def keeps_cache(self) -> bool:
+        """Whether later units attend to this unit's keys/values (a piece with tokens below it)."""
+        return self.subtree_end > self.end
+
+
+def plan_units(tree: Tree, max_unit_tokens: int) -> list[Unit]:
+    """The units of ``tree`` in execution (DFS) order; their ranges tile ``[0, tree.num_tokens)``.
+
+    Consecutive siblings whose subtrees fit ``max_unit_tokens`` together form a group (the roots of a forest are
+    siblings); a node whose subtree is larger is cut into pieces, followed by its children's units.
+    """
+    offsets, ends = tree.node_offsets, tree.node_subtree_ends
+    children: list[list[int]] = [[] for _ in range(tree.num_nodes + 1)]  # index -1: the forest's roots
+    for node, parent in enumerate(tree.node_parents):
+        children[parent].append(node)
+    units: list[Unit] = []
+    group: list[int] = []  # [start, end) of the open group
+
+    def close_group() -> None:
+        if group:
+            units.append(Unit(group[0], group[1], group[1]))
+            group.clear()
+
+    pending: list[Iterator[int]] = [iter(children[-1])]
+    while pending:
+        node = next(pending[-1], None)
+        if node is None:
+            close_group()
+            pending.pop()
+            continue
+        start, end = int(offsets[node]), int(offsets[ends[node]])
+        if end - start <= max_unit_tokens:
+            if group and end - group[0] <= max_unit_tokens:
+                group[1] = end
+            else:
+                close_group()
+                group.extend((start, end))
+            continue
+        close_group()
+        node_end = int(offsets[node + 1])
+        for piece in range(start, node_end, max_unit_tokens):
+            units.append(Unit(piece, min(piece + max_unit_tokens, node_end), end))
+        pending.append(iter(children[node]))
+    return units
+
+
+@dataclass
+class _TreeArrays:
+    """The tensors of one tree that every unit slices (``[num_tokens]`` each; edges ``[M]``)."""
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    kv_end: torch.Tensor
+    edge_predictors: np.ndarray
+    """Packed index of the hidden state that predicts each scored token."""
+    edge_targets: torch.Tensor
+    edge_weights: torch.Tensor
+
+    @classmethod
+    def of(cls, tree: Tree, normalization: Normalization, device: torch.device) -> _TreeArrays:
+        weights = tree.token_weights if normalization == "token" else tree.sequence_weights
+        trained = np.nonzero(weights)[0]
+        order = np.argsort(tree.predictor_index[trained], kind="stable")  # each unit's edges are one slice
+        trained = trained[order]
+        return cls(
+            torch.from_numpy(tree.input_ids).to(device),
+            torch.from_numpy(tree.position_ids).to(device),
+            torch.from_numpy(tree.kv_end).to(device),
+            tree.predictor_index[trained],
+            torch.from_numpy(tree.input_ids[trained]).to(device),
+            torch.from_numpy(weights[trained].astype(np.float64)).to(device),
+        )
+
+    def edges(self, unit: Unit) -> tuple[torch.Tensor, slice]:
+        """``[m]`` positions local to ``unit`` of its predicting hidden states, and the slice of its edges."""
+        first, last = np.searchsorted(self.edge_predictors, [unit.start, unit.end])
+        local = torch.from_numpy(self.edge_predictors[first:last] - unit.start).to(self.input_ids.device)
+        return local, slice(int(first), int(last))
+
+
+@dataclass
+class _Pending:
+    """A forwarded unit whose backward has not run: its outputs and the gradients they receive."""
+
+    unit: Unit
+    outputs: list[torch.Tensor]
+    """``[hidden, *keys, *values]``: the scored hidden states and (pieces) the per-layer keys/values."""
+    output_grads: list[torch.Tensor | None]
+    """The hidden states' gradient, then (pieces) ``None`` until ``cache_leaves`` have gradients."""
+    cache_layers: list[int] = field(default_factory=list)
+    """The ``layer_idx`` of each cached layer (pieces)."""
+    cache_leaves: list[torch.Tensor] = field(default_factory=list)
+    """Detached ``requires_grad`` copies of the keys/values that descendants attend to: the keys of
+    ``cache_layers``, then their values, ``[1, Hkv, n, D]`` each."""
+
+    def backward(self) -> None:
+        grads = self.output_grads[:1] + [leaf.grad for leaf in self.cache_leaves]
+        pairs = [(o, g) for o, g in zip(self.outputs, grads) if g is not None and o.requires_grad]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [g for _, g in pairs])
+        self.outputs, self.output_grads, self.cache_leaves = [], [], []
+
+
+def refuse_for_depth_first(causal_lm: PreTrainedModel) -> None:
+    """``ValueError`` (naming the model and the option) for models depth-first execution would train wrongly.
+
+    Hybrid models carry a convolution window or a recurrent state across a node boundary, which a unit forwarded
+    alone does not receive (only attention keys/values are cached); reentrant gradient checkpointing would cut
+    the cached keys/values out of the autograd graph.
+    """
+    families = sorted(
+        {
+            family
+            for module in causal_lm.modules()
+            for family in TREE_MIXER_MODULES
+            if type(module).__module__.endswith(f".modeling_{family}")
+        }
+    )
+    if families:
+        raise ValueError(
+            f"{OPTION} does not support {type(causal_lm).__name__} (hybrid {families[0]!r}): its convolution windows "
+            "and recurrent states cross node boundaries, and only attention keys/values are carried between units. "
+            "Use tree_execution='packed' (trees larger than a row are then split by their branches)."
+        )
+    for module in causal_lm.modules():
+        checkpoint_func = getattr(module, "_gradient_checkpointing_func", None)
+        if getattr(module, "gradient_checkpointing", False) and isinstance(checkpoint_func, functools.partial):
+            if checkpoint_func.keywords.get("use_reentrant", True):
+                raise ValueError(
+                    f"{OPTION} with reentrant gradient checkpointing (gradient_checkpointing_kwargs="
+                    "{'use_reentrant': True} or unset in an old call) would drop the gradient of the cached keys and "
+                    "values. Set gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default)."
+                )
+
+
+def tree_divisor(trees: Sequence[Tree], normalization: Normalization) -> float:
+    """The trees' own loss divisor: the sum of their weights (``token``) or their trained branches (``sequence``)."""
+    if normalization == "token":
+        return float(sum(int(t.token_weights.sum()) for t in trees))
+    return float(sum(t.num_trained_branches for t in trees))
+
+
+def depth_first_backward(
+    model: torch.nn.Module,
+    trees: Sequence[Tree],
+    config: DepthFirstConfig,
+    normalization: Normalization = "token",
+    num_items_in_batch: torch.Tensor | float | None = None,
+    token_loss: Callable[..., torch.Tensor] | None = None,
+    self_check: bool | None = None,
+) -> torch.Tensor:
+    """Forward and backward of ``trees`` unit by unit; the parameters' ``.grad`` receive the gradient of the loss.
+
+    Args:
+        model: a causal LM on ``tree_flash`` (may be PEFT-wrapped), in the mode to train in.
+        trees: the trees of one micro-batch.
+        config: the unit size.
+        normalization: ``"token"`` or ``"sequence"`` loss weights (docs/design.md).
+        num_items_in_batch: the optimizer step's divisor (all micro-batches); default ``tree_divisor(trees)``.
+        token_loss, self_check: as in ``hf_tree.tree_causal_lm_loss``.
+
+    Returns:
+        The loss, ``sum of weighted CE / divisor`` (0-dim, detached): what ``tree_causal_lm_loss`` returns for the
+        same trees packed, whose gradient this call has accumulated.
+
+    Raises:
+        ValueError: see ``tree_causal_lm_loss`` and ``refuse_for_depth_first``.
+    """
+    divisor = tree_divisor(trees, normalization) if num_items_in_batch is None else num_items_in_batch
+    depths = torch.from_numpy(np.concatenate([t.position_ids for t in trees]))
+    causal_lm, logit_head = checked_tree_model(model, depths, self_check)
+    refuse_for_depth_first(causal_lm)
+    device = next(causal_lm.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    for tree in trees:
+        arrays = _TreeArrays.of(tree, normalization, device)
+        stack: list[_Pending] = []
+        for unit in plan_units(tree, config.max_unit_tokens):
+            while stack and stack[-1].unit.subtree_end <= unit.start:
+                stack.pop().backward()
+            prefix = _prefix_of(stack, arrays, device)
+            with capture_last_hidden_state(causal_lm) as captured:
+                model(
+                    input_ids=arrays.input_ids[None, unit.start : unit.end],
+                    position_ids=arrays.position_ids[None, unit.start : unit.end],
+                    kv_end=(arrays.kv_end[None, unit.start : unit.end].clamp_max(unit.end) - unit.start).int(),
+                    kv_prefix=prefix,
+                    use_cache=False,
+                    logits_to_keep=1,
+                )
+            local, edges = arrays.edges(unit)
+            hidden = captured["hidden"][0].index_select(0, local)
+            scored = hidden.detach().requires_grad_(hidden.requires_grad)
+            weighted = score_hidden_states(
+                causal_lm,
+                logit_head,
+                scored,
+                arrays.edge_targets[edges],
+                arrays.edge_weights[edges],
+                token_loss,
+                config.chunk_size,
+            )
+            loss = divide_by_items(weighted, divisor)
+            if loss.requires_grad:
+                loss.backward()  # the head's gradient now; the unit's body once its subtree is done
+            total += loss.detach().to(total.dtype)
+            pending = _Pending(unit, [hidden], [scored.grad])
+            if unit.keeps_cache:
+                layers = sorted(prefix.own_keys)
+                own = [prefix.own_keys[i] for i in layers] + [prefix.own_values[i] for i in layers]
+                pending.outputs += own
+                pending.cache_layers = layers
+                pending.cache_leaves = [t.detach().requires_grad_(t.requires_grad) for t in own]
+                stack.append(pending)
+            else:
+                pending.backward()
+        while stack:
+            stack.pop().backward()
+    return total
+
+
+def _prefix_of(stack: Sequence[_Pending], arrays: _TreeArrays, device: torch.device) -> KVPrefix:
+    """The cache a unit attends to: the keys/values of every piece on the stack (its ancestors), in order."""
+    if not stack:
+        return KVPrefix({}, {}, torch.zeros(1, 0, dtype=torch.int64, device=device))
+    layers = stack[0].cache_layers
+    keys = {layer: torch.cat([p.cache_leaves[i] for p in stack], dim=2) for i, layer in enumerate(layers)}
+    values = {
+        layer: torch.cat([p.cache_leaves[len(layers) + i] for p in stack], dim=2) for i, layer in enumerate(layers)
+    }
+    positions = torch.cat([arrays.position_ids[p.unit.start : p.unit.end] for p in stack])[None]
+    return KVPrefix(keys, values, positions)

@@ -1,0 +1,176 @@
+"""Depth-first execution (``hf_tree.depth_first``) against the oracle: every branch run alone through the same model
+with its own attention (``sdpa``, ``eager`` for softcapping/sinks), float64, RMSNorm kept in float64.
+
+The trees are cut into many units (small ``max_unit_tokens``): pieces of long nodes, sibling groups, several levels
+of cached keys/values, so every path of the executor (prefix attention, cache gradients, edges crossing units) runs.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree import depth_first as depth_first_module
+from hf_tree.depth_first import DepthFirstConfig, Unit, depth_first_backward, plan_units
+from tests.helpers import (
+    VOCAB,
+    float64_norms,
+    grads_of,
+    hybrid_model,
+    max_grad_relative_error,
+    per_branch_loss,
+    relative_error,
+    tiny_model,
+)
+from tests.workloads import random_tree_branches
+
+TOLERANCE = 1e-9
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
+
+
+def branch_groups(seed: int = 0, num_trees: int = 2) -> list[tuple[list[list[int]], list[list[int]]]]:
+    """Random trees with a long shared prompt (cut into pieces), nested branch points and masked tokens."""
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(num_trees):
+        prompt = [rng.randrange(3, VOCAB) for _ in range(rng.randint(9, 14))]
+        sequences, masks = random_tree_branches(rng, rng.randint(4, 7), max_len=16)
+        groups.append(([prompt + s for s in sequences], [[0] * len(prompt) + m for m in masks]))
+    return groups
+
+
+def oracle(model, groups, normalization: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    model.zero_grad()
+    total, divisor = 0.0, 0.0
+    for sequences, masks in groups:
+        t, d = per_branch_loss(model, sequences, masks, normalization)
+        total, divisor = total + t, divisor + d
+    loss = total / divisor
+    loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+def depth_first(model, groups, normalization: str, max_unit_tokens: int = 6) -> tuple[torch.Tensor, dict]:
+    model.zero_grad()
+    trees = [Tree.from_sequences(s, m) for s, m in groups]
+    loss = depth_first_backward(model, trees, DepthFirstConfig(max_unit_tokens), normalization)
+    return loss, grads_of(model)
+
+
+def assert_matches_oracle(model, groups, normalization: str = "token", tolerance: float = TOLERANCE) -> None:
+    loss, grads = depth_first(model, groups, normalization)
+    ref_loss, ref_grads = oracle(model, groups, normalization)
+    assert relative_error(loss, ref_loss) <= tolerance
+    assert max_grad_relative_error(grads, ref_grads) <= tolerance
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        pytest.param("llama", {}, id="llama"),
+        pytest.param("qwen3", {}, id="qwen3"),
+        pytest.param("mistral", {"sliding_window": 4}, id="mistral-window4"),
+        pytest.param("qwen2", {"use_sliding_window": True, "sliding_window": 3, "max_window_layers": 0}, id="qwen2-w3"),
+        pytest.param("gpt_oss", {}, id="gpt_oss-sinks-window4"),
+    ],
+)
+def test_depth_first_matches_per_branch(family, overrides):
+    with float64_norms():
+        assert_matches_oracle(tiny_model(family, vocab_size=VOCAB, **overrides), branch_groups())
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_depth_first_normalizations_match_per_branch(normalization):
+    with float64_norms():
+        assert_matches_oracle(tiny_model(vocab_size=VOCAB), branch_groups(seed=1, num_trees=3), normalization)
+
+
+def test_softcapped_gemma2_matches_per_branch():
+    """Attention and final-logit softcapping with a window (eager oracle). Gemma's RMSNorm computes in float32 even
+    in float64 (not patched): ~1e-7, against ~1e-1 for a lost window or prefix."""
+    model = tiny_model("gemma2", vocab_size=VOCAB, head_dim=8, sliding_window=3, attn_logit_softcapping=0.5)
+    assert_matches_oracle(model, branch_groups(seed=2), tolerance=1e-6)
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_lora_and_gradient_checkpointing_match_per_branch(checkpointing):
+    with float64_norms():
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+        model = get_peft_model(tiny_model(vocab_size=VOCAB), config)
+        if checkpointing:
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+        assert_matches_oracle(model, branch_groups(seed=3))
+
+
+def test_whole_tree_in_one_unit_is_the_packed_row():
+    groups = branch_groups(seed=4, num_trees=1)
+    tree = Tree.from_sequences(*groups[0])
+    assert plan_units(tree, tree.num_tokens) == [Unit(0, tree.num_tokens, tree.num_tokens)]
+    with float64_norms():
+        model = tiny_model(vocab_size=VOCAB)
+        loss, grads = depth_first(model, groups, "token", max_unit_tokens=tree.num_tokens)
+        model.zero_grad()
+        batch = TreeDataCollator(max_packed_tokens=tree.num_tokens)([tree])
+        packed = tree_causal_lm_loss(model, batch)
+        packed.backward()
+    assert relative_error(loss, packed) <= 1e-12
+    assert max_grad_relative_error(grads, grads_of(model)) <= 1e-12
+
+
+def test_dropping_the_cache_gradient_is_detected(monkeypatch):
+    """The comparison can fail: backpropagating each unit's loss without its descendants' cache gradients (the
+    cached keys/values treated as constants) misses the gradient every shared prefix gets from its branches."""
+
+    def without_cache_gradients(self) -> None:
+        if self.output_grads[0] is not None:
+            torch.autograd.backward(self.outputs[:1], self.output_grads[:1])
+
+    groups = branch_groups(seed=5)
+    with float64_norms():
+        model = tiny_model(vocab_size=VOCAB)
+        ref_loss, ref_grads = oracle(model, groups, "token")
+        monkeypatch.setattr(depth_first_module._Pending, "backward", without_cache_gradients)
+        loss, grads = depth_first(model, groups, "token")
+    assert relative_error(loss, ref_loss) <= TOLERANCE  # the forward is right...
+    assert max_grad_relative_error(grads, ref_grads) > 1e-3  # ...the gradient is not
+
+
+def test_plan_of_a_grpo_group():
+    """A 10-token prompt with 16 completions of 3 tokens, 8 tokens a unit: the prompt in two pieces, then the
+    completions two by two over the prompt's cache."""
+    prompt = list(range(3, 13))
+    tree = Tree.from_sequences([prompt + [20 + i, 40, 41] for i in range(16)])
+    units = plan_units(tree, 8)
+    assert units[:2] == [Unit(0, 8, tree.num_tokens), Unit(8, 10, tree.num_tokens)]
+    assert units[2:] == [Unit(s, s + 6, s + 6) for s in range(10, tree.num_tokens, 6)]
+    assert [u.keeps_cache for u in units[:3]] == [True, True, False]
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plan_tiles_the_tree_and_fits_the_budget(seed):
+    rng = random.Random(seed)
+    forest = Tree.from_sequences(*random_tree_branches(rng, 12, max_len=30))
+    units = plan_units(forest, 7)
+    assert [u.start for u in units[1:]] == [u.end for u in units[:-1]]
+    assert units[0].start == 0 and units[-1].end == forest.num_tokens
+    assert all(0 < u.end - u.start <= 7 for u in units)
+
+
+def test_hybrid_models_are_refused():
+    tree = Tree.from_sequences(*branch_groups()[0])
+    with pytest.raises(ValueError, match=r"depth_first.*Lfm2ForCausalLM.*tree_execution='packed'"):
+        depth_first_backward(hybrid_model("lfm2"), [tree], DepthFirstConfig(6))
+
+
+def test_reentrant_gradient_checkpointing_is_refused():
+    model = tiny_model(vocab_size=VOCAB)
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": True})
+    model.train()
+    tree = Tree.from_sequences(*branch_groups()[0])
+    with pytest.raises(ValueError, match="use_reentrant"):
+        depth_first_backward(model, [tree], DepthFirstConfig(6))
