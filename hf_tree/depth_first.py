@@ -31,7 +31,7 @@ from hf_tree.attention.prefix import KVPrefix
 from hf_tree.head import capture_last_hidden_state
 from hf_tree.loss import checked_tree_model, divide_by_items, score_hidden_states
 from hf_tree.mixers import TREE_MIXER_MODULES
-from hf_tree.packing import Normalization
+from hf_tree.packing import Normalization, tree_divisor
 from hf_tree.tree import Tree
 
 OPTION = "tree_execution='depth_first'"
@@ -203,13 +203,6 @@ def refuse_for_depth_first(causal_lm: PreTrainedModel) -> None:
                 )
 
 
-def tree_divisor(trees: Sequence[Tree], normalization: Normalization) -> float:
-    """The trees' own loss divisor: the sum of their weights (``token``) or their trained branches (``sequence``)."""
-    if normalization == "token":
-        return float(sum(int(t.token_weights.sum()) for t in trees))
-    return float(sum(t.num_trained_branches for t in trees))
-
-
 def depth_first_backward(
     model: torch.nn.Module,
     trees: Sequence[Tree],
@@ -242,6 +235,7 @@ def depth_first_backward(
     refuse_for_depth_first(causal_lm)
     device = next(causal_lm.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
+    loss_dtype = total.dtype  # then that of the units' losses (float32, or float64 for a float64 model)
     for tree in trees:
         arrays = _TreeArrays.of(tree, normalization, device)
         stack: list[_Pending] = []
@@ -274,6 +268,7 @@ def depth_first_backward(
             if loss.requires_grad:
                 loss.backward()  # the head's gradient now; the unit's body once its subtree is done
             total += loss.detach().to(total.dtype)
+            loss_dtype = loss.dtype
             pending = _Pending(unit, [hidden], [scored.grad])
             if unit.keeps_cache:
                 layers = sorted(prefix.own_keys)
@@ -286,7 +281,7 @@ def depth_first_backward(
                 pending.backward()
         while stack:
             stack.pop().backward()
-    return total
+    return total.to(loss_dtype)
 
 
 def _prefix_of(stack: Sequence[_Pending], arrays: _TreeArrays, device: torch.device) -> KVPrefix:

@@ -18,6 +18,7 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.head import LogitHead, capture_last_hidden_state, causal_lm_of
 from hf_tree.length_rope import check_rope_lengths
 from hf_tree.model_check import check_model_for_trees
+from hf_tree.packing import DEPTH_FIRST_KEY
 
 # Bytes of one float32 [rows, vocab] logits tile: sets the rows per loss chunk (``loss_chunk_rows``). The fused
 # cross-entropy over SmolLM2's 49k vocabulary took 4% less time with 512-row chunks (this size) than 256, the
@@ -263,6 +264,12 @@ def tree_causal_lm_loss(
         ValueError: a model not on ``tree_flash``, one the self-check finds not tree-exact, or a batch whose longest
             branch crosses a length switch of the model's RoPE (``hf_tree.length_rope``).
     """
+    if batch.get(DEPTH_FIRST_KEY):
+        raise ValueError(
+            f"the batch holds {len(batch[DEPTH_FIRST_KEY])} trees left to depth-first execution (the collator's "
+            "tree_execution), which this packed loss would skip. Train with TreeTrainer/TreeSFTTrainer, or call "
+            "hf_tree.depth_first.depth_first_backward on them, or set tree_execution='packed'."
+        )
     causal_lm, logit_head = checked_tree_model(model, batch["position_ids"], self_check)
     with capture_last_hidden_state(causal_lm) as captured:
         model(

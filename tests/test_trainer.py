@@ -20,6 +20,7 @@ from tests.helpers import (
     collate_branches,
     common_args,
     float64_norms,
+    hybrid_model,
     per_branch_loss,
     relative_error,
     tiny_model,
@@ -80,6 +81,34 @@ def test_three_sgd_steps_match_trainer_on_branches(tmp_path, normalization):
     ref_losses = [h["loss"] for h in ref_trainer.state.log_history if "loss" in h]
     tree_losses = [h["loss"] for h in tree_trainer.state.log_history if "loss" in h]
     assert tree_losses == pytest.approx(ref_losses, rel=1e-9)
+
+
+@pytest.mark.parametrize("tree_execution", ["auto", "depth_first"])
+def test_depth_first_execution_matches_packed_and_trainer_on_branches(tmp_path, tree_execution):
+    """Trees over 12 tokens run depth-first ("auto"; all with "depth_first") in units of at most 12 tokens, branches
+    up to 21 tokens included: pieces of the prompts, completions over their cache, beside packed rows in the same
+    micro-batch; 2 accumulated micro-batches share one divisor. Three SGD steps equal the packed TreeTrainer (rows of
+    24, trees split) and Trainer on the branches."""
+    groups = branch_groups()
+    with float64_norms():
+        reference, _ = train_reference(tmp_path, groups, "token", batch_size=2, accumulation=2)
+        packed, packed_trainer = train_tree(tmp_path / "p", groups, "token", 2, 2)
+        depth_first, trainer = train_tree(
+            tmp_path / "d", groups, "token", 2, 2, 12, max_branch_tokens=24, tree_execution=tree_execution
+        )
+    batch = trainer.data_collator(tree_dataset(groups).to_list())
+    assert len(batch["depth_first_trees"]) > 0  # the setting exercises depth-first execution
+    assert max_param_relative_error(depth_first, packed) <= TOLERANCE
+    assert max_param_relative_error(depth_first, reference) <= TOLERANCE
+    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(
+        [h["loss"] for h in packed_trainer.state.log_history if "loss" in h], rel=1e-9
+    )
+
+
+def test_depth_first_refuses_hybrid_models_before_the_first_step(tmp_path):
+    args = TreeTrainingArguments(**common_args(tmp_path, "hybrid", 1, 1), tree_execution="auto")
+    with pytest.raises(ValueError, match=r"tree_execution='depth_first'.*Lfm2ForCausalLM.*'packed'"):
+        TreeTrainer(model=hybrid_model("lfm2"), args=args, train_dataset=tree_dataset(branch_groups()))
 
 
 def test_trees_are_split_across_rows_in_the_equivalence_setting():
@@ -206,6 +235,7 @@ def test_bf16_autocast_update_error_is_no_worse_than_plain_trainer(tmp_path):
         ("overlong", "cut", "overlong='cut'"),
         ("normalization", "mean", "normalization='mean'"),
         ("pad_to_multiple_of", 0, "pad_to_multiple_of=0"),
+        ("tree_execution", "dfs", "tree_execution='dfs'"),
         ("remove_unused_columns", True, "remove_unused_columns=True"),
         ("context_parallel_strategy", "ring", "context_parallel_strategy='ring'"),
         ("context_parallel_chunks_per_rank", 0, "context_parallel_chunks_per_rank=0"),
