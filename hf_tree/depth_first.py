@@ -242,12 +242,14 @@ def depth_first_backward(
         for unit in plan_units(tree, config.max_unit_tokens):
             while stack and stack[-1].unit.subtree_end <= unit.start:
                 stack.pop().backward()
-            prefix = _prefix_of(stack, arrays, device)
+            kv_end = (arrays.kv_end[None, unit.start : unit.end].clamp_max(unit.end) - unit.start).int()
+            position_ids = arrays.position_ids[None, unit.start : unit.end]
+            prefix = _prefix_of(stack, arrays, kv_end, position_ids)
             with capture_last_hidden_state(causal_lm) as captured:
                 model(
                     input_ids=arrays.input_ids[None, unit.start : unit.end],
-                    position_ids=arrays.position_ids[None, unit.start : unit.end],
-                    kv_end=(arrays.kv_end[None, unit.start : unit.end].clamp_max(unit.end) - unit.start).int(),
+                    position_ids=position_ids,
+                    kv_end=kv_end,
                     kv_prefix=prefix,
                     use_cache=False,
                     logits_to_keep=1,
@@ -284,14 +286,16 @@ def depth_first_backward(
     return total.to(loss_dtype)
 
 
-def _prefix_of(stack: Sequence[_Pending], arrays: _TreeArrays, device: torch.device) -> KVPrefix:
-    """The cache a unit attends to: the keys/values of every piece on the stack (its ancestors), in order."""
-    if not stack:
-        return KVPrefix({}, {}, torch.zeros(1, 0, dtype=torch.int64, device=device))
-    layers = stack[0].cache_layers
+def _prefix_of(
+    stack: Sequence[_Pending], arrays: _TreeArrays, kv_end: torch.Tensor, position_ids: torch.Tensor
+) -> KVPrefix:
+    """The cache a unit (``kv_end``, ``position_ids`` ``[1, N]``) attends to: the keys/values of every piece on the
+    stack (its ancestors), in order."""
+    layers = stack[0].cache_layers if stack else []
     keys = {layer: torch.cat([p.cache_leaves[i] for p in stack], dim=2) for i, layer in enumerate(layers)}
     values = {
         layer: torch.cat([p.cache_leaves[len(layers) + i] for p in stack], dim=2) for i, layer in enumerate(layers)
     }
-    positions = torch.cat([arrays.position_ids[p.unit.start : p.unit.end] for p in stack])[None]
-    return KVPrefix(keys, values, positions)
+    positions = [arrays.position_ids[p.unit.start : p.unit.end] for p in stack]
+    prefix_positions = torch.cat([position_ids[0, :0], *positions])[None]
+    return KVPrefix.over(keys, values, prefix_positions, kv_end, position_ids)

@@ -15,6 +15,7 @@ from peft import LoraConfig, get_peft_model
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree import depth_first as depth_first_module
+from hf_tree.attention import ENGINES, KVPrefix, prefix_tree_attention, reference_tree_attention
 from hf_tree.depth_first import DepthFirstConfig, Unit, depth_first_backward, plan_units
 from tests.helpers import (
     VOCAB,
@@ -174,3 +175,59 @@ def test_reentrant_gradient_checkpointing_is_refused():
     tree = Tree.from_sequences(*branch_groups()[0])
     with pytest.raises(ValueError, match="use_reentrant"):
         depth_first_backward(model, [tree], DepthFirstConfig(6))
+
+
+@pytest.mark.parametrize("num_prefix", [5, 120], ids=["row-engine", "dense-mask"])  # the two paths of the call
+@pytest.mark.parametrize(
+    "options",
+    [{}, {"sliding_window": 3}, {"softcap": 0.5, "sliding_window": 4}, {"sinks": True}],
+    ids=["plain", "window", "softcap", "sinks"],
+)
+def test_prefix_attention_is_the_attention_of_the_whole_row(num_prefix, options):
+    """A unit's queries over ``[prefix | unit]`` equal the reference engine on the whole row (prefix queries
+    dropped): outputs, and gradients of the queries, of the unit's and the prefix's keys and values, and of sinks."""
+    unit = Tree.from_sequences(*random_tree_branches(random.Random(num_prefix), 4, max_len=8))
+    generator = torch.Generator().manual_seed(0)
+    heads, kv_heads, dim, n, total = 4, 2, 8, unit.num_tokens, num_prefix + unit.num_tokens
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64).requires_grad_()
+
+    query, key, value = randn(1, heads, n, dim), randn(1, kv_heads, total, dim), randn(1, kv_heads, total, dim)
+    sinks = randn(heads) if options.pop("sinks", False) else None
+    prefix = KVPrefix.over(
+        {0: key[:, :, :num_prefix]},
+        {0: value[:, :, :num_prefix]},
+        torch.arange(num_prefix)[None],
+        torch.from_numpy(unit.kv_end)[None].int(),
+        torch.from_numpy(unit.position_ids)[None] + num_prefix,
+    )
+    got = prefix_tree_attention(
+        query,
+        key[:, :, num_prefix:],
+        value[:, :, num_prefix:],
+        prefix,
+        0,
+        ENGINES["cpu"],
+        scaling=0.3,
+        sinks=sinks,
+        **options,
+    )
+    row_queries = torch.cat([torch.zeros(1, heads, num_prefix, dim, dtype=torch.float64), query], dim=2)
+    expected = reference_tree_attention(
+        row_queries,
+        key,
+        value,
+        prefix.row_kv_end,
+        scaling=0.3,
+        position_ids=prefix.row_position_ids,
+        sinks=sinks,
+        **options,
+    )[:, num_prefix:]
+    weights = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
+    inputs = [query, key, value] + ([sinks] if sinks is not None else [])
+    got_grads = torch.autograd.grad((got * weights).sum(), inputs)
+    expected_grads = torch.autograd.grad((expected * weights).sum(), inputs)
+    assert relative_error(got, expected) <= 1e-12
+    for got_grad, expected_grad in zip(got_grads, expected_grads, strict=True):
+        assert relative_error(got_grad, expected_grad) <= 1e-12

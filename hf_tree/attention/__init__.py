@@ -120,17 +120,13 @@ def tree_attention_forward(
     engine_options = dict(
         scaling=options.scaling, sliding_window=options.sliding_window, softcap=options.softcap, sinks=options.sinks
     )
-    if kv_prefix is not None:
-        layer, has_prefix = kv_prefix.record(module, key, value)
-        if has_prefix:
-            prefix = (kv_prefix.keys[layer], kv_prefix.values[layer], kv_prefix.position_ids)
-            out = prefix_tree_attention(
-                query, key, value, kv_end, *prefix, position_ids=options.position_ids, **engine_options
-            )
-            return out, None
     engine = scoped_attention_engine()  # e.g. hf_tree.parallel's context parallel: local rows, all keys
     if engine is None:
         engine = ENGINES[select_backend(query.device)]
+    if kv_prefix is not None:  # depth-first execution: this unit's keys/values are its descendants' cache
+        layer = kv_prefix.record(module, key, value)
+        if kv_prefix.keys:
+            return prefix_tree_attention(query, key, value, kv_prefix, layer, engine, **engine_options), None
     return engine(query, key, value, kv_end, position_ids=options.position_ids, **engine_options), None
 
 

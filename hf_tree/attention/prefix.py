@@ -8,11 +8,13 @@ same object, per ``layer_idx``, for the unit's descendants.
 
 The mask is the tree mask of the concatenated row ``[prefix | unit]``: prefix keys end after the unit (every query
 sees them), the unit's keys keep their ``kv_end`` shifted by the prefix length, and key positions are depths, so
-sliding windows (depth distance), sinks and soft-capping are those of the packed row (``hf_tree.attention.mask``).
+sliding windows (depth distance), sinks and soft-capping are those of the packed row, computed by the row's own tree
+engine (or, for a long prefix over a short unit, by the dense mask of ``hf_tree.attention.mask``).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -29,24 +31,38 @@ class KVPrefix:
     Attributes:
         keys, values: per ``layer_idx``, ``[B, Hkv, P, D]`` post-RoPE keys/values of the ancestors (the layer's
             ``key``/``value`` as its attention function receives them); empty for a unit without ancestors.
-        position_ids: ``[B, P]`` depths of the prefix keys (sliding windows measure depth distance).
+        row_kv_end: ``[B, P + N]`` int32 subtree ends of the row ``[prefix | unit]``: ``P + N`` for the prefix keys,
+            the unit's own ``kv_end`` shifted by ``P`` after them. One tensor for all layers (engines cache their
+            per-batch plans on it).
+        row_position_ids: ``[B, P + N]`` depths of that row (sliding windows measure depth distance).
         own_keys, own_values: filled by the attention function: per ``layer_idx``, the unit's ``[B, Hkv, N, D]``
             keys/values (with their autograd graph), the cache its descendants attend to.
     """
 
     keys: dict[int, torch.Tensor]
     values: dict[int, torch.Tensor]
-    position_ids: torch.Tensor
+    row_kv_end: torch.Tensor
+    row_position_ids: torch.Tensor
     own_keys: dict[int, torch.Tensor] = field(default_factory=dict)
     own_values: dict[int, torch.Tensor] = field(default_factory=dict)
 
-    @property
-    def length(self) -> int:
-        """``P``, the number of prefix tokens."""
-        return int(self.position_ids.shape[-1])
+    @classmethod
+    def over(
+        cls,
+        keys: dict[int, torch.Tensor],
+        values: dict[int, torch.Tensor],
+        prefix_positions: torch.Tensor,
+        kv_end: torch.Tensor,
+        position_ids: torch.Tensor,
+    ) -> KVPrefix:
+        """The cache ``keys``/``values`` at depths ``prefix_positions [B, P]`` for a unit with local subtree ends
+        ``kv_end [B, N]`` and depths ``position_ids [B, N]``."""
+        num_prefix, total = prefix_positions.shape[1], prefix_positions.shape[1] + kv_end.shape[1]
+        row_kv_end = torch.cat([kv_end.new_full((kv_end.shape[0], num_prefix), total), kv_end + num_prefix], dim=1)
+        return cls(keys, values, row_kv_end, torch.cat([prefix_positions.to(position_ids), position_ids], dim=1))
 
-    def record(self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> tuple[int, bool]:
-        """Keep ``module``'s keys/values for the unit's descendants; ``(layer_idx, whether a prefix exists)``.
+    def record(self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> int:
+        """Keep ``module``'s keys/values for the unit's descendants and return its ``layer_idx``.
 
         Raises:
             ValueError: when the attention module has no integer ``layer_idx`` (the cache could not be matched to
@@ -60,50 +76,51 @@ class KVPrefix:
             )
         # A checkpointed layer records again when it is recomputed in backward; the unit has read its entry by then.
         self.own_keys[layer], self.own_values[layer] = key, value
-        return layer, self.length > 0
+        return layer
 
 
 def prefix_tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    kv_end: torch.Tensor,
-    prefix_key: torch.Tensor,
-    prefix_value: torch.Tensor,
-    prefix_positions: torch.Tensor,
+    prefix: KVPrefix,
+    layer: int,
+    engine: Callable[..., torch.Tensor],
     *,
     scaling: float,
-    position_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention of a unit's queries over ``[prefix | unit]`` keys.
+    """Attention of a unit's queries over the row ``[prefix | unit]`` (``prefix.row_kv_end``, ``row_position_ids``).
 
     Args:
         query: ``[B, H, N, D]`` the unit's queries.
-        key, value: ``[B, Hkv, N, D]`` the unit's keys/values.
-        kv_end: ``[B, N]`` the unit's subtree ends, local to the unit (``j < kv_end[j] <= N``).
-        prefix_key, prefix_value: ``[B, Hkv, P, D]`` the ancestors' keys/values (every query sees them).
-        prefix_positions: ``[B, P]`` depths of the prefix keys.
-        scaling, position_ids, sliding_window, softcap, sinks: as in ``reference_tree_attention``.
+        key, value: ``[B, Hkv, N, D]`` the unit's keys/values; the prefix's are ``prefix.keys[layer]`` and
+            ``prefix.values[layer]``, ``[B, Hkv, P, D]``.
+        engine: the tree engine of the call (``hf_tree.attention.ENGINES``' signature).
+        scaling, sliding_window, softcap, sinks: as in ``reference_tree_attention``.
 
     Returns:
-        ``[B, N, H, D]`` in ``query``'s dtype. PyTorch's SDPA with a boolean mask (GQA without repeating K/V);
-        the models' eager math (``masked_attention``) where soft-capping or sinks need it.
+        ``[B, N, H, D]`` in ``query``'s dtype. When the prefix's own causal pairs cost at most as much as the
+        unit's queries, ``engine`` runs on the whole row with zero queries at the prefix (their outputs dropped:
+        they receive no gradient); else, for a long prefix over a short unit, the unit's queries against all keys
+        with the dense mask: PyTorch's SDPA, or the models' eager math (``masked_attention``) for soft-capping or
+        sinks.
     """
-    check_window_depths("prefix_tree_attention", position_ids, sliding_window)
-    batch, num_prefix, num_own = query.shape[0], prefix_key.shape[2], query.shape[2]
-    total = num_prefix + num_own
-    full_kv_end = torch.cat([kv_end.new_full((batch, num_prefix), total), kv_end + num_prefix], dim=1)
-    positions = None if position_ids is None else torch.cat([prefix_positions.to(position_ids), position_ids], dim=1)
-    rows = torch.arange(batch, device=query.device)[:, None, None]
-    queries = torch.arange(num_prefix, total, device=query.device)[:, None]
-    visible = tree_mask_mod(full_kv_end, positions, sliding_window)(
-        rows, None, queries, torch.arange(total, device=query.device)[None, :]
-    )[:, None]  # [B, 1, N, P + N]
-    keys = torch.cat([prefix_key.to(key.dtype), key], dim=2)
-    values = torch.cat([prefix_value.to(value.dtype), value], dim=2)
+    num_prefix = prefix.row_kv_end.shape[1] - query.shape[2]
+    keys = torch.cat([prefix.keys[layer].to(key.dtype), key], dim=2)
+    values = torch.cat([prefix.values[layer].to(value.dtype), value], dim=2)
+    options = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    if num_prefix * num_prefix <= 2 * query.shape[2] * keys.shape[2]:
+        queries = torch.cat([query.new_zeros(*query.shape[:2], num_prefix, query.shape[3]), query], dim=2)
+        out = engine(queries, keys, values, prefix.row_kv_end, position_ids=prefix.row_position_ids, **options)
+        return out[:, num_prefix:]
+    check_window_depths("prefix_tree_attention", prefix.row_position_ids, sliding_window)
+    rows = torch.arange(query.shape[0], device=query.device)[:, None, None]
+    positions = torch.arange(keys.shape[2], device=query.device)
+    mask_mod = tree_mask_mod(prefix.row_kv_end, prefix.row_position_ids, sliding_window)
+    visible = mask_mod(rows, None, positions[num_prefix:, None], positions[None, :])[:, None]  # [B, 1, N, P + N]
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=True)
     else:
