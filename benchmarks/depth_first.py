@@ -47,7 +47,9 @@ MIB = 1 << 20
 def llama(quick: bool, seed: int = 0) -> transformers.PreTrainedModel:
     """A small random float32 Llama on ``tree_flash`` (without ``kv_end`` it is exactly SDPA)."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(vocab_size=VOCAB, max_position_embeddings=16384, **(QUICK_MODEL if quick else MODEL))
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, max_position_embeddings=16384, **(QUICK_MODEL if quick else MODEL)
+    )
     return transformers.AutoModelForCausalLM.from_config(config, attn_implementation="tree_flash", dtype=torch.float32)
 
 
@@ -59,8 +61,10 @@ def grpo_tree(prompt_tokens: int, completion_tokens: int, num_completions: int =
     return Tree.from_sequences([prompt + c for c in completions], masks)
 
 
-def agent_tree(conversations: int) -> Tree:
-    """The largest tree of the first ``conversations`` synthetic agent conversations, ids modulo ``VOCAB``."""
+def agent_tree(conversations: int, branch_tokens: int | None = None) -> Tree:
+    """The largest tree of the first ``conversations`` synthetic agent conversations, ids modulo ``VOCAB``; with
+    ``branch_tokens``, its branches cut to that many tokens and every token trained (the cut keeps the system prompt,
+    whose tokens are not trained)."""
     from hf_tree.assets import load_smollm2_tokenizer
     from hf_tree.builders import build_tree_dataset
     from hf_tree.data.sources import builtin_rows, chat_template_text
@@ -68,8 +72,9 @@ def agent_tree(conversations: int) -> Tree:
     rows, _ = builtin_rows("synthetic-agent", None, conversations)
     trees = build_tree_dataset(rows, load_smollm2_tokenizer(), chat_template=chat_template_text("qwen3"))
     tree = max((Tree.from_dict(row) for row in trees), key=lambda t: t.num_tokens)
-    branches = [[t % VOCAB for t in tree.branch_tokens(b)] for b in range(tree.num_branches)]
-    return Tree.from_sequences(branches, [tree.branch_loss_mask(b) for b in range(tree.num_branches)])
+    branches = [[t % VOCAB for t in tree.branch_tokens(b)][:branch_tokens] for b in range(tree.num_branches)]
+    masks = None if branch_tokens else [tree.branch_loss_mask(b) for b in range(tree.num_branches)]
+    return Tree.from_sequences(branches, masks)
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -187,20 +192,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--completion-tokens", type=int, default=192)
     parser.add_argument("--agent-conversations", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    parser.add_argument("--agent-branch-tokens", type=int, default=None, help="cut the agent tree's branches")
+    parser.add_argument(
+        "--threads", type=int, default=1, help="torch intra-op threads (1: on a shared machine more threads spin)"
+    )
     return parser.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.quick:
-        args.repeats, args.prompt_tokens, args.completion_tokens, args.agent_conversations = 1, 48, 16, 4
+        args.repeats, args.prompt_tokens, args.completion_tokens = 1, 48, 16
+        args.agent_conversations, args.agent_branch_tokens = 4, 160
     torch.set_num_threads(args.threads)
     model = llama(args.quick)
     model.train()
     grpo = grpo_tree(args.prompt_tokens, args.completion_tokens)
     grpo_row = args.prompt_tokens + 2 * args.completion_tokens  # the tree is 4x this row over 16 completions
-    agent = agent_tree(args.agent_conversations)
+    agent = agent_tree(args.agent_conversations, args.agent_branch_tokens)
     agent_row = int(agent.branch_lengths.max())
     lines = list(HEADER)
     notes = []
@@ -212,8 +221,8 @@ def main(argv: list[str] | None = None) -> None:
         lines += report(label, tree, row, quarter, results)
         notes += [f"{label}: {tree.num_tokens} tree tokens = {tree.num_tokens / row:.2f} rows of {row}"]
         notes += verdicts(label, tree, results)
-    print(f"torch {torch.__version__}, {args.threads} threads, {'quick' if args.quick else 'full'} model, "
-          f"medians of {args.repeats}")
+    size = "quick" if args.quick else "full"
+    print(f"torch {torch.__version__}, {args.threads} threads, {size} model, medians of {args.repeats}")
     print("\n".join(lines))
     print()
     print("\n".join(notes))
