@@ -20,6 +20,7 @@ root-to-leaf path, their caches, and one group. Loss weights and divisor are the
 from __future__ import annotations
 
 import functools
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -28,10 +29,12 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_tree.attention.prefix import KVPrefix
-from hf_tree.head import capture_last_hidden_state
-from hf_tree.loss import checked_tree_model, divide_by_items, score_hidden_states
+from hf_tree.head import LogitHead, capture_last_hidden_state, eval_mode_no_grad, probe_ids
+from hf_tree.loss import checked_tree_model, divide_by_items, score_hidden_states, tree_causal_lm_loss
 from hf_tree.mixers import TREE_MIXER_MODULES
-from hf_tree.packing import Normalization, tree_divisor
+from hf_tree.model_check import self_check_enabled
+from hf_tree.packing import Normalization, pack_trees, tree_divisor
+from hf_tree.probe import bound, token_difference
 from hf_tree.tree import Tree
 
 OPTION = "tree_execution='depth_first'"
@@ -220,19 +223,33 @@ def depth_first_backward(
         config: the unit size.
         normalization: ``"token"`` or ``"sequence"`` loss weights (docs/design.md).
         num_items_in_batch: the optimizer step's divisor (all micro-batches); default ``tree_divisor(trees)``.
-        token_loss, self_check: as in ``hf_tree.tree_causal_lm_loss``.
+        token_loss, self_check: as in ``hf_tree.tree_causal_lm_loss``; the self-check adds ``probe_depth_first``.
 
     Returns:
         The loss, ``sum of weighted CE / divisor`` (0-dim, detached): what ``tree_causal_lm_loss`` returns for the
         same trees packed, whose gradient this call has accumulated.
 
     Raises:
-        ValueError: see ``tree_causal_lm_loss`` and ``refuse_for_depth_first``.
+        ValueError: see ``tree_causal_lm_loss``, ``refuse_for_depth_first`` and ``probe_depth_first``.
     """
     divisor = tree_divisor(trees, normalization) if num_items_in_batch is None else num_items_in_batch
     depths = torch.from_numpy(np.concatenate([t.position_ids for t in trees]))
     causal_lm, logit_head = checked_tree_model(model, depths, self_check)
-    refuse_for_depth_first(causal_lm)
+    check_depth_first(model, causal_lm, logit_head, self_check)
+    return _run_trees(model, causal_lm, logit_head, trees, config, normalization, divisor, token_loss)
+
+
+def _run_trees(
+    model: torch.nn.Module,
+    causal_lm: PreTrainedModel,
+    logit_head: LogitHead,
+    trees: Sequence[Tree],
+    config: DepthFirstConfig,
+    normalization: Normalization,
+    divisor: torch.Tensor | float,
+    token_loss: Callable[..., torch.Tensor] | None,
+) -> torch.Tensor:
+    """``depth_first_backward`` after its checks."""
     device = next(causal_lm.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     loss_dtype = total.dtype  # then that of the units' losses (float32, or float64 for a float64 model)
@@ -284,6 +301,75 @@ def depth_first_backward(
         while stack:
             stack.pop().backward()
     return total.to(loss_dtype)
+
+
+def check_depth_first(
+    model: torch.nn.Module, causal_lm: PreTrainedModel, logit_head: LogitHead, self_check: bool | None
+) -> None:
+    """``refuse_for_depth_first``, then (with the self-check on, once per model) ``probe_depth_first``."""
+    refuse_for_depth_first(causal_lm)
+    if self_check_enabled(self_check) and causal_lm not in _probed:
+        probe_depth_first(model, causal_lm, logit_head)
+        _probed.add(causal_lm)
+
+
+_probed: weakref.WeakSet[PreTrainedModel] = weakref.WeakSet()
+# Units of the probe tree: pieces of the prompt and of an inner node, sibling groups, two levels of cache.
+PROBE_UNIT_TOKENS = 4
+
+
+def probe_depth_first(model: torch.nn.Module, causal_lm: PreTrainedModel, logit_head: LogitHead) -> float:
+    """Forward a 4-branch probe tree depth-first (units of ``PROBE_UNIT_TOKENS``) and packed (the packed pass is
+    checked against the branches by ``hf_tree.model_check``), in eval mode without gradients; every scored hidden
+    state must agree. Returns the largest per-token relative difference.
+
+    Raises:
+        ValueError: naming the model and the option when a hidden state differs beyond rounding (e.g. a token mixer
+            that reads context outside the attention keys/values carried between units).
+    """
+    device = next(causal_lm.parameters()).device
+    ids = probe_ids(causal_lm.config.get_text_config().vocab_size, 28, seed=3, device=torch.device("cpu")).tolist()
+    prompt, inner, leaves = ids[:7], ids[7:12], (ids[12:15], ids[15:19], ids[19:22], ids[22:28])
+    tree = Tree.from_sequences(
+        [prompt + inner + leaves[0], prompt + inner + leaves[1], prompt + leaves[2]] + [prompt + leaves[3]]
+    )
+    recorded: dict[str, list[torch.Tensor]] = {"packed": [], "depth_first": []}
+
+    def recorder(name: str) -> Callable[..., torch.Tensor]:
+        def token_loss(head, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+            recorded[name].append(hidden)
+            return hidden.new_zeros(())
+
+        return token_loss
+
+    batch, _ = pack_trees([tree], tree.num_tokens)
+    with eval_mode_no_grad(model):
+        tree_causal_lm_loss(model, {k: v.to(device) for k, v in batch.items()}, token_loss=recorder("packed"))
+        _run_trees(
+            model,
+            causal_lm,
+            logit_head,
+            [tree],
+            DepthFirstConfig(PROBE_UNIT_TOKENS),
+            "token",
+            1.0,
+            recorder("depth_first"),
+        )
+    trained = np.nonzero(tree.token_weights)[0]
+    order = torch.from_numpy(np.argsort(tree.predictor_index[trained], kind="stable")).to(device)
+    packed = torch.cat(recorded["packed"]).index_select(0, order)  # the depth-first order: by predicting position
+    difference = token_difference(torch.cat(recorded["depth_first"]), packed)
+    dtype = packed.dtype
+    allowed = max(bound(0.0, dtype), 1e-4)
+    if not difference <= allowed:
+        raise ValueError(
+            f"{OPTION} is not exact for {type(causal_lm).__name__}: a 4-branch probe tree run depth-first (units of "
+            f"{PROBE_UNIT_TOKENS} tokens) differs from the same tree packed by up to {difference:.2e} per token "
+            f"(relative; bound {allowed:.1e} for {dtype}): something in the model reads context other than the "
+            "attention keys/values carried between units. Use tree_execution='packed'. If you know better, opt out "
+            "with self_check=False / tree_self_check=False / HF_TREE_SELF_CHECK=0."
+        )
+    return difference
 
 
 def _prefix_of(

@@ -17,6 +17,7 @@ from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree import depth_first as depth_first_module
 from hf_tree.attention import ENGINES, KVPrefix, prefix_tree_attention, reference_tree_attention
 from hf_tree.depth_first import DepthFirstConfig, Unit, depth_first_backward, plan_units
+from hf_tree.head import detect_logit_head
 from tests.helpers import (
     VOCAB,
     float64_norms,
@@ -231,3 +232,25 @@ def test_prefix_attention_is_the_attention_of_the_whole_row(num_prefix, options)
     assert relative_error(got, expected) <= 1e-12
     for got_grad, expected_grad in zip(got_grads, expected_grads, strict=True):
         assert relative_error(got_grad, expected_grad) <= 1e-12
+
+
+def test_probe_refuses_a_model_whose_units_lose_their_context(monkeypatch):
+    """The first-use probe compares a depth-first run with the packed one: with the ancestors' cache dropped
+    (attention over the unit alone, as a model with its own cache-less context path would compute), it refuses."""
+    import hf_tree.attention as attention
+
+    def without_prefix(query, key, value, prefix, layer, engine, **options):
+        return engine(
+            query,
+            key,
+            value,
+            prefix.row_kv_end[:, -query.shape[2] :] - (prefix.row_kv_end.shape[1] - query.shape[2]),
+            position_ids=prefix.row_position_ids[:, -query.shape[2] :],
+            **options,
+        )
+
+    model = tiny_model(vocab_size=VOCAB, dtype=torch.float32)
+    assert depth_first_module.probe_depth_first(model, model, detect_logit_head(model)) < 1e-5
+    monkeypatch.setattr(attention, "prefix_tree_attention", without_prefix)
+    with pytest.raises(ValueError, match=r"depth_first' is not exact for LlamaForCausalLM"):
+        depth_first_module.probe_depth_first(model, model, detect_logit_head(model))
