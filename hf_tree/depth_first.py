@@ -47,9 +47,9 @@ class DepthFirstConfig:
     max_unit_tokens: int = field(
         default=4096,
         metadata={
-            "help": "Tokens of one forward: sibling subtrees that fit together run as one packed mini-tree, a node "
-            "whose subtree does not fit runs alone, in pieces of at most this many tokens (the trainers use "
-            "max_packed_tokens)."
+            "help": "Tokens of one forward plus its cached ancestors (at least a quarter of this in the forward): "
+            "sibling subtrees that fit together run as one packed mini-tree, a node whose subtree does not fit runs "
+            "alone, in pieces (the trainers use max_packed_tokens)."
         },
     )
     chunk_size: int | None = field(
@@ -79,15 +79,18 @@ class Unit:
 def plan_units(tree: Tree, max_unit_tokens: int) -> list[Unit]:
     """The units of ``tree`` in execution (DFS) order; their ranges tile ``[0, tree.num_tokens)``.
 
-    Consecutive siblings whose subtrees fit ``max_unit_tokens`` together form a group (the roots of a forest are
-    siblings); a node whose subtree is larger is cut into pieces, followed by its children's units.
+    A unit runs beside its cached ancestors, so a node at depth ``d`` gets a budget of ``max_unit_tokens - d`` tokens
+    (the unit and its prefix fit a row), but never less than a quarter of ``max_unit_tokens``. Consecutive siblings
+    whose subtrees fit the budget together form a group (the roots of a forest are siblings); a node whose subtree
+    is larger is cut into pieces of at most the budget, followed by its children's units.
     """
-    offsets, ends = tree.node_offsets, tree.node_subtree_ends
+    offsets, ends, depths = tree.node_offsets, tree.node_subtree_ends, tree.node_depths
     children: list[list[int]] = [[] for _ in range(tree.num_nodes + 1)]  # index -1: the forest's roots
     for node, parent in enumerate(tree.node_parents):
         children[parent].append(node)
     units: list[Unit] = []
     group: list[int] = []  # [start, end) of the open group
+    smallest = -(-max_unit_tokens // 4)
 
     def close_group() -> None:
         if group:
@@ -102,8 +105,9 @@ def plan_units(tree: Tree, max_unit_tokens: int) -> list[Unit]:
             pending.pop()
             continue
         start, end = int(offsets[node]), int(offsets[ends[node]])
-        if end - start <= max_unit_tokens:
-            if group and end - group[0] <= max_unit_tokens:
+        budget = max(max_unit_tokens - int(depths[node]), smallest)
+        if end - start <= budget:
+            if group and end - group[0] <= budget:
                 group[1] = end
             else:
                 close_group()
@@ -111,8 +115,8 @@ def plan_units(tree: Tree, max_unit_tokens: int) -> list[Unit]:
             continue
         close_group()
         node_end = int(offsets[node + 1])
-        for piece in range(start, node_end, max_unit_tokens):
-            units.append(Unit(piece, min(piece + max_unit_tokens, node_end), end))
+        for piece in range(start, node_end, budget):
+            units.append(Unit(piece, min(piece + budget, node_end), end))
         pending.append(iter(children[node]))
     return units
 

@@ -143,14 +143,15 @@ def test_dropping_the_cache_gradient_is_detected(monkeypatch):
 
 
 def test_plan_of_a_grpo_group():
-    """A 10-token prompt with 16 completions of 3 tokens, 8 tokens a unit: the prompt in two pieces, then the
-    completions two by two over the prompt's cache."""
-    prompt = list(range(3, 13))
-    tree = Tree.from_sequences([prompt + [20 + i, 40, 41] for i in range(16)])
-    units = plan_units(tree, 8)
-    assert units[:2] == [Unit(0, 8, tree.num_tokens), Unit(8, 10, tree.num_tokens)]
-    assert units[2:] == [Unit(s, s + 6, s + 6) for s in range(10, tree.num_tokens, 6)]
-    assert [u.keeps_cache for u in units[:3]] == [True, True, False]
+    """A 20-token prompt with 16 completions of 3 tokens, 16 tokens a unit: the prompt in pieces of 16 and 4, then
+    the completions one by one (16 - 20 < 16 / 4: a quarter row, 4 tokens) over the prompt's cache; with 26 tokens a
+    unit, the prompt in one piece, then the completions as they fit beside it (26 - 20 = 6 tokens: two by two)."""
+    tree = Tree.from_sequences([list(range(3, 23)) + [30 + i, 60, 61] for i in range(16)])
+    singles = [Unit(s, s + 3, s + 3) for s in range(20, tree.num_tokens, 3)]
+    pairs = [Unit(s, s + 6, s + 6) for s in range(20, tree.num_tokens, 6)]
+    assert plan_units(tree, 16) == [Unit(0, 16, tree.num_tokens), Unit(16, 20, tree.num_tokens), *singles]
+    assert plan_units(tree, 26) == [Unit(0, 20, tree.num_tokens), *pairs]
+    assert [u.keeps_cache for u in plan_units(tree, 26)[:2]] == [True, False]
 
 
 @pytest.mark.parametrize("seed", range(4))
@@ -178,16 +179,30 @@ def test_reentrant_gradient_checkpointing_is_refused():
         depth_first_backward(model, [tree], DepthFirstConfig(6))
 
 
+OPTIONS = {
+    "plain": {},
+    "window": {"sliding_window": 3},
+    "softcap": {"softcap": 0.5, "sliding_window": 4},
+    "sinks": {"sinks": True},
+}
+
+
+@pytest.mark.parametrize("unit_kind", ["mini-tree", "piece"])
 @pytest.mark.parametrize("num_prefix", [5, 120], ids=["row-engine", "dense-mask"])  # the two paths of the call
 @pytest.mark.parametrize(
-    "options",
-    [{}, {"sliding_window": 3}, {"softcap": 0.5, "sliding_window": 4}, {"sinks": True}],
-    ids=["plain", "window", "softcap", "sinks"],
+    "engine, options",
+    [pytest.param("cpu", options, id=name) for name, options in OPTIONS.items()]
+    + [pytest.param("segments", OPTIONS[name], id=f"segments-{name}") for name in ("plain", "sinks")],
 )
-def test_prefix_attention_is_the_attention_of_the_whole_row(num_prefix, options):
+def test_prefix_attention_is_the_attention_of_the_whole_row(engine, unit_kind, num_prefix, options):
     """A unit's queries over ``[prefix | unit]`` equal the reference engine on the whole row (prefix queries
-    dropped): outputs, and gradients of the queries, of the unit's and the prefix's keys and values, and of sinks."""
-    unit = Tree.from_sequences(*random_tree_branches(random.Random(num_prefix), 4, max_len=8))
+    dropped): outputs, and gradients of the queries, of the unit's and the prefix's keys and values, and of sinks.
+    Forcing ``segments`` runs only the unit's rectangles (a piece's segment starts in the prefix)."""
+    options = dict(options)
+    if unit_kind == "piece":
+        unit = Tree.from_sequences([list(range(3, 60))])
+    else:
+        unit = Tree.from_sequences(*random_tree_branches(random.Random(num_prefix), 4, max_len=8))
     generator = torch.Generator().manual_seed(0)
     heads, kv_heads, dim, n, total = 4, 2, 8, unit.num_tokens, num_prefix + unit.num_tokens
 
@@ -209,7 +224,7 @@ def test_prefix_attention_is_the_attention_of_the_whole_row(num_prefix, options)
         value[:, :, num_prefix:],
         prefix,
         0,
-        ENGINES["cpu"],
+        ENGINES[engine],
         scaling=0.3,
         sinks=sinks,
         **options,

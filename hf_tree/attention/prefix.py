@@ -22,6 +22,13 @@ import torch.nn.functional as F
 
 from hf_tree.attention.mask import check_window_depths, tree_mask_mod
 from hf_tree.attention.reference import masked_attention
+from hf_tree.attention.segments import (
+    MIN_TOKENS_PER_CALL,
+    cached_segment_plan,
+    cpu_tree_attention,
+    plan_from_query,
+    segment_tree_attention,
+)
 
 
 @dataclass(eq=False)
@@ -102,18 +109,23 @@ def prefix_tree_attention(
         scaling, sliding_window, softcap, sinks: as in ``reference_tree_attention``.
 
     Returns:
-        ``[B, N, H, D]`` in ``query``'s dtype. When the prefix's own causal pairs cost at most as much as the
-        unit's queries, ``engine`` runs on the whole row with zero queries at the prefix (their outputs dropped:
-        they receive no gradient); else, for a long prefix over a short unit, the unit's queries against all keys
-        with the dense mask: PyTorch's SDPA, or the models' eager math (``masked_attention``) for soft-capping or
-        sinks.
+        ``[B, N, H, D]`` in ``query``'s dtype. Where ``engine`` would run ``segments`` (CPU, no window, soft-cap or
+        sinks), its rectangles of the unit's queries only (``plan_from_query``). Otherwise, when the prefix's own
+        causal pairs cost at most as much as the unit's queries, ``engine`` on the whole row with zero queries at the
+        prefix (their outputs dropped: they receive no gradient); else, for a long prefix over a short unit, the
+        unit's queries against all keys with the dense mask: PyTorch's SDPA, or the models' eager math
+        (``masked_attention``) for soft-capping or sinks.
     """
     num_prefix = prefix.row_kv_end.shape[1] - query.shape[2]
     keys = torch.cat([prefix.keys[layer].to(key.dtype), key], dim=2)
     values = torch.cat([prefix.values[layer].to(value.dtype), value], dim=2)
     options = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    queries = torch.cat([query.new_zeros(*query.shape[:2], num_prefix, query.shape[3]), query], dim=2)
+    if _runs_segments(engine, query, prefix.row_kv_end, options):  # the unit's rectangles only
+        plan = plan_from_query(cached_segment_plan(prefix.row_kv_end), num_prefix, keys.shape[2])
+        out = segment_tree_attention(queries, keys, values, prefix.row_kv_end, scaling=scaling, plan=plan)
+        return out[:, num_prefix:]
     if num_prefix * num_prefix <= 2 * query.shape[2] * keys.shape[2]:
-        queries = torch.cat([query.new_zeros(*query.shape[:2], num_prefix, query.shape[3]), query], dim=2)
         out = engine(queries, keys, values, prefix.row_kv_end, position_ids=prefix.row_position_ids, **options)
         return out[:, num_prefix:]
     check_window_depths("prefix_tree_attention", prefix.row_position_ids, sliding_window)
@@ -126,3 +138,13 @@ def prefix_tree_attention(
     else:
         out = masked_attention(query, keys, values, visible, scaling=scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous()
+
+
+def _runs_segments(engine: Callable[..., torch.Tensor], query: torch.Tensor, row_kv_end: torch.Tensor, options) -> bool:
+    """Whether ``engine`` would run the ``segments`` engine on this row (``cpu_tree_attention``'s choice), and no
+    sinks are asked for (the engine merges them into every row, the prefix's unwritten ones included)."""
+    if engine not in (cpu_tree_attention, segment_tree_attention) or query.device.type != "cpu":
+        return False
+    if any(options[name] is not None for name in ("sliding_window", "softcap", "sinks")):
+        return False
+    return engine is segment_tree_attention or cached_segment_plan(row_kv_end).tokens_per_call >= MIN_TOKENS_PER_CALL
