@@ -277,6 +277,8 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             # Before the step, on the whole batch (context parallel shards it later, and each rank's rope would see
             # only its shard's largest position).
             check_rope_lengths(self.model.config, batch["position_ids"])
+            for tree in batch.get(DEPTH_FIRST_KEY) or ():
+                check_rope_lengths(self.model.config, torch.from_numpy(tree.position_ids), "a depth-first tree")
             sums += self._pop_batch_sums(batch)
         sums = sums.to(device)
         if self.accelerator.num_processes > 1:
