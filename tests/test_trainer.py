@@ -83,8 +83,7 @@ def test_three_sgd_steps_match_trainer_on_branches(tmp_path, normalization):
     assert tree_losses == pytest.approx(ref_losses, rel=1e-9)
 
 
-@pytest.mark.parametrize("tree_execution", ["auto", "depth_first"])
-def test_depth_first_execution_matches_packed_and_trainer_on_branches(tmp_path, tree_execution):
+def test_depth_first_execution_matches_packed_and_trainer_on_branches(tmp_path):
     """Trees over 12 tokens run depth-first ("auto"; all with "depth_first") in units of at most 12 tokens, branches
     up to 21 tokens included: pieces of the prompts, completions over their cache, beside packed rows in the same
     micro-batch; 2 accumulated micro-batches share one divisor. Three SGD steps equal the packed TreeTrainer (rows of
@@ -93,16 +92,22 @@ def test_depth_first_execution_matches_packed_and_trainer_on_branches(tmp_path, 
     with float64_norms():
         reference, _ = train_reference(tmp_path, groups, "token", batch_size=2, accumulation=2)
         packed, packed_trainer = train_tree(tmp_path / "p", groups, "token", 2, 2)
-        depth_first, trainer = train_tree(
-            tmp_path / "d", groups, "token", 2, 2, 12, max_branch_tokens=24, tree_execution=tree_execution
-        )
-    batch = trainer.data_collator(tree_dataset(groups).to_list())
-    assert len(batch["depth_first_trees"]) > 0  # the setting exercises depth-first execution
-    assert max_param_relative_error(depth_first, packed) <= TOLERANCE
-    assert max_param_relative_error(depth_first, reference) <= TOLERANCE
-    assert [h["loss"] for h in trainer.state.log_history if "loss" in h] == pytest.approx(
-        [h["loss"] for h in packed_trainer.state.log_history if "loss" in h], rel=1e-9
-    )
+        runs = {
+            execution: train_tree(
+                tmp_path / execution, groups, "token", 2, 2, 12, max_branch_tokens=24, tree_execution=execution
+            )
+            for execution in ("auto", "depth_first")
+        }
+    packed_losses = [h["loss"] for h in packed_trainer.state.log_history if "loss" in h]
+    for depth_first, trainer in runs.values():
+        batch = trainer.data_collator(tree_dataset(groups).to_list())
+        assert len(batch["depth_first_trees"]) > 0  # the setting exercises depth-first execution
+        assert max_param_relative_error(depth_first, packed) <= TOLERANCE
+        assert max_param_relative_error(depth_first, reference) <= TOLERANCE
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        assert losses == pytest.approx(packed_losses, rel=1e-9)
+    auto_batch = runs["auto"][1].data_collator(tree_dataset(groups).to_list())
+    assert len(auto_batch["loss_positions"]) > 0  # "auto" packs the trees that fit a row beside them
 
 
 def test_depth_first_refuses_hybrid_models_before_the_first_step(tmp_path):
