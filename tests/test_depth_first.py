@@ -15,7 +15,13 @@ from peft import LoraConfig, get_peft_model
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree import depth_first as depth_first_module
-from hf_tree.attention import ENGINES, KVPrefix, prefix_tree_attention, reference_tree_attention
+from hf_tree.attention import (
+    ENGINES,
+    KVPrefix,
+    attention_engine_scope,
+    prefix_tree_attention,
+    reference_tree_attention,
+)
 from hf_tree.depth_first import DepthFirstConfig, Unit, depth_first_backward, plan_units
 from hf_tree.head import detect_logit_head
 from tests.helpers import (
@@ -269,3 +275,10 @@ def test_probe_refuses_a_model_whose_units_lose_their_context(monkeypatch):
     monkeypatch.setattr(attention, "prefix_tree_attention", without_prefix)
     with pytest.raises(ValueError, match=r"depth_first' is not exact for LlamaForCausalLM"):
         depth_first_module.probe_depth_first(model, model, detect_logit_head(model))
+
+
+def test_depth_first_refuses_a_scoped_attention_engine():
+    """Tree context parallel scopes its own engine over sharded rows; a unit over its cache cannot run on it."""
+    model = tiny_model(vocab_size=VOCAB)
+    with attention_engine_scope(ENGINES["reference"]), pytest.raises(ValueError, match="attention_engine_scope"):
+        depth_first(model, branch_groups(), "token")

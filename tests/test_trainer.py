@@ -154,14 +154,19 @@ def test_logs_packing_metrics_through_callbacks(tmp_path):
     assert totals["num_trees"] == NUM_TREES
 
 
-def test_eval_loss_is_the_tree_loss_over_the_whole_set(tmp_path):
+@pytest.mark.parametrize(
+    "execution",
+    [{}, {"tree_execution": "auto", "max_packed_tokens": 12, "max_branch_tokens": 32}],
+    ids=["packed", "auto"],
+)
+def test_eval_loss_is_the_tree_loss_over_the_whole_set(tmp_path, execution):
     groups = branch_groups(seed=3, num_trees=5)
     with float64_norms():
         model = tiny_model(vocab_size=VOCAB)
         args = TreeTrainingArguments(
             **common_args(tmp_path, "eval", 2, 1),
             per_device_eval_batch_size=2,
-            max_packed_tokens=32,
+            **{"max_packed_tokens": 32, **execution},
             normalization="sequence",
         )
         trainer = TreeTrainer(

@@ -121,6 +121,12 @@ def tree_attention_forward(
         scaling=options.scaling, sliding_window=options.sliding_window, softcap=options.softcap, sinks=options.sinks
     )
     engine = scoped_attention_engine()  # e.g. hf_tree.parallel's context parallel: local rows, all keys
+    if engine is not None and kv_prefix is not None:
+        raise ValueError(
+            "kv_prefix (tree_execution='depth_first') inside an attention_engine_scope (tree context parallel): the "
+            "scoped engine runs sharded rows, not a unit over its cache. Use tree_execution='packed' with context "
+            "parallel."
+        )
     if engine is None:
         engine = ENGINES[select_backend(query.device)]
     if kv_prefix is not None:  # depth-first execution: this unit's keys/values are its descendants' cache
