@@ -2,10 +2,11 @@
 
 The tree is cut into *units* (``plan_units``), each one forward of the model:
 
-- a **group**: consecutive sibling subtrees whose tokens together fit ``max_unit_tokens``, run as one packed
-  mini-tree (its own ``kv_end``); a whole tree that fits is one group, i.e. today's packed row;
-- a **piece**: up to ``max_unit_tokens`` tokens of one node whose subtree does not fit; its keys/values are kept
-  (the *cache*) while the rest of its subtree runs.
+- a **group**: consecutive sibling subtrees that fit their depth's budget together (``max_unit_tokens`` minus their
+  cached ancestors, at least a quarter of it), run as one packed mini-tree (its own ``kv_end``); a whole tree that
+  fits is one group, i.e. today's packed row;
+- a **piece**: up to a budget of tokens of one node whose subtree does not fit; its keys/values are kept (the
+  *cache*) while the rest of its subtree runs.
 
 Units run in DFS order (``depth_first_backward``). A unit's queries also see its ancestors' cached keys/values
 (``hf_tree.attention.prefix``), which enter its forward as detached leaves, one per cached piece and layer: the
