@@ -11,6 +11,8 @@ import random
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from peft import LoraConfig, get_peft_model
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
@@ -282,3 +284,22 @@ def test_depth_first_refuses_a_scoped_attention_engine():
     model = tiny_model(vocab_size=VOCAB)
     with attention_engine_scope(ENGINES["reference"]), pytest.raises(ValueError, match="attention_engine_scope"):
         depth_first(model, branch_groups(), "token")
+
+
+@given(
+    seed=st.integers(0, 2**31),
+    num_trees=st.integers(1, 3),
+    max_unit_tokens=st.integers(1, 40),
+    normalization=st.sampled_from(["token", "sequence"]),
+)
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_random_forests_in_random_units_match_per_branch(seed, num_trees, max_unit_tokens, normalization):
+    """Any unit size, down to one token (every token its own unit, a cache level per token)."""
+    rng = random.Random(seed)
+    groups = [random_tree_branches(rng, rng.randint(1, 6)) for _ in range(num_trees)]
+    with float64_norms():
+        model = tiny_model(vocab_size=VOCAB)
+        loss, grads = depth_first(model, groups, normalization, max_unit_tokens)
+        ref_loss, ref_grads = oracle(model, groups, normalization)
+    assert relative_error(loss, ref_loss) <= TOLERANCE
+    assert max_grad_relative_error(grads, ref_grads) <= TOLERANCE
