@@ -21,15 +21,16 @@ root-to-leaf path, their caches, and one group. Loss weights and divisor are the
 from __future__ import annotations
 
 import functools
+import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from transformers import PreTrainedModel
 
-from hf_tree.attention.prefix import KVPrefix
+from hf_tree.attention.prefix import PrefixCache
 from hf_tree.head import LogitHead, capture_last_hidden_state, eval_mode_no_grad, probe_ids
 from hf_tree.loss import checked_tree_model, divide_by_items, score_hidden_states, tree_causal_lm_loss
 from hf_tree.mixers import TREE_MIXER_MODULES
@@ -39,6 +40,9 @@ from hf_tree.probe import bound, token_difference
 from hf_tree.tree import Tree
 
 OPTION = "tree_execution='depth_first'"
+# hf_tree.mixers ops that run a recurrence (a state across node boundaries): models whose modeling module has one are
+# refused; the causal convolutions are carried (``hf_tree.mixers.conv``).
+RECURRENT_OPS = ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan")
 
 
 @dataclass(frozen=True)
@@ -162,14 +166,14 @@ class _Pending:
 
     unit: Unit
     outputs: list[torch.Tensor]
-    """``[hidden, *keys, *values]``: the scored hidden states and (pieces) the per-layer keys/values."""
+    """``[hidden, *entries]``: the scored hidden states and (pieces) the unit's cache entries."""
     output_grads: list[torch.Tensor | None]
     """The hidden states' gradient, then (pieces) ``None`` until ``cache_leaves`` have gradients."""
-    cache_layers: list[int] = field(default_factory=list)
-    """The ``layer_idx`` of each cached layer (pieces)."""
+    cache_keys: list[Hashable] = field(default_factory=list)
+    """The ``PrefixCache`` key of each cached entry (pieces)."""
     cache_leaves: list[torch.Tensor] = field(default_factory=list)
-    """Detached ``requires_grad`` copies of the keys/values that descendants attend to: the keys of
-    ``cache_layers``, then their values, ``[1, Hkv, n, D]`` each."""
+    """Detached ``requires_grad`` views of the entries descendants read (keys/values, convolution inputs), in the
+    order of ``cache_keys``."""
 
     def backward(self) -> None:
         grads = self.output_grads[:1] + [leaf.grad for leaf in self.cache_leaves]
@@ -182,23 +186,23 @@ class _Pending:
 def refuse_for_depth_first(causal_lm: PreTrainedModel) -> None:
     """``ValueError`` (naming the model and the option) for models depth-first execution would train wrongly.
 
-    Hybrid models carry a convolution window or a recurrent state across a node boundary, which a unit forwarded
-    alone does not receive (only attention keys/values are cached); reentrant gradient checkpointing would cut
-    the cached keys/values out of the autograd graph.
+    Hybrids with recurrent mixers (gated delta rule, Mamba2 SSD) carry a state across a node boundary, which a unit
+    forwarded alone does not receive (attention keys/values and convolution inputs are cached; LFM2's convolutions
+    train); reentrant gradient checkpointing would cut the cache out of the autograd graph.
     """
-    families = sorted(
-        {
-            family
-            for module in causal_lm.modules()
-            for family in TREE_MIXER_MODULES
-            if type(module).__module__.endswith(f".modeling_{family}")
-        }
+    modeling = {type(module).__module__ for module in causal_lm.modules()}
+    recurrent = sorted(
+        name.rsplit(".modeling_", 1)[-1]
+        for name in modeling
+        if any(name.endswith(f".modeling_{family}") for family in TREE_MIXER_MODULES)
+        and any(hasattr(sys.modules[name], op) for op in RECURRENT_OPS)
     )
-    if families:
+    if recurrent:
         raise ValueError(
-            f"{OPTION} does not support {type(causal_lm).__name__} (hybrid {families[0]!r}): its convolution windows "
-            "and recurrent states cross node boundaries, and only attention keys/values are carried between units. "
-            "Use tree_execution='packed' (trees larger than a row are then split by their branches)."
+            f"{OPTION} does not support {type(causal_lm).__name__} (hybrid {recurrent[0]!r} with recurrent mixers): a "
+            "recurrent state crosses node boundaries, and only attention keys/values and convolution inputs are "
+            "carried between units. Use tree_execution='packed' (trees larger than a row are then split by their "
+            "branches)."
         )
     for module in causal_lm.modules():
         checkpoint_func = getattr(module, "_gradient_checkpointing_func", None)
@@ -295,11 +299,9 @@ def _run_trees(
             loss_dtype = loss.dtype
             pending = _Pending(unit, [hidden], [scored.grad])
             if unit.keeps_cache:
-                layers = sorted(prefix.own_keys)
-                own = [prefix.own_keys[i] for i in layers] + [prefix.own_values[i] for i in layers]
-                pending.outputs += own
-                pending.cache_layers = layers
-                pending.cache_leaves = [t.detach().requires_grad_(t.requires_grad) for t in own]
+                pending.outputs += prefix.own.values()
+                pending.cache_keys = list(prefix.own)
+                pending.cache_leaves = [t.detach().requires_grad_(t.requires_grad) for t in prefix.own.values()]
                 stack.append(pending)
             else:
                 pending.backward()
@@ -330,7 +332,7 @@ def probe_depth_first(model: torch.nn.Module, causal_lm: PreTrainedModel, logit_
 
     Raises:
         ValueError: naming the model and the option when a hidden state differs beyond rounding (e.g. a token mixer
-            that reads context outside the attention keys/values carried between units).
+            that reads context outside the attention keys/values and convolution inputs carried between units).
     """
     device = next(causal_lm.parameters()).device
     ids = probe_ids(causal_lm.config.get_text_config().vocab_size, 28, seed=3, device=torch.device("cpu")).tolist()
@@ -371,22 +373,19 @@ def probe_depth_first(model: torch.nn.Module, causal_lm: PreTrainedModel, logit_
             f"{OPTION} is not exact for {type(causal_lm).__name__}: a 4-branch probe tree run depth-first (units of "
             f"{PROBE_UNIT_TOKENS} tokens) differs from the same tree packed by up to {difference:.2e} per token "
             f"(relative; bound {allowed:.1e} for {dtype}): something in the model reads context other than the "
-            "attention keys/values carried between units. Use tree_execution='packed'. If you know better, opt out "
-            "with self_check=False / tree_self_check=False / HF_TREE_SELF_CHECK=0."
+            "attention keys/values and convolution inputs carried between units. Use tree_execution='packed'. If you "
+            "know better, opt out with self_check=False / tree_self_check=False / HF_TREE_SELF_CHECK=0."
         )
     return difference
 
 
 def _prefix_of(
     stack: Sequence[_Pending], arrays: _TreeArrays, kv_end: torch.Tensor, position_ids: torch.Tensor
-) -> KVPrefix:
-    """The cache a unit (``kv_end``, ``position_ids`` ``[1, N]``) attends to: the keys/values of every piece on the
-    stack (its ancestors), in order."""
-    layers = stack[0].cache_layers if stack else []
-    keys = {layer: torch.cat([p.cache_leaves[i] for p in stack], dim=2) for i, layer in enumerate(layers)}
-    values = {
-        layer: torch.cat([p.cache_leaves[len(layers) + i] for p in stack], dim=2) for i, layer in enumerate(layers)
-    }
+) -> PrefixCache:
+    """The cache a unit (``kv_end``, ``position_ids`` ``[1, N]``) reads: the entries of every piece on the stack (its
+    ancestors), in order."""
+    keys = stack[0].cache_keys if stack else []
+    cached = {key: torch.cat([p.cache_leaves[i] for p in stack], dim=2) for i, key in enumerate(keys)}
     positions = [arrays.position_ids[p.unit.start : p.unit.end] for p in stack]
     prefix_positions = torch.cat([position_ids[0, :0], *positions])[None]
-    return KVPrefix.over(keys, values, prefix_positions, kv_end, position_ids)
+    return PrefixCache.over(cached, prefix_positions, kv_end, position_ids)

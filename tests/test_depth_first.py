@@ -19,7 +19,7 @@ from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree import depth_first as depth_first_module
 from hf_tree.attention import (
     ENGINES,
-    KVPrefix,
+    PrefixCache,
     attention_engine_scope,
     prefix_tree_attention,
     reference_tree_attention,
@@ -27,6 +27,7 @@ from hf_tree.attention import (
 from hf_tree.depth_first import DepthFirstConfig, Unit, depth_first_backward, plan_units
 from hf_tree.head import detect_logit_head
 from tests.helpers import (
+    FLOAT32_FLOOR,
     VOCAB,
     float64_norms,
     grads_of,
@@ -172,10 +173,20 @@ def test_plan_tiles_the_tree_and_fits_the_budget(seed):
     assert all(0 < u.end - u.start <= 7 for u in units)
 
 
-def test_hybrid_models_are_refused():
+def test_lfm2_convolutions_match_per_branch():
+    """LFM2's short convolutions read their ancestors' inputs across units (the cached convolution inputs); its
+    norms and convolutions compute in float32 inside a float64 model (``FLOAT32_FLOOR``). With the cached inputs
+    dropped (every unit's window starting from zeros) the gradients are off by 0.77 and the first-use probe refuses."""
+    model = hybrid_model("lfm2")
+    assert_matches_oracle(model, branch_groups(seed=6), tolerance=FLOAT32_FLOOR)
+
+
+@pytest.mark.parametrize("family", ["qwen3_next", "granitemoehybrid"])
+def test_recurrent_hybrids_are_refused(family):
+    """GatedDeltaNet (Qwen3-Next) and Mamba2 (Granite-4 hybrid) carry a state across node boundaries."""
     tree = Tree.from_sequences(*branch_groups()[0])
-    with pytest.raises(ValueError, match=r"depth_first.*Lfm2ForCausalLM.*tree_execution='packed'"):
-        depth_first_backward(hybrid_model("lfm2"), [tree], DepthFirstConfig(6))
+    with pytest.raises(ValueError, match=rf"depth_first.*ForCausalLM \(hybrid '{family}' with recurrent mixers\)"):
+        depth_first_backward(hybrid_model(family), [tree], DepthFirstConfig(6))
 
 
 def test_reentrant_gradient_checkpointing_is_refused():
@@ -219,9 +230,9 @@ def test_prefix_attention_is_the_attention_of_the_whole_row(engine, unit_kind, n
 
     query, key, value = randn(1, heads, n, dim), randn(1, kv_heads, total, dim), randn(1, kv_heads, total, dim)
     sinks = randn(heads) if options.pop("sinks", False) else None
-    prefix = KVPrefix.over(
-        {0: key[:, :, :num_prefix]},
-        {0: value[:, :, :num_prefix]},
+    prefix_key, prefix_value = key[:, :, :num_prefix], value[:, :, :num_prefix]
+    prefix = PrefixCache.over(
+        {("key", 0): prefix_key, ("value", 0): prefix_value},
         torch.arange(num_prefix)[None],
         torch.from_numpy(unit.kv_end)[None].int(),
         torch.from_numpy(unit.position_ids)[None] + num_prefix,
@@ -230,8 +241,9 @@ def test_prefix_attention_is_the_attention_of_the_whole_row(engine, unit_kind, n
         query,
         key[:, :, num_prefix:],
         value[:, :, num_prefix:],
+        prefix_key,
+        prefix_value,
         prefix,
-        0,
         ENGINES[engine],
         scaling=0.3,
         sinks=sinks,
@@ -262,7 +274,7 @@ def test_probe_refuses_a_model_whose_units_lose_their_context(monkeypatch):
     (attention over the unit alone, as a model with its own cache-less context path would compute), it refuses."""
     import hf_tree.attention as attention
 
-    def without_prefix(query, key, value, prefix, layer, engine, **options):
+    def without_prefix(query, key, value, prefix_key, prefix_value, prefix, engine, **options):
         return engine(
             query,
             key,

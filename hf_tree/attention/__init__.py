@@ -23,7 +23,7 @@ from hf_tree.attention.dual import DeferredMask, model_attention_forward
 from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.mask import dense_tree_mask, render_mask, tree_mask_mod
 from hf_tree.attention.options import tree_mode_options
-from hf_tree.attention.prefix import KVPrefix, prefix_tree_attention
+from hf_tree.attention.prefix import PrefixCache, attention_layer, prefix_tree_attention
 from hf_tree.attention.reference import reference_tree_attention
 from hf_tree.attention.segments import cpu_tree_attention, segment_tree_attention
 from hf_tree.attention.torch_cp import refuse_torch_context_parallel
@@ -100,7 +100,7 @@ def tree_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     kv_end: torch.Tensor | None = None,
-    kv_prefix: KVPrefix | None = None,
+    kv_prefix: PrefixCache | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers attention interface: ``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` ->
@@ -130,15 +130,19 @@ def tree_attention_forward(
     if engine is None:
         engine = ENGINES[select_backend(query.device)]
     if kv_prefix is not None:  # depth-first execution: this unit's keys/values are its descendants' cache
-        layer = kv_prefix.record(module, key, value)
-        if kv_prefix.keys:
-            return prefix_tree_attention(query, key, value, kv_prefix, layer, engine, **engine_options), None
+        layer = attention_layer(module)
+        prefix_key, prefix_value = kv_prefix.record(("key", layer), key), kv_prefix.record(("value", layer), value)
+        if prefix_key is not None:
+            out = prefix_tree_attention(
+                query, key, value, prefix_key, prefix_value, kv_prefix, engine, **engine_options
+            )
+            return out, None
     return engine(query, key, value, kv_end, position_ids=options.position_ids, **engine_options), None
 
 
 __all__ = [
     "ENGINES",
-    "KVPrefix",
+    "PrefixCache",
     "attention_engine_scope",
     "scoped_attention_engine",
     "blocked_tree_attention",

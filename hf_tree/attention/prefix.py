@@ -2,7 +2,7 @@
 
 A depth-first unit (one node piece, or a packed mini-tree of sibling subtrees) is forwarded alone. Its queries see
 the keys/values of its ancestors, computed by earlier units and handed in through the model keyword ``kv_prefix``
-(a ``KVPrefix``; like ``kv_end`` it reaches the attention function through transformers' ``**kwargs``), then its own
+(a ``PrefixCache``; like ``kv_end`` it reaches the attention function through transformers' ``**kwargs``), then its own
 keys under its own ``kv_end``. The attention function also records the unit's own post-RoPE keys/values into the
 same object, per ``layer_idx``, for the unit's descendants.
 
@@ -14,7 +14,7 @@ engine (or, for a long prefix over a short unit, by the dense mask of ``hf_tree.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
 
 import torch
@@ -32,66 +32,72 @@ from hf_tree.attention.segments import (
 
 
 @dataclass(eq=False)
-class KVPrefix:
-    """The ancestors' cache one depth-first unit attends to, and the unit's own keys/values (a side output).
+class PrefixCache:
+    """The ancestors' cache one depth-first unit reads, and the unit's own entries (a side output for its descendants).
+
+    Entries are keyed by what records them: ``("key", layer_idx)`` and ``("value", layer_idx)`` for an attention layer's
+    post-RoPE keys/values ``[B, Hkv, n, D]`` (as its attention function receives them), ``("conv", id)`` for a causal
+    convolution's inputs ``[B, C, n]`` (``hf_tree.mixers.conv``); tokens are on dim 2 in every entry.
 
     Attributes:
-        keys, values: per ``layer_idx``, ``[B, Hkv, P, D]`` post-RoPE keys/values of the ancestors (the layer's
-            ``key``/``value`` as its attention function receives them); empty for a unit without ancestors.
-        row_kv_end: ``[B, P + N]`` int32 subtree ends of the row ``[prefix | unit]``: ``P + N`` for the prefix keys,
-            the unit's own ``kv_end`` shifted by ``P`` after them. One tensor for all layers (engines cache their
-            per-batch plans on it).
+        cached: the ancestors' entries (``n = P`` tokens, the prefix); empty for a unit without ancestors.
+        row_kv_end: ``[B, P + N]`` int32 subtree ends of the row ``[prefix | unit]``: ``P + N`` for the prefix tokens,
+            the unit's own ``kv_end`` shifted by ``P`` after them. One tensor for all layers (engines and mixers cache
+            their per-batch plans on it).
         row_position_ids: ``[B, P + N]`` depths of that row (sliding windows measure depth distance).
-        own_keys, own_values: filled by the attention function: per ``layer_idx``, the unit's ``[B, Hkv, N, D]``
-            keys/values (with their autograd graph), the cache its descendants attend to.
+        own: filled during the unit's forward: its own entries (``n = N`` tokens, with their autograd graph).
     """
 
-    keys: dict[int, torch.Tensor]
-    values: dict[int, torch.Tensor]
+    cached: dict[Hashable, torch.Tensor]
     row_kv_end: torch.Tensor
     row_position_ids: torch.Tensor
-    own_keys: dict[int, torch.Tensor] = field(default_factory=dict)
-    own_values: dict[int, torch.Tensor] = field(default_factory=dict)
+    own: dict[Hashable, torch.Tensor] = field(default_factory=dict)
 
     @classmethod
     def over(
         cls,
-        keys: dict[int, torch.Tensor],
-        values: dict[int, torch.Tensor],
+        cached: dict[Hashable, torch.Tensor],
         prefix_positions: torch.Tensor,
         kv_end: torch.Tensor,
         position_ids: torch.Tensor,
-    ) -> KVPrefix:
-        """The cache ``keys``/``values`` at depths ``prefix_positions [B, P]`` for a unit with local subtree ends
+    ) -> PrefixCache:
+        """The cache ``cached`` at depths ``prefix_positions [B, P]`` for a unit with local subtree ends
         ``kv_end [B, N]`` and depths ``position_ids [B, N]``."""
         num_prefix, total = prefix_positions.shape[1], prefix_positions.shape[1] + kv_end.shape[1]
         row_kv_end = torch.cat([kv_end.new_full((kv_end.shape[0], num_prefix), total), kv_end + num_prefix], dim=1)
-        return cls(keys, values, row_kv_end, torch.cat([prefix_positions.to(position_ids), position_ids], dim=1))
+        return cls(cached, row_kv_end, torch.cat([prefix_positions.to(position_ids), position_ids], dim=1))
 
-    def record(self, module: torch.nn.Module, key: torch.Tensor, value: torch.Tensor) -> int:
-        """Keep ``module``'s keys/values for the unit's descendants and return its ``layer_idx``.
+    def record(self, key: Hashable, tensor: torch.Tensor) -> torch.Tensor | None:
+        """Keep the unit's ``tensor`` under ``key`` for its descendants; the ancestors' entry of ``key``, if any.
 
-        Raises:
-            ValueError: when the attention module has no integer ``layer_idx`` (the cache could not be matched to
-                its layer).
+        A checkpointed layer records again when it is recomputed in backward; the unit has read its entry by then.
         """
-        layer = getattr(module, "layer_idx", None)
-        if not isinstance(layer, int):
-            raise ValueError(
-                f"tree_execution='depth_first': attention module {type(module).__name__} has no integer layer_idx, "
-                "so its cached keys/values cannot be matched to its layer. Use tree_execution='packed'."
-            )
-        # A checkpointed layer records again when it is recomputed in backward; the unit has read its entry by then.
-        self.own_keys[layer], self.own_values[layer] = key, value
-        return layer
+        self.own[key] = tensor
+        return self.cached.get(key)
+
+
+def attention_layer(module: torch.nn.Module) -> int:
+    """The ``layer_idx`` of an attention module (its cache key).
+
+    Raises:
+        ValueError: when the module has no integer ``layer_idx`` (its cache could not be matched to its layer).
+    """
+    layer = getattr(module, "layer_idx", None)
+    if not isinstance(layer, int):
+        raise ValueError(
+            f"tree_execution='depth_first': attention module {type(module).__name__} has no integer layer_idx, so its "
+            "cached keys/values cannot be matched to its layer. Use tree_execution='packed'."
+        )
+    return layer
 
 
 def prefix_tree_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    prefix: KVPrefix,
-    layer: int,
+    prefix_key: torch.Tensor,
+    prefix_value: torch.Tensor,
+    prefix: PrefixCache,
     engine: Callable[..., torch.Tensor],
     *,
     scaling: float,
@@ -103,8 +109,9 @@ def prefix_tree_attention(
 
     Args:
         query: ``[B, H, N, D]`` the unit's queries.
-        key, value: ``[B, Hkv, N, D]`` the unit's keys/values; the prefix's are ``prefix.keys[layer]`` and
-            ``prefix.values[layer]``, ``[B, Hkv, P, D]``.
+        key, value: ``[B, Hkv, N, D]`` the unit's keys/values.
+        prefix_key, prefix_value: ``[B, Hkv, P, D]`` the ancestors' (``prefix``'s entries for this layer).
+        prefix: the unit's cache (its row's ``kv_end`` and depths).
         engine: the tree engine of the call (``hf_tree.attention.ENGINES``' signature).
         scaling, sliding_window, softcap, sinks: as in ``reference_tree_attention``.
 
@@ -117,8 +124,8 @@ def prefix_tree_attention(
         (``masked_attention``) for soft-capping or sinks.
     """
     num_prefix = prefix.row_kv_end.shape[1] - query.shape[2]
-    keys = torch.cat([prefix.keys[layer].to(key.dtype), key], dim=2)
-    values = torch.cat([prefix.values[layer].to(value.dtype), value], dim=2)
+    keys = torch.cat([prefix_key.to(key.dtype), key], dim=2)
+    values = torch.cat([prefix_value.to(value.dtype), value], dim=2)
     options = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
     queries = torch.cat([query.new_zeros(*query.shape[:2], num_prefix, query.shape[3]), query], dim=2)
     if _runs_segments(engine, query, prefix.row_kv_end, options):  # the unit's rectangles only
