@@ -31,12 +31,15 @@ class TreeDataCollator:
     """Packs tree rows into ``[B, N]`` rows of at most ``max_packed_tokens`` tokens, as ``plan_packing`` plans them.
 
     Takes the ``PackingConfig`` fields as keywords (``max_packed_tokens``, ``normalization``, ``max_branch_tokens``,
-    ``overlong``, ``pad_to_multiple_of``; see ``PackingConfig`` for their meaning) or a ready ``packing=`` config,
-    and ``pad_token_id``: the token id written into padding (never attended to from real tokens, never scored).
+    ``overlong``, ``pad_to_multiple_of``, ``tree_execution``; see ``PackingConfig`` for their meaning) or a ready
+    ``packing=`` config, and ``pad_token_id``: the token id written into padding (never attended to from real tokens,
+    never scored).
 
     Output keys (docs/design.md): ``input_ids``, ``position_ids``, ``kv_end`` (int32) ``[B, N]``;
     ``loss_positions``, ``loss_targets`` ``[M]``; ``loss_weights`` ``[M]`` float64; ``num_loss_items``
-    (0-dim float64); plus the counters in ``STATS_KEYS`` (0-dim int64, read back with ``pop_packing_stats``).
+    (0-dim float64, depth-first trees included); ``depth_first_trees`` (a list of ``Tree``, only when
+    ``tree_execution`` leaves some trees to depth-first execution); plus the counters in ``STATS_KEYS`` (0-dim int64,
+    read back with ``pop_packing_stats``).
     """
 
     def __init__(self, *args: Any, pad_token_id: int = 0, packing: PackingConfig | None = None, **options: Any):

@@ -13,7 +13,7 @@ from typing import Any
 from hf_tree.collator import TreeDataCollator
 from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.models.check import tree_self_check_field
-from hf_tree.packing import Normalization, OverlongPolicy, PackingConfig
+from hf_tree.packing import Normalization, OverlongPolicy, PackingConfig, TreeExecution
 from hf_tree.parallel.integration import ContextParallelConfig
 from hf_tree.training_arguments import refuse_neftune
 
@@ -54,6 +54,7 @@ class TreeArguments:
     overlong: OverlongPolicy = packing_field("overlong")
     normalization: Normalization = packing_field("normalization")
     pad_to_multiple_of: int | None = packing_field("pad_to_multiple_of")
+    tree_execution: TreeExecution = packing_field("tree_execution")
     context_parallel_strategy: str = context_parallel_field("strategy")
     context_parallel_chunks_per_rank: int = context_parallel_field("chunks_per_rank")
     context_parallel_query_block_size: int = context_parallel_field("query_block_size")

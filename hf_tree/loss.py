@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 from accelerate.utils import extract_model_from_parallel
 from torch.utils.checkpoint import checkpoint
+from transformers import PreTrainedModel
 
 from hf_tree.attention.mask import autocast_inputs, compute_dtype
 from hf_tree.attention.names import TREE_ATTENTION_NAME
@@ -19,6 +20,7 @@ from hf_tree.models.check import check_model_for_trees
 from hf_tree.models.head import LogitHead, capture_last_hidden_state, causal_lm_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef, tree_router_loss
+from hf_tree.packing import DEPTH_FIRST_KEY
 
 # Bytes of one float32 [rows, vocab] logits tile: sets the rows per loss chunk (``loss_chunk_rows``). The fused
 # cross-entropy over SmolLM2's 49k vocabulary took 4% less time with 512-row chunks (this size) than 256, the
@@ -268,16 +270,13 @@ def tree_losses(
     """The token loss and (MoE models with ``output_router_logits`` and a non-zero ``router_aux_loss_coef``) the
     router load-balancing loss of a packed tree batch; arguments and errors as ``tree_causal_lm_loss``. The router
     loss weights each packed token by ``batch["token_multiplicity"]``, so it is the per-branch batch's."""
-    config = extract_model_from_parallel(model).config
-    if config._attn_implementation != TREE_ATTENTION_NAME:
+    if batch.get(DEPTH_FIRST_KEY):
         raise ValueError(
-            f"the model uses attn_implementation={config._attn_implementation!r}, which ignores kv_end and "
-            f"would let sibling branches see each other. Load it with attn_implementation="
-            f"'{TREE_ATTENTION_NAME}' or call model.set_attn_implementation('{TREE_ATTENTION_NAME}')."
+            f"the batch holds {len(batch[DEPTH_FIRST_KEY])} trees left to depth-first execution (the collator's "
+            "tree_execution), which this packed loss would skip. Train with TreeTrainer/TreeSFTTrainer, or call "
+            "hf_tree.depth_first.depth_first_backward on them, or set tree_execution='packed'."
         )
-    check_rope_lengths(config, batch["position_ids"])
-    logit_head = check_model_for_trees(model, self_check)
-    causal_lm = causal_lm_of(model)
+    causal_lm, logit_head = checked_tree_model(model, batch["position_ids"], self_check)
     router_coef = router_aux_loss_coef(causal_lm)
     if router_coef and "token_multiplicity" not in batch:
         raise ValueError(
@@ -297,22 +296,63 @@ def tree_losses(
         )
     hidden = captured["hidden"]  # the backbone's last hidden state: what detect_logit_head verified
     gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
-    head = causal_lm.get_output_embeddings()
-    total = (token_loss or weighted_cross_entropy)(
-        head,
-        gathered,
-        batch["loss_targets"],
-        batch["loss_weights"],
+    total = score_hidden_states(
+        causal_lm, logit_head, gathered, batch["loss_targets"], batch["loss_weights"], token_loss, chunk_size
+    )
+    divisor = batch["num_loss_items"] if num_items_in_batch is None else num_items_in_batch
+    losses = TreeLosses(token=divide_by_items(total, divisor), router_coef=router_coef)
+    if router_coef:
+        losses.router = tree_router_loss(causal_lm, outputs.router_logits, batch["token_multiplicity"].reshape(-1))
+    return losses
+
+
+def checked_tree_model(
+    model: torch.nn.Module, position_ids: torch.Tensor, self_check: bool | None
+) -> tuple[PreTrainedModel, LogitHead]:
+    """The causal LM inside ``model`` and its ``LogitHead``, after every check a tree forward needs: the model is on
+    ``tree_flash``, ``position_ids`` (depths) stay within its RoPE length switches, and ``check_model_for_trees``.
+
+    Raises:
+        ValueError: see ``tree_causal_lm_loss``.
+    """
+    config = extract_model_from_parallel(model).config
+    if config._attn_implementation != TREE_ATTENTION_NAME:
+        raise ValueError(
+            f"the model uses attn_implementation={config._attn_implementation!r}, which ignores kv_end and "
+            f"would let sibling branches see each other. Load it with attn_implementation="
+            f"'{TREE_ATTENTION_NAME}' or call model.set_attn_implementation('{TREE_ATTENTION_NAME}')."
+        )
+    check_rope_lengths(config, position_ids)
+    logit_head = check_model_for_trees(model, self_check)
+    return causal_lm_of(model), logit_head
+
+
+def score_hidden_states(
+    causal_lm: PreTrainedModel,
+    logit_head: LogitHead,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    weights: torch.Tensor,
+    token_loss: Callable[..., torch.Tensor] | None = None,
+    chunk_size: int | None = None,
+) -> torch.Tensor:
+    """``sum_i weights[i] * loss(head(hidden[i]), targets[i])`` (0-dim) with the model's own head: ``hidden [M, D]``,
+    ``targets [M]`` int64, ``weights [M]``; ``token_loss`` defaults to ``weighted_cross_entropy``."""
+    return (token_loss or weighted_cross_entropy)(
+        causal_lm.get_output_embeddings(),
+        hidden,
+        targets,
+        weights,
         softcap=logit_head.softcap,
         chunk_size=chunk_size,
         scale=logit_head.scale,
     )
-    divisor = batch["num_loss_items"] if num_items_in_batch is None else num_items_in_batch
+
+
+def divide_by_items(total: torch.Tensor, divisor: torch.Tensor | float) -> torch.Tensor:
+    """``total / divisor`` in ``total``'s dtype and device (a zero divisor leaves ``total``, which is then zero)."""
     divisor = torch.as_tensor(divisor, device=total.device, dtype=total.dtype)
-    losses = TreeLosses(token=total / divisor.clamp_min(torch.finfo(total.dtype).tiny), router_coef=router_coef)
-    if router_coef:
-        losses.router = tree_router_loss(causal_lm, outputs.router_logits, batch["token_multiplicity"].reshape(-1))
-    return losses
+    return total / divisor.clamp_min(torch.finfo(total.dtype).tiny)
 
 
 def tree_causal_lm_loss(
@@ -348,7 +388,8 @@ def tree_causal_lm_loss(
 
     Raises:
         ValueError: a model not on ``tree_flash``, one the self-check finds not tree-exact, a batch whose longest
-            branch crosses a length switch of the model's RoPE (``hf_tree.models.length_rope``), or a router loss the
-            tree cannot weight (``hf_tree.models.router_loss``).
+            branch crosses a length switch of the model's RoPE (``hf_tree.models.length_rope``), a router loss the
+            tree cannot weight (``hf_tree.models.router_loss``), or a batch holding trees left to depth-first
+            execution (``hf_tree.depth_first``).
     """
     return tree_losses(model, batch, num_items_in_batch, chunk_size, token_loss, self_check, model_inputs).model_loss()

@@ -23,8 +23,12 @@ logger = logging.getLogger("hf_tree")
 
 Normalization = Literal["token", "sequence"]
 OverlongPolicy = Literal["error", "drop", "truncate"]
+TreeExecution = Literal["packed", "auto", "depth_first"]
 NORMALIZATIONS: tuple[str, ...] = get_args(Normalization)
 OVERLONG_POLICIES: tuple[str, ...] = get_args(OverlongPolicy)
+TREE_EXECUTIONS: tuple[str, ...] = get_args(TreeExecution)
+# The batch key of the trees a collator leaves to depth-first execution (a list of ``Tree``; absent when none).
+DEPTH_FIRST_KEY = "depth_first_trees"
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class PackingConfig:
         default=None,
         metadata={
             "help": "Longest allowed branch (one sample) in tokens; defaults to max_packed_tokens. Longer branches "
-            "follow `overlong`."
+            "follow `overlong`. May exceed max_packed_tokens unless tree_execution='packed': a tree holding such a "
+            "branch then runs depth-first."
         },
     )
     overlong: OverlongPolicy = field(
@@ -71,18 +76,36 @@ class PackingConfig:
         default=None,
         metadata={"help": "Round each batch's row length up to a multiple of this (e.g. 64 for GPU kernels)."},
     )
+    tree_execution: TreeExecution = field(
+        default="packed",
+        metadata={
+            "help": f"How trees run, one of {TREE_EXECUTIONS}. 'packed': bin-packed rows; a tree larger than "
+            "max_packed_tokens is split by its branches (its shared prefix recomputed per part). 'auto': such trees "
+            "run depth-first instead (docs/depth_first.md: every shared prefix computed once, activation memory of "
+            "one root-to-leaf path, forwards of at most max_packed_tokens tokens); the others are packed. "
+            "'depth_first': every tree runs depth-first. Depth-first runs in TreeTrainer/TreeSFTTrainer on one "
+            "process, without fp16 loss scaling; hybrids with recurrent mixers are refused.",
+            "choices": list(TREE_EXECUTIONS),
+        },
+    )
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field, the bad value and the fix."""
         if not isinstance(self.max_packed_tokens, int) or self.max_packed_tokens < 2:
             raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} must be an integer >= 2.")
         limit = self.branch_limit
-        if not isinstance(limit, int) or not 2 <= limit <= self.max_packed_tokens:
+        if self.tree_execution == "packed" and not (isinstance(limit, int) and 2 <= limit <= self.max_packed_tokens):
             raise ValueError(
                 f"max_branch_tokens={limit!r} must be an integer in [2, max_packed_tokens="
-                f"{self.max_packed_tokens}]: a branch must fit in one row."
+                f"{self.max_packed_tokens}]: a branch must fit in one row (or set tree_execution='auto')."
             )
-        for name, choices in (("overlong", OVERLONG_POLICIES), ("normalization", NORMALIZATIONS)):
+        if not isinstance(limit, int) or limit < 2:
+            raise ValueError(f"max_branch_tokens={limit!r} must be an integer >= 2.")
+        for name, choices in (
+            ("overlong", OVERLONG_POLICIES),
+            ("normalization", NORMALIZATIONS),
+            ("tree_execution", TREE_EXECUTIONS),
+        ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}.")
         multiple = self.pad_to_multiple_of
@@ -93,6 +116,13 @@ class PackingConfig:
     def branch_limit(self) -> int:
         """``max_branch_tokens``, defaulting to ``max_packed_tokens``."""
         return self.max_packed_tokens if self.max_branch_tokens is None else self.max_branch_tokens
+
+    def runs_depth_first(self, tree: Tree) -> bool:
+        """Whether ``tree`` runs depth-first rather than in a packed row (``tree_execution``; ``"auto"``: when it is
+        larger than a row)."""
+        if self.tree_execution == "auto":
+            return tree.num_tokens > self.max_packed_tokens
+        return self.tree_execution == "depth_first"
 
 
 @dataclass
@@ -145,10 +175,13 @@ class PackingPlan:
     row_length: int
     """``N``: the longest row rounded up to ``pad_to_multiple_of`` (at least 1)."""
     stats: PackingStats
+    depth_first: list[Tree] = field(default_factory=list)
+    """Trees left whole to depth-first execution (``PackingConfig.tree_execution``), outside the rows."""
 
 
 def plan_packing(trees: Sequence[Tree], packing: PackingConfig, where: str = "tree", first: int = 0) -> PackingPlan:
-    """Apply the branch limit, split oversized trees and bin-pack the parts into rows.
+    """Apply the branch limit, split oversized trees (or leave them to depth-first execution) and bin-pack the parts
+    into rows.
 
     Args:
         trees: one batch of trees (one collator call).
@@ -160,9 +193,13 @@ def plan_packing(trees: Sequence[Tree], packing: PackingConfig, where: str = "tr
     """
     stats = PackingStats(num_trees=len(trees))
     parts: list[Tree] = []
+    depth_first: list[Tree] = []
     for i, tree in enumerate(trees):
         limited = limit_branch_length(tree, packing.branch_limit, packing.overlong, stats, where=f"{where} {first + i}")
         if limited is None:
+            continue
+        if packing.runs_depth_first(limited):
+            depth_first.append(limited)
             continue
         split = split_tree(limited, packing.max_packed_tokens)
         stats.num_split_trees += len(split) > 1
@@ -172,12 +209,12 @@ def plan_packing(trees: Sequence[Tree], packing: PackingConfig, where: str = "tr
     row_length = max(sum(p.num_tokens for p in row) for row in rows) or 1
     if packing.pad_to_multiple_of:
         row_length = -(-row_length // packing.pad_to_multiple_of) * packing.pad_to_multiple_of
-    stats.num_tree_parts = len(parts)
+    stats.num_tree_parts = len(parts) + len(depth_first)
     stats.num_rows = len(rows)
-    stats.num_tree_tokens = sum(p.num_tokens for p in parts)
-    stats.num_branch_tokens = sum(p.num_branch_tokens for p in parts)
-    stats.num_padding_tokens = len(rows) * row_length - stats.num_tree_tokens
-    return PackingPlan(rows, row_length, stats)
+    stats.num_tree_tokens = sum(p.num_tokens for p in (*parts, *depth_first))
+    stats.num_branch_tokens = sum(p.num_branch_tokens for p in (*parts, *depth_first))
+    stats.num_padding_tokens = len(rows) * row_length - sum(p.num_tokens for p in parts)
+    return PackingPlan(rows, row_length, stats, depth_first)
 
 
 def limit_branch_length(
@@ -289,7 +326,7 @@ def lay_out(
             loss_positions.append(r * longest + offset + part.predictor_index[trained])
             loss_targets.append(part.input_ids[trained])
             loss_weights.append(weights[trained].astype(np.float64))
-            num_loss_items += float(weights.sum()) if normalization == "token" else part.num_trained_branches
+            num_loss_items += tree_divisor([part], normalization)
             offset += part.num_tokens
 
     def cat(chunks: list[np.ndarray], dtype: np.dtype) -> np.ndarray:
@@ -305,7 +342,17 @@ def lay_out(
         "loss_weights": torch.from_numpy(cat(loss_weights, np.float64)),
         "num_loss_items": torch.tensor(num_loss_items, dtype=torch.float64),
     }
+    if plan.depth_first:  # outside the rows; counted in the batch's divisor
+        batch[DEPTH_FIRST_KEY] = list(plan.depth_first)
+        batch["num_loss_items"] += tree_divisor(plan.depth_first, normalization)
     return batch, placements
+
+
+def tree_divisor(trees: Sequence[Tree], normalization: Normalization) -> float:
+    """The trees' own loss divisor: the sum of their weights (``token``) or their trained branches (``sequence``)."""
+    if normalization == "token":
+        return float(sum(float(t.token_weights.sum()) for t in trees))
+    return float(sum(t.num_trained_branches for t in trees))
 
 
 def pack_trees(

@@ -36,13 +36,14 @@ from transformers.trainer_utils import EvalLoopOutput
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
+from hf_tree.depth_first import DepthFirstConfig, depth_first_backward, refuse_for_depth_first
 from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.loss import TreeLosses, tree_losses
 from hf_tree.models.check import self_check_setting
 from hf_tree.models.head import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
-from hf_tree.packing import PackingStats
+from hf_tree.packing import DEPTH_FIRST_KEY, PackingStats
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.sft_losses import sft_token_loss
@@ -228,6 +229,41 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             )
         # The whole training set, before the first step (the per-batch check in get_batch_samples stays).
         check_dataset_rope_lengths(self.model.config, self.data_collator, self.train_dataset)
+        self.tree_depth_first = self._depth_first_config()
+
+    def _depth_first_config(self) -> DepthFirstConfig | None:
+        """The depth-first options of the collator's ``tree_execution`` (``None`` for ``"packed"``), after refusing,
+        before the first step, what depth-first execution does not support.
+
+        Raises:
+            ValueError: naming ``tree_execution`` and the fix, on several processes (DDP/FSDP), under context
+                parallel or DeepSpeed, with fp16 loss scaling, reentrant gradient checkpointing or a recurrent hybrid.
+        """
+        packing = getattr(self.data_collator, "packing", None)
+        if packing is None or packing.tree_execution == "packed":
+            return None
+        option = f"tree_execution={packing.tree_execution!r}"
+        unsupported = {
+            f"{self.accelerator.num_processes} processes (DDP/FSDP)": self.accelerator.num_processes > 1,
+            "context parallel": self.tree_context_parallel is not None,
+            "DeepSpeed": self.is_deepspeed_enabled,
+            "fp16 (loss scaling)": self.args.fp16,
+        }
+        for what, present in unsupported.items():
+            if present:
+                raise ValueError(
+                    f"{option} runs on one process without loss scaling; it does not support {what} yet. Set "
+                    "tree_execution='packed' (trees larger than max_packed_tokens are split by their branches), or "
+                    "train on one process (bf16 or float32)."
+                )
+        checkpointing = self.args.gradient_checkpointing_kwargs or {}
+        if self.args.gradient_checkpointing and checkpointing.get("use_reentrant", False):
+            raise ValueError(
+                f"{option} with gradient_checkpointing_kwargs={checkpointing} would drop the gradient of the cached "
+                "keys and values. Set gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default)."
+            )
+        refuse_for_depth_first(causal_lm_of(self.model))
+        return DepthFirstConfig(max_unit_tokens=packing.max_packed_tokens)
 
     @property
     def tree_self_check(self) -> bool | None:
@@ -253,6 +289,8 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             # Before the step, on the whole batch (context parallel shards it later, and each rank's rope would see
             # only its shard's largest position).
             check_rope_lengths(self.model.config, batch["position_ids"])
+            for tree in batch.get(DEPTH_FIRST_KEY) or ():
+                check_rope_lengths(self.model.config, torch.from_numpy(tree.position_ids), "a depth-first tree")
             sums += self._pop_batch_sums(batch)
         sums = sums.to(device)
         if self.accelerator.num_processes > 1:
@@ -281,6 +319,28 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             return contextlib.nullcontext, inputs
         return self.tree_context_parallel.prepare(inputs)
 
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """Trainer's step on the packed rows, then depth-first execution of the trees the collator left whole
+        (``tree_execution``), which runs its own backward; the returned loss (detached) is their sum."""
+        trees = inputs.pop(DEPTH_FIRST_KEY, None)
+        if not trees:
+            return super().training_step(model, inputs, num_items_in_batch)
+        loss = None
+        if len(inputs["loss_positions"]):  # packed trees (not only the empty row of an all-depth-first batch)
+            loss = super().training_step(model, inputs, num_items_in_batch)
+        model.train()
+        with self.compute_loss_context_manager():
+            depth_first = depth_first_backward(
+                model,
+                trees,
+                self.tree_depth_first,
+                self.data_collator.packing.normalization,
+                num_items_in_batch=num_items_in_batch,
+                token_loss=self.tree_token_loss,
+                self_check=self.tree_self_check,
+            )
+        return depth_first if loss is None else loss + depth_first.to(loss)
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``tree_causal_lm_loss``; with the step's global divisor, scaled by the number of processes because
         DDP/FSDP average gradients over ranks (under context parallel the CP ranks' shares add up the same way)."""
@@ -307,6 +367,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         """The tree loss of one batch (no logits: a tree batch has several children per position)."""
         inputs = self._prepare_inputs(inputs)
         pop_packing_stats(inputs)
+        trees = inputs.pop(DEPTH_FIRST_KEY, None)
         with torch.no_grad(), self.compute_loss_context_manager():
             total = tree_losses(  # the token loss: a router loss is a per-batch mean, not a sum over the set
                 model,
@@ -316,6 +377,16 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
                 self_check=self.tree_self_check,
                 model_inputs=batch_model_inputs(model, inputs),  # images (evaluation is never context-parallel)
             ).token
+            if trees:
+                total = total + depth_first_backward(
+                    model,
+                    trees,
+                    self.tree_depth_first,
+                    self.data_collator.packing.normalization,
+                    num_items_in_batch=1.0,
+                    token_loss=self.tree_token_loss,
+                    self_check=self.tree_self_check,
+                ).to(total)
         items = inputs["num_loss_items"].to(total.device, torch.float64)
         if self._tree_eval_sums is not None:
             self._tree_eval_sums += torch.stack([total.detach().to(torch.float64), items])

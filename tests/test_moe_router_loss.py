@@ -30,6 +30,7 @@ from trl import (
 )
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.depth_first import refuse_for_depth_first
 from hf_tree.loss import tree_losses
 from hf_tree.models.router_loss import tree_router_loss
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
@@ -126,6 +127,13 @@ def test_a_router_loss_of_another_form_is_refused(monkeypatch):
     batch = TreeDataCollator(max_packed_tokens=16)([Tree.from_sequences(SEQUENCES[:3], MASKS[:3]).to_dict()])
     with pytest.raises(ValueError, match="router_aux_loss_coef=0.1.*cannot reproduce that router loss"):
         tree_causal_lm_loss(model, batch)
+
+
+def test_depth_first_execution_refuses_a_router_loss():
+    """Depth-first units run and backpropagate one by one; the router loss is a mean over the whole micro-batch."""
+    model = tiny_model("mixtral", output_router_logits=True, router_aux_loss_coef=0.1)
+    with pytest.raises(ValueError, match=r"tree_execution='depth_first'.*router_aux_loss_coef=0\.1"):
+        refuse_for_depth_first(model)
 
 
 def test_no_router_loss_without_router_logits_or_coefficient():

@@ -12,7 +12,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_tree import Tree, TreeDataCollator, split_tree
+from hf_tree import Tree, TreeDataCollator, split_tree, tree_causal_lm_loss
 from hf_tree.attention import dense_tree_mask
 from hf_tree.collator import pop_packing_stats
 from hf_tree.packing import PackingConfig, best_fit_decreasing
@@ -175,3 +175,32 @@ def test_tree_arguments_take_their_packing_fields_from_packing_config():
     assert tuple(flags["overlong"].choices) == ("error", "drop", "truncate")
     assert tuple(flags["normalization"].choices) == ("token", "sequence")
     assert flags["max_branch_tokens"].help == PackingConfig.__dataclass_fields__["max_branch_tokens"].metadata["help"]
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+def test_auto_execution_leaves_trees_larger_than_a_row_whole(normalization):
+    """``tree_execution="auto"``: a tree over ``max_packed_tokens`` is not split but handed on whole (its branch
+    may be longer than a row); the divisor and the counters include it, the rows hold the others."""
+    small = Tree.from_sequences([[1, 2, 3], [1, 2, 4, 5]])
+    large = Tree.from_sequences([list(range(3, 40)), list(range(3, 20)) + [50, 51]], [[0] * 5 + [1] * 32, [1] * 19])
+    collator = TreeDataCollator(
+        max_packed_tokens=16, max_branch_tokens=40, normalization=normalization, tree_execution="auto"
+    )
+    batch = collator([small.to_dict(), large.to_dict()])
+    stats = pop_packing_stats(batch)
+    assert [t.num_tokens for t in batch["depth_first_trees"]] == [large.num_tokens]
+    assert batch["input_ids"].shape == (1, small.num_tokens)
+    packed_alone = TreeDataCollator(max_packed_tokens=64, normalization=normalization)([small, large])
+    assert float(batch["num_loss_items"]) == float(packed_alone["num_loss_items"])
+    assert stats.num_split_trees == 0 and stats.num_tree_tokens == small.num_tokens + large.num_tokens
+    assert "depth_first_trees" not in TreeDataCollator(max_packed_tokens=64, tree_execution="auto")([small])
+    with pytest.raises(ValueError, match="depth-first execution"):
+        tree_causal_lm_loss(None, batch)
+
+
+def test_branches_longer_than_a_row_need_depth_first_execution():
+    with pytest.raises(ValueError, match=r"max_branch_tokens=40 .*tree_execution='auto'"):
+        PackingConfig(max_packed_tokens=16, max_branch_tokens=40)
+    assert PackingConfig(max_packed_tokens=16, max_branch_tokens=40, tree_execution="depth_first").branch_limit == 40
+    with pytest.raises(ValueError, match="tree_execution='dfs' must be one of"):
+        PackingConfig(tree_execution="dfs")

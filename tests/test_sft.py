@@ -19,6 +19,7 @@ from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.builders import GROUP_BY_ROW
 from hf_tree.collator import TreeDataCollator
 from hf_tree.data.synthetic_agent import synthetic_agent_dataset
+from hf_tree.depth_first import DepthFirstConfig, depth_first_backward
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.row_batching import TreePart, plan_row_batches
 from hf_tree.sft_losses import sft_token_loss
@@ -64,6 +65,24 @@ def test_class_name_swap_trains_the_same_objective(tmp_path, tokenizer):
     trl = trl_script(SFTConfig, SFTTrainer, tokenizer, dataset, str(tmp_path / "trl"))
     tree = trl_script(TreeSFTConfig, TreeSFTTrainer, tokenizer, dataset, str(tmp_path / "tree"), group_by=GROUP_BY_ROW)
     assert first_loss(tree) == pytest.approx(first_loss(trl), rel=1e-5)
+
+
+def test_depth_first_execution_trains_the_same_objective(tmp_path, tokenizer):
+    """TreeSFTTrainer with every tree run depth-first (units of 8 tokens) logs the packed run's first loss."""
+    dataset = prompt_completion_dataset()
+    packed = trl_script(TreeSFTConfig, TreeSFTTrainer, tokenizer, dataset, str(tmp_path / "packed"))
+    depth_first = trl_script(
+        TreeSFTConfig,
+        TreeSFTTrainer,
+        tokenizer,
+        dataset,
+        str(tmp_path / "depth_first"),
+        tree_execution="depth_first",
+        max_packed_tokens=8,
+        max_length=None,
+        max_branch_tokens=64,
+    )
+    assert first_loss(depth_first) == pytest.approx(first_loss(packed), rel=1e-5)
 
 
 def test_default_grouping_merges_completions_of_one_prompt(tmp_path, tokenizer):
@@ -169,10 +188,17 @@ def test_dft_and_label_smoothing_losses_equal_per_branch(loss_type, smoothing):
         loss.backward()
         ours = grads_of(model)
         model.zero_grad()
+        depth_first = depth_first_backward(
+            model, [Tree.from_sequences(sequences, masks)], DepthFirstConfig(3), token_loss=token_loss
+        )  # units of 3 tokens: the scored edges of one node in several units
+        depth_first_grads = grads_of(model)
+        model.zero_grad()
         expected = per_branch_sft_loss(model, sequences, masks, loss_type, smoothing)
         expected.backward()
     assert float(loss.detach()) == pytest.approx(float(expected.detach()), rel=1e-12)
     assert max_grad_relative_error(ours, grads_of(model)) <= 1e-9
+    assert float(depth_first) == pytest.approx(float(expected.detach()), rel=1e-12)
+    assert max_grad_relative_error(depth_first_grads, grads_of(model)) <= 1e-9
 
 
 def test_dft_ignores_label_smoothing_as_trl_does():

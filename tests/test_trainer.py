@@ -20,6 +20,7 @@ from tests.helpers import (
     collate_branches,
     common_args,
     float64_norms,
+    hybrid_model,
     per_branch_loss,
     relative_error,
     tiny_model,
@@ -82,6 +83,39 @@ def test_three_sgd_steps_match_trainer_on_branches(tmp_path, normalization):
     assert tree_losses == pytest.approx(ref_losses, rel=1e-9)
 
 
+def test_depth_first_execution_matches_packed_and_trainer_on_branches(tmp_path):
+    """Trees over 12 tokens run depth-first ("auto"; all with "depth_first") in units of at most 12 tokens, branches
+    up to 21 tokens included: pieces of the prompts, completions over their cache, beside packed rows in the same
+    micro-batch; 2 accumulated micro-batches share one divisor. Three SGD steps equal the packed TreeTrainer (rows of
+    24, trees split) and Trainer on the branches."""
+    groups = branch_groups()
+    with float64_norms():
+        reference, _ = train_reference(tmp_path, groups, "token", batch_size=2, accumulation=2)
+        packed, packed_trainer = train_tree(tmp_path / "p", groups, "token", 2, 2)
+        runs = {
+            execution: train_tree(
+                tmp_path / execution, groups, "token", 2, 2, 12, max_branch_tokens=24, tree_execution=execution
+            )
+            for execution in ("auto", "depth_first")
+        }
+    packed_losses = [h["loss"] for h in packed_trainer.state.log_history if "loss" in h]
+    for depth_first, trainer in runs.values():
+        batch = trainer.data_collator(tree_dataset(groups).to_list())
+        assert len(batch["depth_first_trees"]) > 0  # the setting exercises depth-first execution
+        assert max_param_relative_error(depth_first, packed) <= TOLERANCE
+        assert max_param_relative_error(depth_first, reference) <= TOLERANCE
+        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        assert losses == pytest.approx(packed_losses, rel=1e-9)
+    auto_batch = runs["auto"][1].data_collator(tree_dataset(groups).to_list())
+    assert len(auto_batch["loss_positions"]) > 0  # "auto" packs the trees that fit a row beside them
+
+
+def test_depth_first_refuses_recurrent_hybrids_before_the_first_step(tmp_path):
+    args = TreeTrainingArguments(**common_args(tmp_path, "hybrid", 1, 1), tree_execution="auto")
+    with pytest.raises(ValueError, match=r"tree_execution='depth_first'.*Qwen3NextForCausalLM.*'packed'"):
+        TreeTrainer(model=hybrid_model("qwen3_next"), args=args, train_dataset=tree_dataset(branch_groups()))
+
+
 def test_trees_are_split_across_rows_in_the_equivalence_setting():
     """max_packed_tokens=24 in the equivalence test forces splitting of the larger trees and several rows."""
     args = TreeTrainingArguments(output_dir="unused", max_packed_tokens=24, use_cpu=True, report_to=[])
@@ -120,14 +154,19 @@ def test_logs_packing_metrics_through_callbacks(tmp_path):
     assert totals["num_trees"] == NUM_TREES
 
 
-def test_eval_loss_is_the_tree_loss_over_the_whole_set(tmp_path):
+@pytest.mark.parametrize(
+    "execution",
+    [{}, {"tree_execution": "auto", "max_packed_tokens": 12, "max_branch_tokens": 32}],
+    ids=["packed", "auto"],
+)
+def test_eval_loss_is_the_tree_loss_over_the_whole_set(tmp_path, execution):
     groups = branch_groups(seed=3, num_trees=5)
     with float64_norms():
         model = tiny_model(vocab_size=VOCAB)
         args = TreeTrainingArguments(
             **common_args(tmp_path, "eval", 2, 1),
             per_device_eval_batch_size=2,
-            max_packed_tokens=32,
+            **{"max_packed_tokens": 32, **execution},
             normalization="sequence",
         )
         trainer = TreeTrainer(
@@ -206,6 +245,7 @@ def test_bf16_autocast_update_error_is_no_worse_than_plain_trainer(tmp_path):
         ("overlong", "cut", "overlong='cut'"),
         ("normalization", "mean", "normalization='mean'"),
         ("pad_to_multiple_of", 0, "pad_to_multiple_of=0"),
+        ("tree_execution", "dfs", "tree_execution='dfs'"),
         ("remove_unused_columns", True, "remove_unused_columns=True"),
         ("context_parallel_strategy", "ring", "context_parallel_strategy='ring'"),
         ("context_parallel_chunks_per_rank", 0, "context_parallel_chunks_per_rank=0"),

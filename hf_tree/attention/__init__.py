@@ -23,6 +23,7 @@ from hf_tree.attention.dual import DeferredMask, model_attention_forward
 from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.mask import dense_tree_mask, render_mask, tree_mask_mod
 from hf_tree.attention.options import tree_mode_options
+from hf_tree.attention.prefix import PrefixCache, attention_layer, prefix_tree_attention
 from hf_tree.attention.reference import reference_tree_attention
 from hf_tree.attention.segments import cpu_tree_attention, segment_tree_attention
 from hf_tree.attention.torch_cp import refuse_torch_context_parallel
@@ -99,13 +100,18 @@ def tree_attention_forward(
     scaling: float | None = None,
     dropout: float = 0.0,
     kv_end: torch.Tensor | None = None,
+    kv_prefix: PrefixCache | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers attention interface: ``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` ->
     ``([B, N, H, D], weights or None)``. ``kv_end [B, N]`` selects tree mode; without it this is the model's own
     attention (``hf_tree.attention.dual``). ``position_ids``, ``sliding_window``, ``softcap``, ``s_aux`` and
-    the other keywords of transformers' attention calls arrive in ``kwargs`` (see ``hf_tree.attention.options``)."""
+    the other keywords of transformers' attention calls arrive in ``kwargs`` (see ``hf_tree.attention.options``).
+    ``kv_prefix`` (with ``kv_end``; depth-first execution, ``hf_tree.depth_first``): the ancestors' cached keys and
+    values every query also sees; the layer's own keys/values are recorded into it."""
     if kv_end is None:
+        if kv_prefix is not None:
+            raise ValueError("kv_prefix (depth-first execution) needs kv_end: pass the unit's subtree ends too.")
         return model_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -115,13 +121,28 @@ def tree_attention_forward(
         scaling=options.scaling, sliding_window=options.sliding_window, softcap=options.softcap, sinks=options.sinks
     )
     engine = scoped_attention_engine()  # e.g. hf_tree.parallel's context parallel: local rows, all keys
+    if engine is not None and kv_prefix is not None:
+        raise ValueError(
+            "kv_prefix (tree_execution='depth_first') inside an attention_engine_scope (tree context parallel): the "
+            "scoped engine runs sharded rows, not a unit over its cache. Use tree_execution='packed' with context "
+            "parallel."
+        )
     if engine is None:
         engine = ENGINES[select_backend(query.device)]
+    if kv_prefix is not None:  # depth-first execution: this unit's keys/values are its descendants' cache
+        layer = attention_layer(module)
+        prefix_key, prefix_value = kv_prefix.record(("key", layer), key), kv_prefix.record(("value", layer), value)
+        if prefix_key is not None:
+            out = prefix_tree_attention(
+                query, key, value, prefix_key, prefix_value, kv_prefix, engine, **engine_options
+            )
+            return out, None
     return engine(query, key, value, kv_end, position_ids=options.position_ids, **engine_options), None
 
 
 __all__ = [
     "ENGINES",
+    "PrefixCache",
     "attention_engine_scope",
     "scoped_attention_engine",
     "blocked_tree_attention",
@@ -130,6 +151,7 @@ __all__ = [
     "dense_tree_mask",
     "flex_tree_attention",
     "model_attention_forward",
+    "prefix_tree_attention",
     "reference_tree_attention",
     "render_mask",
     "segment_tree_attention",

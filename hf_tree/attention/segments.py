@@ -128,6 +128,29 @@ def plan_segments(kv_end: torch.Tensor, device: torch.device | None = None) -> S
     return SegmentPlan(causal + full, torch.tensor(singles, dtype=torch.int64, device=device), tokens)
 
 
+def plan_from_query(plan: SegmentPlan, first_query: int, row_length: int) -> SegmentPlan:
+    """``plan`` restricted to the queries ``>= first_query`` of each row (``row_length`` tokens), keys unchanged.
+
+    Parts of earlier queries are dropped; a segment that starts before ``first_query`` keeps its later queries, causal
+    over their own keys and in full over its keys before ``first_query``. Depth-first execution runs a unit's queries
+    over the row ``[prefix | unit]`` this way (``hf_tree.attention.prefix``): the prefix is never a query.
+    """
+    causal, full = [], []
+    for part in plan.parts:
+        if part.q1 <= first_query:
+            continue
+        if part.q0 >= first_query:
+            (causal if part.causal else full).append(part)
+            continue
+        if part.causal:
+            causal.append(_Part(part.row, first_query, part.q1, slice(first_query, part.q1), True))
+            full.append(_Part(part.row, first_query, part.q1, slice(part.q0, first_query), False))
+        else:
+            full.append(_Part(part.row, first_query, part.q1, part.keys, False))
+    singletons = plan.singletons[plan.singletons % row_length >= first_query]
+    return SegmentPlan(causal + full, singletons, plan.num_tokens)
+
+
 def cached_segment_plan(kv_end: torch.Tensor) -> SegmentPlan:
     """``plan_segments`` once per batch (all layers share it; ``hf_tree.attention.batch_cache``)."""
     return _plans.get((kv_end,), (), lambda: plan_segments(kv_end))

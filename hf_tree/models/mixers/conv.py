@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 from transformers.activations import ACT2FN
 
-from hf_tree.models.mixers.topology import TreeTopology
+from hf_tree.models.mixers.topology import TreeTopology, tree_topology
 
 
 def tree_causal_conv1d(
@@ -31,11 +31,21 @@ def tree_causal_conv1d(
         bias: ``[C]`` or None.
         activation: an ``ACT2FN`` name or None.
         topology: the packed batch's ``TreeTopology`` (shape ``[B, N]``).
-        kwargs: the model's other keyword arguments, ignored (as the models' torch path does).
+        kwargs: the model's other keyword arguments, ignored (as the models' torch path does), except
+            ``kv_prefix`` (depth-first execution, ``hf_tree.attention.prefix.PrefixCache``): the ancestors'
+            convolution inputs precede the unit's (the row ``[prefix | unit]``), and the unit's inputs are recorded
+            for its descendants, keyed by the kernel's storage.
 
     Returns:
         ``[B, C, N]`` in ``hidden_states.dtype`` (computed in ``weight.dtype``, like the models' torch path).
     """
+    prefix = kwargs.get("kv_prefix")
+    if prefix is not None:
+        cached = prefix.record(("conv", weight.untyped_storage().data_ptr()), hidden_states)
+        if cached is not None:
+            row = torch.cat([cached.to(hidden_states.dtype), hidden_states], dim=2)
+            out = tree_causal_conv1d(row, weight, bias, activation, topology=tree_topology(prefix.row_kv_end))
+            return out[:, :, cached.shape[2] :]
     batch, channels, length = hidden_states.shape
     if topology.shape != (batch, length):
         raise ValueError(

@@ -1,0 +1,32 @@
+"""The depth-first benchmark runs end to end at tiny sizes and prints its table and verdicts (speed is not asserted).
+
+It runs in a subprocess (its memory column profiles allocations), with this checkout's ``hf_tree`` first on the path.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+BENCHMARK = ROOT / "benchmarks" / "depth_first.py"
+METHODS = ["per_branch", "split", "packed", "depth_first"]
+
+
+def test_depth_first_benchmark_quick_runs():
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, str(BENCHMARK), "--quick"], capture_output=True, text=True, timeout=300, check=False, env=env
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
+    assert table[0].startswith("| workload | method |")
+    methods = [line.split(" | ")[1] for line in table[1:]]
+    assert methods == [*METHODS, *METHODS, "depth_first/4"]
+    for line in table[1:]:  # time and peak columns parsed as positive numbers
+        cells = line.split(" | ")
+        assert float(cells[4]) > 0 and float(cells[6]) > 0
+    verdicts = [line for line in result.stdout.splitlines() if "target" in line]
+    assert len(verdicts) == 6 and all(line.endswith(("met)", "missed)")) for line in verdicts)
