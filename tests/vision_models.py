@@ -15,22 +15,11 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.helpers import HYBRIDS, own_attention
+from tests.helpers import HYBRIDS, TINY, own_attention
 
 IMAGE_TOKEN = 100
 VISION_START, VISION_END = 102, 103
-TEXT = dict(
-    vocab_size=120,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
-    pad_token_id=0,
-    bos_token_id=0,
-    eos_token_id=1,
-)
+TEXT = dict(TINY, vocab_size=120, pad_token_id=0, bos_token_id=0, eos_token_id=1)  # ids 100-103: image tokens
 MROPE = {"rope_type": "default", "mrope_section": [1, 1, 2]}
 QWEN_VISION = dict(depth=2, num_heads=2, patch_size=2, temporal_patch_size=2, spatial_merge_size=2, in_channels=3)
 QWEN_TOKENS = dict(image_token_id=IMAGE_TOKEN, video_token_id=101, vision_start_token_id=VISION_START)
