@@ -249,46 +249,47 @@ def tree_token_log_probs(
     batch = {k: v.to(device) for k, v in layout.batch.items()}
     num_rows, row_length = batch["input_ids"].shape
     rows_per_forward = num_rows if tokens_per_forward is None else max(1, tokens_per_forward // row_length)
-    head = model.get_output_embeddings()
-    weight, bias = head.weight, head.bias
-    if isinstance(weight, DTensor):  # FSDP2 shards the head; the kernel needs it whole (as in TRL's head)
-        weight = weight.full_tensor()
-        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
     if logit_head is None:
         logit_head = detect_logit_head(model)
     kernel_outputs = tuple(name for name in FUSED_OUTPUTS if name in outputs or name == "log_probs")
     # Rows [r0, r1) own the scored tokens [lo, hi) of the ascending predictor index.
     row_starts = np.arange(0, num_rows + rows_per_forward, rows_per_forward).clip(max=num_rows)
     bounds = np.searchsorted(layout.predictor_index.numpy(), row_starts * row_length).tolist()
-    predictor_index = layout.predictor_index.to(weight.device)
-    targets = layout.targets.to(weight.device)
-
-    results: dict[str, list[torch.Tensor]] = defaultdict(list)
+    predictor_index = layout.predictor_index.to(device)
     router_logits = None if layout.router_weights is None else []
-    for r0, r1, lo, hi in zip(row_starts[:-1], row_starts[1:], bounds[:-1], bounds[1:]):  # every row scores tokens
+    predicting = []  # [M, D] in chunks: the hidden state that predicts each scored token
+    for r0, r1, lo, hi in zip(row_starts[:-1], row_starts[1:], bounds[:-1], bounds[1:]):
         chunk = {k: v[r0:r1] for k, v in batch.items()}
-        hidden = backbone_hidden_states(model, chunk, router_logits, model_inputs).to(weight.device)
-        hidden = hidden.index_select(0, predictor_index[lo:hi] - int(r0) * row_length)
-        autocast = nullcontext()
-        if cast_lm_head_to_fp32:
-            hidden = hidden.float()
-            autocast = torch.autocast(hidden.device.type, enabled=False)
-        with autocast:
-            values = ChunkedLogProbFunction.apply(
-                hidden,
-                weight,
-                bias,
-                targets[lo:hi],
-                temperature,
-                VOCAB_CHUNK_SIZE,
-                logit_head.softcap,
-                logit_head.scale,
-                kernel_outputs,
-            )
-        for name, value in zip(FUSED_OUTPUTS, values):
-            if value is not None:
-                results[name].append(value)
-    values = {name: torch.cat(chunks) for name, chunks in results.items()}
+        hidden = backbone_hidden_states(model, chunk, router_logits, model_inputs)
+        predicting.append(hidden.index_select(0, predictor_index[lo:hi] - int(r0) * row_length))
+    # The head is read after the backbone ran, as TRL's head does: under FSDP2 the root's parameters (the head among
+    # them) are unsharded by then; read before, they can still be the sharded DTensors of the previous micro-batch.
+    head = model.get_output_embeddings()
+    weight, bias = head.weight, head.bias
+    if isinstance(weight, DTensor):  # FSDP2 shards the head; the kernel needs it whole (as in TRL's head)
+        weight = weight.full_tensor()
+        bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
+    hidden = torch.cat(predicting).to(weight.device)
+    targets = layout.targets.to(weight.device)
+    autocast = nullcontext()
+    if cast_lm_head_to_fp32:
+        hidden = hidden.float()
+        autocast = torch.autocast(hidden.device.type, enabled=False)
+    # One kernel call for all rows: the head's gradient then arrives in one piece, as from TRL's head (FSDP2
+    # reduce-scatters the root's parameters once; a second piece arriving later stayed local to each rank).
+    with autocast:
+        kernel_values = ChunkedLogProbFunction.apply(
+            hidden,
+            weight,
+            bias,
+            targets,
+            temperature,
+            VOCAB_CHUNK_SIZE,
+            logit_head.softcap,
+            logit_head.scale,
+            kernel_outputs,
+        )
+    values = {name: value for name, value in zip(FUSED_OUTPUTS, kernel_values) if value is not None}
     if router_logits is not None:  # the loss is a product of batch means: over all forwards' logits at once
         whole = tuple(torch.cat(layer) for layer in zip(*router_logits))
         values["aux_loss"] = tree_router_loss(model, whole, layout.router_weights)
