@@ -1,6 +1,6 @@
 """Depth-first execution vs today's split vs one packed row vs per-branch, for trees larger than a row.
 
-    python benchmarks/depth_first.py            # small Llama (hidden 128, 4 layers); about 3 minutes on 2 cores
+    python benchmarks/depth_first.py            # small Llama (hidden 128, 4 layers); ~4 min on a shared 2-core box
     python benchmarks/depth_first.py --quick    # smoke test: a 2-layer model, short sequences, one repeat
 
 Methods (forward + backward of one tree, no optimizer step; every loss divided by the tree's trained tokens):

@@ -329,8 +329,9 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step on the packed rows, then depth-first execution of the trees the collator left whole
         (``tree_execution``), which runs its own backward; the returned loss (detached) is their sum."""
-        inputs = dict(inputs)  # a copy: Trainer's token count (_track_num_input_tokens) still sees the trees
-        trees = inputs.pop(DEPTH_FIRST_KEY, None)
+        trees = inputs.get(DEPTH_FIRST_KEY)
+        if DEPTH_FIRST_KEY in inputs:  # a copy without them: Trainer's token count (_track_num_input_tokens) sees them
+            inputs = {key: value for key, value in inputs.items() if key != DEPTH_FIRST_KEY}
         if not trees:
             return super().training_step(model, inputs, num_items_in_batch)
         loss = None
