@@ -1,6 +1,6 @@
 """Depth-first execution vs today's split vs one packed row vs per-branch, for trees larger than a row.
 
-    python benchmarks/depth_first.py            # small Llama (hidden 128, 4 layers); about a minute on 2 cores
+    python benchmarks/depth_first.py            # small Llama (hidden 128, 4 layers); ~4 min on a shared 2-core box
     python benchmarks/depth_first.py --quick    # smoke test: a 2-layer model, short sequences, one repeat
 
 Methods (forward + backward of one tree, no optimizer step; every loss divided by the tree's trained tokens):
@@ -10,11 +10,15 @@ Methods (forward + backward of one tree, no optimizer step; every loss divided b
 - ``packed``: the whole tree in one row (what "packed" does when the row is large enough to hold the tree).
 - ``depth_first``: ``hf_tree.depth_first`` with units of at most a row (``tree_execution="auto"``).
 
-Workloads: ``grpo``: one prompt and 16 completions (random ids), the row a quarter of the tree (each split part holds
-the prompt and two completions); ``agent``: the largest of the first 16 synthetic agent conversations
-(``hf_tree.data.synthetic_agent``, rendered by the tree builders with SmolLM2's tokenizer, ids modulo the model's
-vocabulary), the row its longest branch (the smallest row ``split`` accepts), plus depth-first with a row of a quarter
-of the tree (``depth_first/4``; split cannot run there: a branch is longer than the row).
+Workloads (real ones rendered by the tree builders with SmolLM2's tokenizer, ids modulo the model's vocabulary):
+``grpo``: one prompt and 16 completions (random ids), the row a quarter of the tree (each split part holds the prompt
+and two completions); ``agent``: the largest of the first 16 synthetic agent conversations
+(``hf_tree.data.synthetic_agent``); ``CHAMP R~1.1/1.2/2.5``: the three CHAMP groups of ``step_breakdown.py`` (a
+prompt and the answers of 4 models; ``0-Shot`` prompts for 1.1 and 1.2, ``5-Shot`` for 2.5; needs ``champ-dataset``,
+skipped with a note otherwise); ``BFCL``: the smallest tree of the first 16 BFCL multi-turn ``base`` tasks
+(``hf_tree.data.bfcl``, Qwen3 template: a long shared tool prompt and turns, short diverging ends). Every tree but
+GRPO gets the row ``max(longest branch, a quarter of the tree)`` (split needs a branch to fit a row), plus
+depth-first with a row of a quarter of the tree (``depth_first/4``) when that is smaller (split cannot run there).
 
 Timings: medians of ``--repeats`` interleaved repeats after one warm-up run each. Peak: bytes allocated through
 torch's CPU allocator above the start, in one extra profiled run (``_profiling.cpu_peak_bytes``); the model and its
@@ -24,6 +28,7 @@ gradients are allocated before, so the peak is activations, caches and transient
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import random
 import statistics
 import time
@@ -61,10 +66,16 @@ def grpo_tree(prompt_tokens: int, completion_tokens: int, num_completions: int =
     return Tree.from_sequences([prompt + c for c in completions], masks)
 
 
+def remapped(tree: Tree, branch_tokens: int | None = None) -> Tree:
+    """``tree``'s branches with ids modulo ``VOCAB``; with ``branch_tokens``, cut to that many tokens and every token
+    trained (a cut may keep only untrained prompt tokens)."""
+    branches = [[t % VOCAB for t in tree.branch_tokens(b)][:branch_tokens] for b in range(tree.num_branches)]
+    masks = None if branch_tokens else [tree.branch_loss_mask(b) for b in range(tree.num_branches)]
+    return Tree.from_sequences(branches, masks)
+
+
 def agent_tree(conversations: int, branch_tokens: int | None = None) -> Tree:
-    """The largest tree of the first ``conversations`` synthetic agent conversations, ids modulo ``VOCAB``; with
-    ``branch_tokens``, its branches cut to that many tokens and every token trained (the cut keeps the system prompt,
-    whose tokens are not trained)."""
+    """The largest tree of the first ``conversations`` synthetic agent conversations (see ``remapped``)."""
     from hf_tree.assets import load_smollm2_tokenizer
     from hf_tree.builders import build_tree_dataset
     from hf_tree.data.sources import builtin_rows, chat_template_text
@@ -72,9 +83,41 @@ def agent_tree(conversations: int, branch_tokens: int | None = None) -> Tree:
     rows, _ = builtin_rows("synthetic-agent", None, conversations)
     trees = build_tree_dataset(rows, load_smollm2_tokenizer(), chat_template=chat_template_text("qwen3"))
     tree = max((Tree.from_dict(row) for row in trees), key=lambda t: t.num_tokens)
-    branches = [[t % VOCAB for t in tree.branch_tokens(b)][:branch_tokens] for b in range(tree.num_branches)]
-    masks = None if branch_tokens else [tree.branch_loss_mask(b) for b in range(tree.num_branches)]
-    return Tree.from_sequences(branches, masks)
+    return remapped(tree, branch_tokens)
+
+
+CHAMP_TARGETS = (1.1, 1.2, 2.5)  # step_breakdown.py's default --targets
+
+
+def champ_trees(problems: int, branch_tokens: int | None = None) -> list[tuple[str, Tree]]:
+    """``step_breakdown.py``'s CHAMP groups (the group closest to each of ``CHAMP_TARGETS`` among the first
+    ``problems`` problems, at most 4096 tree tokens), as ``(label, tree)``; ``[]`` without ``champ-dataset``."""
+    if importlib.util.find_spec("champ_dataset") is None:
+        return []
+    import step_breakdown
+
+    from hf_tree.assets import load_smollm2_tokenizer
+
+    works = step_breakdown.pick_groups(load_smollm2_tokenizer(), list(CHAMP_TARGETS), problems, 4096)
+    return [(f"CHAMP {work.name}", remapped(work.trees[0], branch_tokens)) for work in works]
+
+
+def bfcl_tree(tasks: int, branch_tokens: int | None = None) -> Tree:
+    """The smallest tree of the first ``tasks`` BFCL multi-turn ``base`` tasks (``train_step.py``'s agent trees)."""
+    import train_step
+
+    from hf_tree.assets import load_smollm2_tokenizer
+
+    trees = train_step._trees("agent", load_smollm2_tokenizer(), tasks)
+    return remapped(min(trees, key=lambda t: t.num_tokens), branch_tokens)
+
+
+def rows_of(tree: Tree) -> tuple[int, int | None]:
+    """``(row, quarter)``: the smallest row split accepts that is at least a quarter of the tree, and the quarter
+    when it is smaller than that row (``depth_first/4``)."""
+    quarter = -(-tree.num_tokens // 4)
+    row = max(int(tree.branch_lengths.max()), quarter)
+    return row, (quarter if quarter < row else None)
 
 
 # ------------------------------------------------------------------------------------------------ methods
@@ -188,39 +231,51 @@ HEADER = [
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny model and trees, one repeat (smoke test)")
-    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompt-tokens", type=int, default=512)
     parser.add_argument("--completion-tokens", type=int, default=192)
     parser.add_argument("--agent-conversations", type=int, default=16)
-    parser.add_argument("--agent-branch-tokens", type=int, default=None, help="cut the agent tree's branches")
+    parser.add_argument("--champ-problems", type=int, default=64, help="CHAMP problems to pick the groups from")
+    parser.add_argument("--bfcl-tasks", type=int, default=16, help="BFCL tasks to pick the smallest tree from")
+    parser.add_argument("--branch-tokens", type=int, default=None, help="cut the real trees' branches")
     parser.add_argument(
         "--threads", type=int, default=1, help="torch intra-op threads (1: on a shared machine more threads spin)"
     )
     return parser.parse_args(argv)
 
 
+def workloads(args: argparse.Namespace) -> list[tuple[str, Tree, int, int | None]]:
+    """``(label, tree, row, quarter)`` of every workload (see the module docstring)."""
+    grpo = grpo_tree(args.prompt_tokens, args.completion_tokens)
+    grpo_row = args.prompt_tokens + 2 * args.completion_tokens  # the tree is 4x this row over 16 completions
+    agent = agent_tree(args.agent_conversations, args.branch_tokens)
+    real = [(f"agent ({agent.num_branches} branches)", agent)]
+    real += champ_trees(args.champ_problems, args.branch_tokens)
+    bfcl = bfcl_tree(args.bfcl_tasks, args.branch_tokens)
+    real.append((f"BFCL ({bfcl.num_branches} branches)", bfcl))
+    out = [(f"GRPO {args.prompt_tokens}+16x{args.completion_tokens}", grpo, grpo_row, None)]
+    return out + [(label, tree, *rows_of(tree)) for label, tree in real]
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.quick:
         args.repeats, args.prompt_tokens, args.completion_tokens = 1, 48, 16
-        args.agent_conversations, args.agent_branch_tokens = 4, 160
+        args.agent_conversations, args.champ_problems, args.bfcl_tasks, args.branch_tokens = 4, 8, 2, 160
     torch.set_num_threads(args.threads)
     model = llama(args.quick)
     model.train()
-    grpo = grpo_tree(args.prompt_tokens, args.completion_tokens)
-    grpo_row = args.prompt_tokens + 2 * args.completion_tokens  # the tree is 4x this row over 16 completions
-    agent = agent_tree(args.agent_conversations, args.agent_branch_tokens)
-    agent_row = int(agent.branch_lengths.max())
     lines = list(HEADER)
-    notes = []
-    for label, tree, row, quarter in (
-        (f"GRPO {args.prompt_tokens}+16x{args.completion_tokens}", grpo, grpo_row, None),
-        (f"agent ({agent.num_branches} branches)", agent, agent_row, -(-agent.num_tokens // 4)),
-    ):
+    notes = [] if importlib.util.find_spec("champ_dataset") else ["CHAMP skipped: champ-dataset is not installed"]
+    for label, tree, row, quarter in workloads(args):
         results = measure(model, tree, methods(tree, row, quarter), args.repeats)
         lines += report(label, tree, row, quarter, results)
-        notes += [f"{label}: {tree.num_tokens} tree tokens = {tree.num_tokens / row:.2f} rows of {row}"]
+        notes += [
+            f"{label}: {tree.num_tokens} tree tokens = {tree.num_tokens / row:.2f} rows of {row}, "
+            f"{tree.num_branch_tokens} branch tokens, dedup {tree.dedup_ratio:.2f}"
+        ]
         notes += verdicts(label, tree, results)
+        print(f"measured {label}", flush=True)
     size = "quick" if args.quick else "full"
     print(f"torch {torch.__version__}, {args.threads} threads, {size} model, medians of {args.repeats}")
     print("\n".join(lines))

@@ -306,11 +306,18 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         return batch_samples, sums[0]
 
     def _track_num_input_tokens(self, inputs) -> None:
-        """Trainer's count for ``include_num_input_tokens_seen="all"`` (packed tokens, padding included);
-        ``"non_padding"`` is counted in ``get_batch_samples`` as the branches' tokens, since a tree batch has no
-        attention_mask and its packed tokens hold each shared prefix once."""
-        if self.args.include_num_input_tokens_seen != "non_padding":
+        """Trainer's count for ``include_num_input_tokens_seen="all"``: the tokens the model forwards, i.e. the packed
+        rows (padding included) plus every token of the depth-first trees (each forwarded once, in units without
+        padding; an all-depth-first batch's placeholder row is not forwarded, so not counted). ``"non_padding"`` is
+        counted in ``get_batch_samples`` as the branches' tokens (depth-first trees' included), since a tree batch has
+        no attention_mask and its packed tokens hold each shared prefix once."""
+        if self.args.include_num_input_tokens_seen in ("non_padding", "no"):
+            return
+        trees = inputs.get(DEPTH_FIRST_KEY) or ()
+        if not trees or len(inputs["loss_positions"]):  # the rows ran (training_step skips a placeholder row)
             super()._track_num_input_tokens(inputs)
+        if trees:  # depth-first runs on one process (refused otherwise): no gather needed
+            self.state.num_input_tokens_seen += sum(tree.num_tokens for tree in trees)
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         """``(context factory, this rank's inputs)``: the tree CP shard of the batch under context parallel, else
@@ -322,7 +329,9 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step on the packed rows, then depth-first execution of the trees the collator left whole
         (``tree_execution``), which runs its own backward; the returned loss (detached) is their sum."""
-        trees = inputs.pop(DEPTH_FIRST_KEY, None)
+        trees = inputs.get(DEPTH_FIRST_KEY)
+        if DEPTH_FIRST_KEY in inputs:  # a copy without them: Trainer's token count (_track_num_input_tokens) sees them
+            inputs = {key: value for key, value in inputs.items() if key != DEPTH_FIRST_KEY}
         if not trees:
             return super().training_step(model, inputs, num_items_in_batch)
         loss = None

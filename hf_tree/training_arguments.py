@@ -59,9 +59,9 @@ def check_tree_trainer_arguments(args: TrainingArguments) -> None:
         )
     if args.include_num_input_tokens_seen == "all":
         logger.warning(
-            "include_num_input_tokens_seen='all' counts the packed tokens the model runs (shared prefixes once, "
-            "padding included), not the branches' tokens; 'non_padding' counts the branches' tokens, as Trainer "
-            "does on the branches."
+            "include_num_input_tokens_seen='all' counts the tokens the model forwards (packed rows, shared prefixes "
+            "once, padding included; depth-first trees' tokens once each), not the branches' tokens; 'non_padding' "
+            "counts the branches' tokens, as Trainer does on the branches."
         )
 
 

@@ -135,6 +135,11 @@ def test_max_length_becomes_the_branch_limit():
     )
     capped = TreeSFTConfig(output_dir="unused", bf16=False, max_length=8192, max_packed_tokens=1024)
     assert capped.max_branch_tokens == 1024
+    for execution in ("auto", "depth_first"):  # a longer branch runs depth-first: TRL's limit as it is
+        uncapped = TreeSFTConfig(
+            output_dir="unused", bf16=False, max_length=8192, max_packed_tokens=1024, tree_execution=execution
+        )
+        assert uncapped.max_branch_tokens == 8192
 
 
 def test_sft_config_is_refused_by_tree_trainer(tokenizer):

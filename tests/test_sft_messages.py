@@ -90,18 +90,15 @@ def _dataset() -> datasets.Dataset:
 
 def _run(cls, config_cls, path: str, template: str, **settings):
     """One SGD step on all four rows (batch of 4), float64."""
-    args = tiny_trl_config(
-        config_cls,
-        path,
-        torch.float64,
+    defaults = dict(
         max_steps=1,
         learning_rate=1.0,
         max_length=None,
         gradient_checkpointing=False,
         train_sampling_strategy="sequential",
         seed=0,
-        **settings,
     )
+    args = tiny_trl_config(config_cls, path, torch.float64, **{**defaults, **settings})
     trainer = cls(model=path, args=args, train_dataset=_dataset(), processing_class=_tokenizer(template))
     return trainer, train_and_measure_updates(trainer)
 
@@ -162,6 +159,36 @@ def test_per_turn_branches_equal_trl_only_without_history_rewriting(path, trl_ru
         trl_loss, tree_loss = trl.state.log_history[0]["loss"], tree.state.log_history[0]["loss"]
         assert abs(tree_loss - trl_loss) > 1e-3 * abs(trl_loss)
         assert max(relative_error(tree_updates[n], u) for n, u in trl_updates.items()) > 1e-3
+
+
+@pytest.mark.parametrize("execution", ["auto", "depth_first"])
+def test_branches_longer_than_a_row_train_depth_first_as_trl(path, trl_runs, execution):
+    """With depth-first execution TRL's max_length is the branch limit as it is (not capped at the row): branches of
+    up to 24 tokens in rows of 8 train depth-first (merged rows 0-1 included) and take TRL's step on the same rows."""
+    trl, trl_updates = trl_runs("plain", False)  # max_length=None: no TRL row reaches 64 tokens either
+    tree, tree_updates = _run(
+        TreeSFTTrainer,
+        TreeSFTConfig,
+        path,
+        PLAIN,
+        group_by=GROUP_BY_PROMPT_TOKENS,
+        max_length=64,
+        max_packed_tokens=8,
+        tree_execution=execution,
+    )
+    assert tree.args.max_branch_tokens == 64
+    rows = tree.train_dataset.to_list()
+    longest = max(int(Tree.from_dict(row).branch_lengths.max()) for row in rows)
+    assert 8 < longest < 64
+    assert len(tree.data_collator(rows)["depth_first_trees"]) == len(rows)  # every tree is larger than a row
+    assert_same_step_as_trl(trl, trl_updates, tree, tree_updates)
+
+
+def test_max_length_is_validated_as_the_depth_first_branch_limit():
+    with pytest.raises(ValueError, match=r"max_length=1 .*tree_execution='auto'"):
+        TreeSFTConfig(output_dir="unused", bf16=False, max_length=1, tree_execution="auto")
+    with pytest.raises(ValueError, match=r"max_branch_tokens=64 must be an integer in \[2, max_packed_tokens=8\]"):
+        TreeSFTConfig(output_dir="unused", bf16=False, max_length=64, max_packed_tokens=8, max_branch_tokens=64)
 
 
 def test_conversation_branch_is_trls_tokenization():

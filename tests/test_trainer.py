@@ -321,3 +321,26 @@ def test_model_is_switched_to_tree_attention(tmp_path):
         train_dataset=tree_dataset(branch_groups(num_trees=2)),
     )
     assert model.config._attn_implementation == "tree_flash"
+
+
+@pytest.mark.parametrize("mode", ["non_padding", "all"])
+def test_depth_first_trees_count_in_num_input_tokens_seen(tmp_path, mode):
+    """One epoch in order with trees over 12 tokens run depth-first ("auto"): "non_padding" counts every branch token
+    (Trainer's attention_mask sum on the branches), "all" the tokens forwarded: packed rows with their padding plus
+    each depth-first tree's tokens once (no placeholder row of an all-depth-first batch)."""
+    groups = branch_groups(num_trees=6)
+    settings = dict(max_steps=-1, num_train_epochs=1, train_sampling_strategy="sequential")
+    _, trainer = train_tree(
+        tmp_path, groups, "token", 2, 1, 12, max_branch_tokens=24, tree_execution="auto",
+        include_num_input_tokens_seen=mode, **settings,
+    )  # fmt: skip
+    if mode == "non_padding":
+        expected = sum(len(seq) for sequences, _ in groups for seq in sequences)
+    else:
+        rows = tree_dataset(groups).to_list()
+        batches = [trainer.data_collator(rows[i : i + 2]) for i in range(0, len(rows), 2)]
+        assert sum(len(b.get("depth_first_trees", ())) for b in batches) > 0
+        assert any(len(b["loss_positions"]) == 0 for b in batches)  # an all-depth-first batch: placeholder row
+        forwarded_rows = sum(b["input_ids"].numel() for b in batches if len(b["loss_positions"]))
+        expected = forwarded_rows + sum(t.num_tokens for b in batches for t in b.get("depth_first_trees", ()))
+    assert trainer.state.num_input_tokens_seen == expected

@@ -50,7 +50,9 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
     """``trl.SFTConfig`` plus the tree fields of ``hf_tree.config.TreeArguments`` and tree building options.
 
     TRL's ``max_length`` (per-sample limit) becomes the branch limit: ``max_branch_tokens`` defaults to
-    ``min(max_length, max_packed_tokens)``; longer branches follow ``overlong`` instead of being cut silently.
+    ``min(max_length, max_packed_tokens)`` with ``tree_execution="packed"`` (a branch must fit a row), and to
+    ``max_length`` itself with ``"auto"``/``"depth_first"`` (a tree holding a longer branch runs depth-first); longer
+    branches follow ``overlong`` instead of being cut silently.
     """
 
     group_by: str | None = field(
@@ -125,8 +127,21 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
         # assistant_only_loss is TRL's under 'conversation'; under 'per_turn' it only picks TRL's training template
         check_messages_options(self.messages_branches, self.train_on, assistant_only_loss=False)
         if self.max_branch_tokens is None and self.max_length is not None:
-            self.max_branch_tokens = min(self.max_length, self.max_packed_tokens)
+            self.max_branch_tokens = self._branch_limit_of_max_length()
         super().check_tree_arguments()
+
+    def _branch_limit_of_max_length(self) -> int:
+        """``max_branch_tokens`` from TRL's ``max_length``: packed rows hold whole branches, so it is capped at the
+        row; depth-first execution forwards a longer branch in pieces, so TRL's limit stands as it is."""
+        if self.tree_execution == "packed":
+            return min(self.max_length, self.max_packed_tokens)
+        if not isinstance(self.max_length, int) or self.max_length < 2:
+            raise ValueError(
+                f"max_length={self.max_length!r} must be an integer >= 2 (or None) with tree_execution="
+                f"{self.tree_execution!r}: it becomes the branch limit max_branch_tokens. Raise max_length, or set "
+                "max_branch_tokens explicitly."
+            )
+        return self.max_length
 
 
 def train_every_token(row: dict) -> dict:
