@@ -83,7 +83,7 @@ def per_branch_step(model, sequences, masks, image) -> float:
         weights = torch.tensor(mask[1:], dtype=logits.dtype)
         loss = (F.cross_entropy(logits, ids[0, 1:], reduction="none") * weights).sum().div(trained)
         loss.backward()
-        total += float(loss)
+        total += float(loss.detach())
     return total
 
 
@@ -100,13 +100,13 @@ def padded_step(model, sequences, masks, image) -> float:
     ce = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view_as(weights)
     loss = (ce * weights).sum().div(weights.sum())
     loss.backward()
-    return float(loss)
+    return float(loss.detach())
 
 
 def tree_step(model, batch) -> float:
     loss = tree_vision_lm_loss(model, batch)
     loss.backward()
-    return float(loss)
+    return float(loss.detach())
 
 
 def main() -> None:
