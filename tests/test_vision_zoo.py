@@ -3,9 +3,12 @@ refused with a ValueError; never a silent difference."""
 
 from __future__ import annotations
 
-import pytest
+import types
 
-from hf_tree.vision import SUPPORTED
+import pytest
+import torch
+
+from hf_tree.vision import SUPPORTED, vision_family
 from hf_tree.vision.zoo import check_vision_architecture, markdown_table, vision_model_types
 from tests.vision_models import CONFIGS
 
@@ -27,6 +30,15 @@ def test_unsupported_families_are_refused(model_type, reason):
     result = check_vision_architecture(model_type)
     assert result.state == "refused", result.detail
     assert model_type in result.detail and reason in result.detail
+
+
+def test_every_unsupported_model_type_is_refused_by_name():
+    """The refusal depends on ``model_type`` alone: also the types the zoo cannot build tiny are refused."""
+    for model_type in sorted(set(vision_model_types()) - set(SUPPORTED)):
+        stub = torch.nn.Module()
+        stub.config = types.SimpleNamespace(model_type=model_type)
+        with pytest.raises(ValueError, match=f"model_type='{model_type}'.*cannot be trained on image trees"):
+            vision_family(stub)
 
 
 def test_markdown_table_counts_states():
