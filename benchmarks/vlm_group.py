@@ -1,4 +1,5 @@
-"""Vision-language GRPO-style group: one image prompt, 8 completions; tree vs one branch at a time.
+"""Vision-language GRPO-style group: one image prompt, 8 completions; tree vs a padded batch (as TRL) vs one branch
+at a time.
 
     python benchmarks/vlm_group.py            # 448x448 image (256 image tokens), 8 completions of 64 tokens
     python benchmarks/vlm_group.py --quick    # smoke test: 112x112 image, short completions, one repeat
@@ -11,6 +12,9 @@ Methods (forward + backward of the whole step, no optimizer step; both losses di
 - ``per_branch``: each completion with its prompt as one sequence through the model's own forward (``sdpa``,
   ``pixel_values`` and ``image_grid_thw`` of its image, mRoPE positions from the model): the vision tower encodes the
   image once per completion;
+- ``padded``: all completions in one right-padded batch through the model's own forward, each row carrying its own
+  copy of the image (``pixel_values``/``image_grid_thw`` repeated per row, as TRL's GRPO and DPO batches do): one
+  vision-tower call over all copies, the prompt computed once per row;
 - ``hf_tree``: one ``MediaTree`` (the group), ``MediaTreeCollator``, ``tree_vision_lm_loss`` with ``tree_flash``: the
   image is encoded once and the prompt computed once.
 
@@ -71,17 +75,38 @@ def group(size: int, completions: int, length: int) -> tuple[list[list[int]], li
     return sequences, masks, {"pixel_values": inputs["pixel_values"], "image_grid_thw": inputs["image_grid_thw"]}
 
 
-def per_branch_step(model, sequences, masks, image) -> None:
-    trained = sum(sum(m) for m in masks)
+def per_branch_step(model, sequences, masks, image) -> float:
+    trained, total = sum(sum(m) for m in masks), 0.0
     for seq, mask in zip(sequences, masks):
         ids = torch.tensor([seq])
         logits = model(input_ids=ids, mm_token_type_ids=(ids == IMAGE_TOKEN).int(), **image).logits[0, :-1]
         weights = torch.tensor(mask[1:], dtype=logits.dtype)
-        (F.cross_entropy(logits, ids[0, 1:], reduction="none") * weights).sum().div(trained).backward()
+        loss = (F.cross_entropy(logits, ids[0, 1:], reduction="none") * weights).sum().div(trained)
+        loss.backward()
+        total += float(loss.detach())
+    return total
 
 
-def tree_step(model, batch) -> None:
-    tree_vision_lm_loss(model, batch).backward()
+def padded_step(model, sequences, masks, image) -> float:
+    """One forward/backward of all rows right-padded (``[B, T]``), the image's tensors repeated once per row."""
+    width = max(len(s) for s in sequences)
+    ids = torch.tensor([s + [0] * (width - len(s)) for s in sequences])
+    attention = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in sequences])
+    weights = torch.tensor([m[1:] + [0] * (width - len(m)) for m in masks], dtype=torch.float32)
+    copies = {k: torch.cat([v] * len(sequences)) for k, v in image.items()}
+    logits = model(
+        input_ids=ids, attention_mask=attention, mm_token_type_ids=(ids == IMAGE_TOKEN).int(), **copies
+    ).logits[:, :-1]
+    ce = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view_as(weights)
+    loss = (ce * weights).sum().div(weights.sum())
+    loss.backward()
+    return float(loss.detach())
+
+
+def tree_step(model, batch) -> float:
+    loss = tree_vision_lm_loss(model, batch)
+    loss.backward()
+    return float(loss.detach())
 
 
 def main() -> None:
@@ -96,18 +121,23 @@ def main() -> None:
     tree = MediaTree.from_samples(sequences, [[image]] * len(sequences), IMAGE_TOKEN, masks)
     batch = MediaTreeCollator(max_packed_tokens=tree.tree.num_tokens)([tree])
 
-    def per_branch() -> None:
+    def per_branch() -> float:
         model.set_attn_implementation("sdpa")
-        per_branch_step(model, sequences, masks, image)
+        return per_branch_step(model, sequences, masks, image)
 
-    def hf_tree_run() -> None:
+    def padded() -> float:
+        model.set_attn_implementation("sdpa")
+        return padded_step(model, sequences, masks, image)
+
+    def hf_tree_run() -> float:
         model.set_attn_implementation("tree_flash")
-        tree_step(model, batch)
+        return tree_step(model, batch)
 
-    methods = {"per_branch": per_branch, "hf_tree": hf_tree_run}
+    methods = {"per_branch": per_branch, "padded": padded, "hf_tree": hf_tree_run}
     seconds: dict[str, list[float]] = {name: [] for name in methods}
-    for run in methods.values():  # warm-up (and hf_tree's one-time model check)
-        run()
+    losses = {}
+    for name, run in methods.items():  # warm-up (and hf_tree's one-time model check)
+        losses[name] = run()
         model.zero_grad(set_to_none=True)
     for _ in range(repeats):
         for name, run in methods.items():
@@ -130,12 +160,15 @@ def main() -> None:
     print("| method | step time (s) | peak memory (MiB) | images encoded |")
     print("|---|---|---|---|")
     for name in methods:
-        encoded = len(sequences) if name == "per_branch" else 1
+        encoded = 1 if name == "hf_tree" else len(sequences)
         time_s, peak = statistics.median(seconds[name]), peaks[name] / 2**20
         print(f"| {name} | {time_s:.3f} | {peak:.1f} | {encoded} |")
-    speed = statistics.median(seconds["per_branch"]) / statistics.median(seconds["hf_tree"])
-    memory = peaks["hf_tree"] / peaks["per_branch"]
-    print(f"step total: hf_tree {speed:.2f}x faster; peak memory hf_tree / per_branch = {memory:.2f}")
+    spread = max(abs(v - losses["hf_tree"]) / abs(losses["hf_tree"]) for v in losses.values())
+    print(f"same loss: {losses['hf_tree']:.6f} (largest relative difference between methods {spread:.1e}, float32)")
+    tree_time = statistics.median(seconds["hf_tree"])
+    for name in ("per_branch", "padded"):
+        speed, memory = statistics.median(seconds[name]) / tree_time, peaks["hf_tree"] / peaks[name]
+        print(f"step total: hf_tree {speed:.2f}x faster than {name}; peak memory hf_tree / {name} = {memory:.2f}")
 
 
 if __name__ == "__main__":

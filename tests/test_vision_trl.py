@@ -290,17 +290,104 @@ def test_one_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, peft)
     assert any("vision_tower" in n for n in tree_updates) or peft
 
 
-def test_dpo_refuses_vision_language_models(tmp_path):
+@pytest.mark.parametrize("peft", [False, True], ids=["full-ref_model", "lora"])
+def test_one_dpo_step_on_image_prompts_matches_trl(tmp_path, peft):
+    """One SGD step of TreeDPOTrainer = TRL's DPOTrainer on a LLaVA with a real processor: chosen and rejected share
+    their image prompt (one tree each), the same question about another image must not merge with it."""
+    from peft import LoraConfig
+    from trl import DPOConfig, DPOTrainer
+
     from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
+    from tests.helpers import tiny_trl_config, train_and_measure_updates
+    from tests.vision_models import llava_processor
+
+    Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
+    red, blue = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
+
+    def question(text: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+
+    def answer(text: str) -> list[dict]:
+        return [{"role": "assistant", "content": text}]
+
+    rows = [(red, "w5 w6", "w7 w8", "w9"), (blue, "w5 w6", "w7 w8", "w9 w10"), (red, "w11", "w12 w13 w14", "w12")]
+    rows.append((red, "w5 w6", "w7 w8", "w15"))
+    dataset = Dataset.from_dict(
+        {
+            "prompt": [question(r[1]) for r in rows],
+            "chosen": [answer(r[2]) for r in rows],
+            "rejected": [answer(r[3]) for r in rows],
+            "image": [r[0] for r in rows],
+        }
+    )
+    path = str(tmp_path / "llava")
+    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    results = []
+    for cls, config in ((DPOTrainer, DPOConfig), (TreeDPOTrainer, TreeDPOConfig)):
+        trainer = cls(
+            path,
+            args=tiny_trl_config(config, path, torch.float64, max_steps=1, learning_rate=1.0, max_length=None),
+            train_dataset=dataset,
+            processing_class=llava_processor(),
+            peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
+        )
+        with float64_norms():
+            results.append((trainer, train_and_measure_updates(trainer)))
+    (trl, trl_updates), (tree, tree_updates) = results
+    base = tree.model.get_base_model() if peft else tree.model
+    assert base.hf_tree_layout_stats.dedup_ratio > 1  # chosen and rejected shared their image prompt
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
+    assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
+    # CLIP's k_proj biases have a zero true gradient: measured against 1e-6 of the largest update (as for GRPO)
+    assert max_grad_relative_error(tree_updates, trl_updates) <= TRL_STEP_TOLERANCE
+    assert any("vision_tower" in n for n in tree_updates) or peft
+
+
+def test_preference_trainers_refuse_unsupported_vision_language_models(tmp_path):
+    """DPO: a vision-language family outside hf_tree.vision.rows' families is refused at set-up; KTO: any one."""
+    from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
+    from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
     from tests.helpers import tiny_trl_config
 
-    path = str(tmp_path / "qwen2_vl")
-    tiny_vlm("qwen2_vl", attn="sdpa").save_pretrained(path)
     pairs = Dataset.from_dict({"prompt": ["w10 w11"], "chosen": [" w20"], "rejected": [" w21"]})
-    with pytest.raises(ValueError, match="TreeDPOTrainer's tree log-probs support text-only causal LMs"):
+    path = str(tmp_path / "idefics3")
+    tiny_vlm("idefics3", attn="sdpa").save_pretrained(path)
+    with pytest.raises(ValueError, match="model_type='idefics3'.*tree log-probs support text-only causal LMs"):
         TreeDPOTrainer(
             path,
             args=tiny_trl_config(TreeDPOConfig, path, torch.float64),
             train_dataset=pairs,
             processing_class=word_tokenizer(),
         )
+    path = str(tmp_path / "qwen2_vl")
+    tiny_vlm("qwen2_vl", attn="sdpa").save_pretrained(path)
+    rows = Dataset.from_dict({"prompt": ["w10 w11"], "completion": [" w20"], "label": [True]})
+    with pytest.raises(ValueError, match="TreeKTOTrainer's tree log-probs support text-only causal LMs"):
+        TreeKTOTrainer(
+            path,
+            args=tiny_trl_config(TreeKTOConfig, path, torch.float64),
+            train_dataset=rows,
+            processing_class=word_tokenizer(),
+        )
+
+
+def test_dpo_on_text_pairs_with_a_vision_language_model_matches_trl(tmp_path):
+    """Text pairs on a Qwen2-VL (no images: its text positions are the depths): one SGD step = TRL's."""
+    from trl import DPOConfig, DPOTrainer
+
+    from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
+    from tests.helpers import tiny_trl_config, train_and_measure_updates
+
+    pairs = {"prompt": ["w10 w11", "w10 w11", "w12"], "chosen": [" w20 w21", " w22", " w23"]}
+    pairs["rejected"] = [" w21", " w20 w24", " w25 w26"]
+    path = str(tmp_path / "qwen2_vl")
+    tiny_vlm("qwen2_vl", attn="sdpa").save_pretrained(path)
+    results = []
+    for cls, config in ((DPOTrainer, DPOConfig), (TreeDPOTrainer, TreeDPOConfig)):
+        args = tiny_trl_config(
+            config, path, torch.float64, max_steps=1, learning_rate=1.0, per_device_train_batch_size=3
+        )
+        trainer = cls(path, args=args, train_dataset=Dataset.from_dict(pairs), processing_class=word_tokenizer())
+        with float64_norms():
+            results.append(train_and_measure_updates(trainer))
+    assert max_grad_relative_error(results[1], results[0]) <= TRL_STEP_TOLERANCE

@@ -37,12 +37,14 @@ class TreeDPOTrainer(FSDPFullSaveMixin, TreePreferenceLogProbsMixin, DPOTrainer)
     Accepts exactly ``DPOTrainer``'s arguments with ``args`` a ``TreeDPOConfig``. Raises ``ValueError`` for what
     the tree passes do not support: a model (or ``ref_model``) that cannot be switched to ``tree_flash`` (an
     instance on ``sdpa``/``eager`` is switched with a warning, a name is loaded with it),
-    vision datasets and vision-language models, and configs that rescale logits. An MoE model's router
-    load-balancing loss is TRL's, computed on the trees.
+    vision-language families outside ``hf_tree.vision.rows.ROW_FAMILIES`` (image prompts of those go through the
+    tree head of GRPO: each distinct image encoded once per pass), and configs that rescale logits. An MoE model's
+    router load-balancing loss is TRL's, computed on the trees.
     """
 
     tree_config_class = TreeDPOConfig
     trl_name = "DPO"
+    tree_vision = True
 
     def _tree_policy_outputs(self) -> tuple[str, ...]:
         return POLICY_OUTPUTS + (("log_sum_sq_probs",) if self.use_weighting else ())

@@ -22,6 +22,7 @@ class TreePreferenceLogProbsMixin:
 
     tree_config_class: type
     trl_name: str
+    tree_vision: bool = False  # image prompts through hf_tree.vision.rows (tested against TRL for DPO only)
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, **kwargs: Any) -> None:
         """TRL's arguments; ``args`` must be a ``tree_config_class``. The model (and a ``ref_model`` instance) is put
@@ -45,17 +46,16 @@ class TreePreferenceLogProbsMixin:
         be the reference precompute inside TRL's ``__init__``."""
         if self._tree_heads_ready or not self.args.tree_logprobs:
             return
-        if self._is_vision_dataset:
-            raise ValueError(
-                "tree log-probs support text datasets only (this one has images); set tree_logprobs=False."
-            )
         config = self.model.config
-        if config.get_text_config() is not config:  # hf_tree.vision's models are tested with GRPO and SFT only
+        vision = self._is_vision_dataset or config.get_text_config() is not config
+        if vision and not self.tree_vision:
             raise ValueError(
-                f"Tree{self.trl_name}Trainer's tree log-probs support text-only causal LMs; "
-                f"{type(self.model).__name__} is a vision-language model (hf_tree.vision covers GRPO and SFT). Set "
-                "tree_logprobs=False."
+                f"Tree{self.trl_name}Trainer's tree log-probs support text-only causal LMs and text datasets; "
+                f"{type(self.model).__name__} / this dataset is vision-language (hf_tree.vision covers GRPO, SFT and "
+                "DPO). Set tree_logprobs=False."
             )
+        # Vision (DPO): the fused head splits TRL's image inputs per image (hf_tree.vision.rows) and refuses families
+        # outside ROW_FAMILIES (check_tree_model) and image inputs it does not know, before any pass.
         install_tree_heads(self, self._tree_policy_outputs())
         self._tree_heads_ready = True
 

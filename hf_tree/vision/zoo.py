@@ -1,0 +1,238 @@
+"""Vision-language model zoo: every image-text-to-text architecture of the installed transformers ends in one state.
+
+For each ``model_type`` of ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``, ``check_vision_architecture`` builds the
+model tiny in float64 (from a given config factory, e.g. ``tests/vision_models.py``'s, else the default config
+shrunk generically like ``hf_tree.zoo.tiny_config``) and puts it in exactly one state:
+
+- ``exact``: a family of ``hf_tree.vision.SUPPORTED``: two packed image trees (a shared image prompt with several
+  completions, one a prefix of another; a second image behind the same text; a text-only sample) give the loss and
+  every gradient (vision tower included) of training each sample alone with its own attention, within
+  ``hf_tree.zoo.TOLERANCE`` (float64 models keep float32 norms and rotary internals);
+- ``refused``: ``tree_vision_lm_loss`` on an image batch raised hf_tree's ``ValueError`` before any forward;
+- ``not buildable`` (the reason), ``error`` (any other exception);
+- ``MISMATCH``: a silent difference, or an unsupported model that ran on images without being refused. The bar is 0.
+
+Used by ``benchmarks/vision_zoo.py`` and ``tests/test_vision_zoo.py``.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+import traceback
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+import transformers
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+from hf_tree.models.head import causal_lm_of, own_attention, raised_by_hf_tree
+from hf_tree.vision.collator import MediaTreeCollator
+from hf_tree.vision.forward import SUPPORTED, tree_vision_lm_loss
+from hf_tree.vision.media_tree import MediaTree
+from hf_tree.zoo import TOLERANCE, _first_line, _grads, _max_grad_error, _relative, _shrink, _time_limit
+
+STATES = ("exact", "refused", "not buildable", "error", "MISMATCH")
+# Families with float32 internals even in a float64 model: Qwen3.5's GatedDeltaNet decay gates (docs/hybrids.md's
+# 1e-4 floor, ~3e-6 measured here); a branch or image leak moves the loss and gradients by far more.
+FLOAT32_INTERNALS = {"qwen3_5": 1e-4, "qwen3_5_moe": 1e-4}
+ConfigFactory = Callable[[], transformers.PretrainedConfig]
+
+
+class NotBuildable(Exception):
+    """The architecture cannot be built tiny (the reason is the message)."""
+
+
+@dataclass
+class VisionZooResult:
+    """One architecture's state and relative errors (``None`` where not measured)."""
+
+    model_type: str
+    model_class: str = ""
+    state: str = "not buildable"
+    detail: str = ""
+    loss_error: float | None = None
+    grad_error: float | None = None
+    seconds: float = 0.0
+
+
+def vision_model_types() -> list[str]:
+    """Every image-text-to-text ``model_type`` of the installed transformers."""
+    return sorted(MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES)
+
+
+def tiny_vision_config(model_type: str) -> transformers.PretrainedConfig:
+    """``model_type``'s default config with every size shrunk (``hf_tree.zoo``'s generic shrink, nested vision and
+    text configs included), rebuilt so derived fields follow."""
+    values = _shrink(transformers.AutoConfig.for_model(model_type).to_dict())
+    for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
+        values.pop(key, None)
+    return transformers.AutoConfig.for_model(model_type, **values)
+
+
+def build_tiny_vlm(model_type: str, factory: ConfigFactory | None = None) -> torch.nn.Module:
+    """The tiny float64 model on ``tree_flash`` (deterministic init, eval mode); ``NotBuildable`` with the reason."""
+    try:
+        config = factory() if factory is not None else tiny_vision_config(model_type)
+    except Exception as error:  # noqa: BLE001 - any failure means: cannot be built tiny
+        raise NotBuildable(f"config: {type(error).__name__}: {_first_line(error)}") from error
+    torch.manual_seed(0)
+    try:
+        model = transformers.AutoModelForImageTextToText.from_config(copy.deepcopy(config), dtype=torch.float64)
+        model.set_attn_implementation("tree_flash")
+    except Exception as error:  # noqa: BLE001
+        raise NotBuildable(f"build: {type(error).__name__}: {_first_line(error)}") from error
+    return model.eval()
+
+
+def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
+    """One image's processor tensors for a ``SUPPORTED`` family, sized from its vision config. Qwen (mRoPE): a
+    ``2m x 2m`` patch grid (``m`` the spatial merge), ``pixel_values`` ``[4m^2, C*T*P*P]`` and ``image_grid_thw``;
+    Idefics3/SmolVLM: one unsplit tile ``[1, 1, 3, S, S]`` and its pixel mask; LLaVA: ``[1, 3, S, S]``."""
+    config = causal_lm_of(model).config
+    family, vision = SUPPORTED[config.model_type], config.vision_config
+    generator = torch.Generator().manual_seed(seed)
+    if family.mrope:
+        merge, patch = vision.spatial_merge_size, vision.patch_size
+        side, width = 2 * merge, getattr(vision, "in_channels", 3) * vision.temporal_patch_size * patch * patch
+        pixels = torch.randn(side * side, width, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
+    size = vision.image_size
+    if "pixel_attention_mask" in family.image_inputs:
+        pixels = torch.randn(1, 1, 3, size, size, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, size, size, dtype=torch.bool)}
+    return {"pixel_values": torch.randn(1, 3, size, size, generator=generator, dtype=torch.float64)}
+
+
+def placeholder_tokens(model: torch.nn.Module, image: dict[str, torch.Tensor]) -> list[int]:
+    """The tokens a processor writes for ``image``: one image token per feature the model's own encoder returns
+    (Qwen: wrapped in the vision start/end tokens)."""
+    causal_lm = causal_lm_of(model)
+    config = causal_lm.config
+    with torch.no_grad():
+        count = len(causal_lm.get_image_features(**image, return_dict=True).pooler_output[0])
+    run = [int(config.image_token_id)] * count
+    if SUPPORTED[config.model_type].mrope:
+        return [config.vision_start_token_id, *run, config.vision_end_token_id]
+    return run
+
+
+def probe_samples(model: torch.nn.Module) -> tuple[list[list[int]], list[list[dict]], list[list[int]]]:
+    """Samples of two trees (tokens below 100, clear of the tiny configs' image tokens), their images and masks."""
+    first, second = tiny_image(model, 1), tiny_image(model, 2)
+    a, b = placeholder_tokens(model, first), placeholder_tokens(model, second)
+    sequences = [[1, 2, *a, 5, 6, 7, 8], [1, 2, *a, 5, 9], [1, 2, *a, 5], [1, 2, *b, 5, 6, 7], [3, 4, 5, 6]]
+    images = [[first], [first], [first], [second], []]
+    masks = [[0] * (len(s) - 3) + [1] * 3 for s in sequences]
+    return sequences, images, masks
+
+
+def per_branch_vlm_loss(
+    model: torch.nn.Module,
+    sequences: Sequence[Sequence[int]],
+    images: Sequence[Sequence[dict[str, torch.Tensor]]],
+    masks: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Token-normalized CE of every sample run alone: its own attention, its images passed as the processor passes
+    them (tensors concatenated; ``mm_token_type_ids`` for the mRoPE families)."""
+    config = causal_lm_of(model).config
+    total, count = 0.0, 0.0
+    with own_attention(causal_lm_of(model)):
+        for seq, sample_images, mask in zip(sequences, images, masks):
+            ids = torch.tensor([list(seq)])
+            inputs = {k: torch.cat([im[k] for im in sample_images]) for k in sample_images[0]} if sample_images else {}
+            if SUPPORTED[config.model_type].mrope:
+                inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()
+            trained = torch.tensor(mask[1:], dtype=torch.float64)
+            logits = model(input_ids=ids, **inputs, use_cache=False).logits[0, :-1]
+            ce = F.cross_entropy(logits.double(), ids[0, 1:], reduction="none")
+            total, count = total + (ce * trained).sum(), count + trained.sum()
+    return total / count
+
+
+def _check_exact(result: VisionZooResult, model: torch.nn.Module) -> None:
+    sequences, images, masks = probe_samples(model)
+    trees = [
+        MediaTree.from_samples(sequences[:3], images[:3], model.config.image_token_id, masks[:3]),
+        MediaTree.from_samples(sequences[3:], images[3:], model.config.image_token_id, masks[3:]),
+    ]
+    batch = MediaTreeCollator(max_packed_tokens=256)(trees)
+    model.zero_grad()
+    loss = tree_vision_lm_loss(model, batch)
+    loss.backward()
+    tree_grads = _grads(model)
+    model.zero_grad()
+    reference = per_branch_vlm_loss(model, sequences, images, masks)
+    reference.backward()
+    result.loss_error = _relative(loss, reference)
+    result.grad_error = _max_grad_error(tree_grads, _grads(model))
+    tolerance = FLOAT32_INTERNALS.get(model.config.model_type, TOLERANCE[torch.float64])
+    if max(result.loss_error, result.grad_error) <= tolerance:
+        result.state = "exact"
+    else:
+        result.state, result.detail = "MISMATCH", f"tree differs from per-branch training (tolerance {tolerance:g})"
+
+
+def _check_refused(result: VisionZooResult, model: torch.nn.Module) -> None:
+    """An unsupported family must refuse an image batch (any image: the refusal comes before the encoder)."""
+    ids = (getattr(model.config, key, None) for key in ("image_token_id", "image_token_index"))
+    image_token = next((i for i in ids if isinstance(i, int)), 3)
+    tree = MediaTree.from_samples(
+        [[1, 2, image_token, image_token, 5, 6]], [[{"pixel_values": torch.zeros(1, 4)}]], image_token
+    )
+    batch = MediaTreeCollator(max_packed_tokens=64)([tree])
+    try:
+        tree_vision_lm_loss(model, batch)
+    except ValueError as error:
+        if raised_by_hf_tree(error):
+            result.state, result.detail = "refused", _first_line(error, 400).split(" Supported:")[0]
+            return
+        raise
+    result.state, result.detail = "MISMATCH", "an unsupported family ran on an image batch without being refused"
+
+
+def check_vision_architecture(
+    model_type: str, configs: Mapping[str, ConfigFactory] | None = None, time_limit: int = 300
+) -> VisionZooResult:
+    """Build ``model_type`` tiny (``configs[model_type]`` where given) and put it in exactly one state."""
+    result = VisionZooResult(model_type)
+    start = time.perf_counter()
+    try:
+        with _time_limit(time_limit):
+            model = build_tiny_vlm(model_type, (configs or {}).get(model_type))
+            result.model_class = type(model).__name__
+            if model.config.model_type in SUPPORTED:
+                _check_exact(result, model)
+            else:
+                _check_refused(result, model)
+    except NotBuildable as error:
+        result.state, result.detail = "not buildable", str(error)
+    except TimeoutError as error:
+        result.state, result.detail = "not buildable", f"timeout: {error}"
+    except Exception as error:  # noqa: BLE001 - anything else is reported, never hidden
+        result.state = "error"
+        result.detail = (
+            f"{type(error).__name__}: {_first_line(error)} @ {traceback.extract_tb(error.__traceback__)[-1].name}"
+        )
+    result.seconds = time.perf_counter() - start
+    return result
+
+
+def markdown_table(results: Sequence[VisionZooResult]) -> str:
+    """The docs table: one row per architecture, then the count per state."""
+
+    def number(value: float | None) -> str:
+        return "" if value is None else f"{value:.1e}"
+
+    lines = ["| model_type | class | state | loss err | grad err | detail |", "|---|---|---|---|---|---|"]
+    for r in results:
+        detail = r.detail.replace("|", "\\|").replace("\n", " ")
+        lines.append(
+            f"| {r.model_type} | {r.model_class} | {r.state} | {number(r.loss_error)} | {number(r.grad_error)} | "
+            f"{detail} |"
+        )
+    counts = {state: sum(r.state == state for r in results) for state in STATES}
+    lines += ["", ", ".join(f"{state}: {n}" for state, n in counts.items()) + f" (of {len(results)})"]
+    return "\n".join(lines)

@@ -1,0 +1,54 @@
+"""The vision-language model zoo (hf_tree.vision.zoo): every image-text-to-text architecture trains exactly or is
+refused with a ValueError; never a silent difference."""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+
+from hf_tree.vision import SUPPORTED, vision_family
+from hf_tree.vision.zoo import check_vision_architecture, markdown_table, vision_model_types
+from tests.vision_models import CONFIGS
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.mark.parametrize("model_type", sorted(SUPPORTED))
+def test_supported_families_are_exact(model_type):
+    result = check_vision_architecture(model_type, CONFIGS)
+    assert result.state == "exact", result.detail
+    assert result.grad_error is not None and result.grad_error <= 1e-4
+
+
+@pytest.mark.parametrize(
+    ("model_type", "reason"),
+    [("gemma3", "bidirectionally"), ("paligemma", "bidirectionally"), ("llava_next", "not tested")],
+)
+def test_unsupported_families_are_refused(model_type, reason):
+    result = check_vision_architecture(model_type)
+    assert result.state == "refused", result.detail
+    assert model_type in result.detail and reason in result.detail
+
+
+def test_every_unsupported_model_type_is_refused_by_name():
+    """The refusal depends on ``model_type`` alone: also the types the zoo cannot build tiny are refused."""
+    for model_type in sorted(set(vision_model_types()) - set(SUPPORTED)):
+        stub = torch.nn.Module()
+        stub.config = types.SimpleNamespace(model_type=model_type)
+        with pytest.raises(ValueError, match=f"model_type='{model_type}'.*cannot be trained on image trees"):
+            vision_family(stub)
+
+
+def test_markdown_table_counts_states():
+    table = markdown_table([check_vision_architecture("gemma3")])
+    assert "| gemma3 | Gemma3ForConditionalGeneration | refused |" in table
+    assert table.endswith("exact: 0, refused: 1, not buildable: 0, error: 0, MISMATCH: 0 (of 1)")
+
+
+@pytest.mark.slow
+def test_whole_image_text_to_text_mapping_has_no_silent_mismatch():
+    results = [check_vision_architecture(t, CONFIGS, time_limit=120) for t in vision_model_types()]
+    assert not [r.model_type for r in results if r.state == "MISMATCH"]
+    assert {r.model_type for r in results if r.state == "exact"} == set(SUPPORTED)
