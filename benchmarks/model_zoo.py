@@ -12,15 +12,9 @@ exits non-zero if any architecture is a silent ``MISMATCH``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
-import warnings
 
-import torch
-import transformers
-
-from hf_tree.zoo import check_architecture, markdown_table, zoo_model_types, zoo_variants
+from hf_tree.zoo import check_architecture, markdown_table, run_zoo, zoo_model_types, zoo_variants
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,20 +27,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.model_types) - set(known))
     if unknown:
         parser.error(f"unknown causal-LM model types {unknown}; choose among {known}")
-    transformers.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
-    results = []
-    for model_type in args.model_types or known:
-        result = check_architecture(model_type, time_limit=args.time_limit)
-        print(f"{model_type}: {result.state} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
-        results.append(result)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}\n")
-    print(markdown_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
-    return 1 if any(r.state == "MISMATCH" for r in results) else 0
+    return run_zoo(
+        lambda t: check_architecture(t, time_limit=args.time_limit),
+        args.model_types or known,
+        markdown_table,
+        args.json,
+    )
 
 
 if __name__ == "__main__":

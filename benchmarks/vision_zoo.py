@@ -13,15 +13,10 @@ any architecture is a silent ``MISMATCH``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
-import json
 import sys
-import warnings
-
-import torch
-import transformers
 
 from hf_tree.vision.zoo import check_vision_architecture, markdown_table, vision_model_types
+from hf_tree.zoo import run_zoo
 from tests.vision_models import CONFIGS
 
 
@@ -35,20 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     unknown = sorted(set(args.model_types) - set(known))
     if unknown:
         parser.error(f"unknown image-text-to-text model types {unknown}; choose among {known}")
-    transformers.logging.set_verbosity_error()
-    warnings.filterwarnings("ignore")
-    torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
-    results = []
-    for model_type in args.model_types or known:
-        result = check_vision_architecture(model_type, CONFIGS, time_limit=args.time_limit)
-        print(f"{model_type}: {result.state} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
-        results.append(result)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}\n")
-    print(markdown_table(results))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
-    return 1 if any(r.state == "MISMATCH" for r in results) else 0
+    return run_zoo(
+        lambda t: check_vision_architecture(t, CONFIGS, time_limit=args.time_limit),
+        args.model_types or known,
+        markdown_table,
+        args.json,
+    )
 
 
 if __name__ == "__main__":

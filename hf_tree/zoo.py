@@ -21,12 +21,17 @@ dual mode is still checked), ``not buildable`` (with the reason), ``error`` (an 
 from __future__ import annotations
 
 import copy
+import dataclasses
+import json
 import signal
+import sys
 import time
 import traceback
-from collections.abc import Iterator, Sequence
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -178,11 +183,11 @@ def _one_layer_of_each_kind(values: dict) -> None:
             values[key] = len(keep)
 
 
-def _shrink(values: dict, level: int = 0) -> dict:
+def shrink_config(values: dict, level: int = 0) -> dict:
     sizes = {**_SIZES, **_LEVELS[level]}
     for key, value in list(values.items()):
         if isinstance(value, dict):
-            values[key] = _shrink(dict(value), level)  # nested text/decoder configs
+            values[key] = shrink_config(dict(value), level)  # nested text/decoder configs
         elif level > 0 and key in _GEOMETRY:
             continue
         elif key in sizes and isinstance(value, int) and not isinstance(value, bool):
@@ -210,7 +215,7 @@ def tiny_config(model_type: str, level: int = 0) -> transformers.PretrainedConfi
     ``_LEVELS``) and rebuilt, so derived fields follow. A name of ``ZOO_VARIANTS`` applies its overrides last."""
     model_type, overrides = ZOO_VARIANTS.get(model_type, (model_type, {}))
     default = transformers.AutoConfig.for_model(model_type)
-    values = _shrink(default.to_dict(), level) | copy.deepcopy(overrides)
+    values = shrink_config(default.to_dict(), level) | copy.deepcopy(overrides)
     for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
         values.pop(key, None)
     values.update(attention_dropout=0.0, use_cache=False, tie_word_embeddings=values.get("tie_word_embeddings", True))
@@ -224,18 +229,18 @@ def build_tiny(model_type: str, dtype: torch.dtype, level: int = 0) -> torch.nn.
     try:
         config = tiny_config(model_type, level)
     except Exception as error:  # noqa: BLE001 - any failure means: cannot be built tiny
-        raise NotBuildable(f"config: {type(error).__name__}: {_first_line(error)}") from error
+        raise NotBuildable(f"config: {type(error).__name__}: {first_line(error)}") from error
     torch.manual_seed(0)
     try:
         model = transformers.AutoModelForCausalLM.from_config(
             copy.deepcopy(config), attn_implementation="tree_flash", dtype=dtype
         )
     except Exception as error:  # noqa: BLE001
-        raise NotBuildable(f"build: {type(error).__name__}: {_first_line(error)}") from error
+        raise NotBuildable(f"build: {type(error).__name__}: {first_line(error)}") from error
     return model.eval()
 
 
-def _first_line(error: BaseException, limit: int = 160) -> str:
+def first_line(error: BaseException, limit: int = 160) -> str:
     text = " ".join(line.strip() for line in str(error).splitlines() if line.strip()) or type(error).__name__
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -254,11 +259,11 @@ def probe_branches() -> tuple[list[list[int]], list[list[int]]]:
     return branches, masks
 
 
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+def parameter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-300))
 
@@ -269,7 +274,7 @@ def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
 GRAD_FLOOR = 1e-3
 
 
-def _max_grad_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+def max_grad_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
     """Largest per-parameter relative error; a gradient below ``GRAD_FLOOR`` of the largest norm is measured against
     that floor."""
     if got.keys() != expected.keys():
@@ -319,7 +324,7 @@ def dual_mode_error(model: torch.nn.Module) -> float:
 
 
 @contextmanager
-def _time_limit(seconds: int) -> Iterator[None]:
+def seconds_limit(seconds: int) -> Iterator[None]:
     def raise_timeout(signum, frame):
         raise TimeoutError(f"took longer than {seconds} s")
 
@@ -342,7 +347,7 @@ def check_architecture(model_type: str, time_limit: int = 300) -> ZooResult:
     result = ZooResult(model_type)
     start = time.perf_counter()
     try:
-        with _time_limit(time_limit):
+        with seconds_limit(time_limit):
             _check(result)
     except NotBuildable as error:
         result.state, result.detail = "not buildable", str(error)
@@ -353,7 +358,7 @@ def check_architecture(model_type: str, time_limit: int = 300) -> ZooResult:
     except Exception as error:  # noqa: BLE001 - anything else is reported, never hidden
         result.state = "error"
         result.detail = (
-            f"{type(error).__name__}: {_first_line(error)} @ {traceback.extract_tb(error.__traceback__)[-1].name}"
+            f"{type(error).__name__}: {first_line(error)} @ {traceback.extract_tb(error.__traceback__)[-1].name}"
         )
     result.seconds = time.perf_counter() - start
     return result
@@ -375,8 +380,8 @@ def _build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, t
                 break  # the config or build fails at this level whatever the dtype
             except Exception as error:  # noqa: BLE001
                 if raised_by_hf_tree(error):  # e.g. a model that cannot switch away from tree_flash
-                    raise RefusedOnLoad(f"any forward: {type(error).__name__}: {_first_line(error, 400)}") from error
-                reason = NotBuildable(f"own forward: {type(error).__name__}: {_first_line(error)}")
+                    raise RefusedOnLoad(f"any forward: {type(error).__name__}: {first_line(error, 400)}") from error
+                reason = NotBuildable(f"own forward: {type(error).__name__}: {first_line(error)}")
                 first_error = first_error or reason
     raise first_error
 
@@ -399,7 +404,7 @@ def _check(result: ZooResult) -> None:
             dual_state, dual_detail = "MISMATCH", "dual mode differs from the model's own attention"
     except Exception as error:  # noqa: BLE001 - classified, never hidden
         dual_state = "refused" if raised_by_hf_tree(error) else "error"
-        dual_detail = f"dual mode: {type(error).__name__}: {_first_line(error, 300)}"
+        dual_detail = f"dual mode: {type(error).__name__}: {first_line(error, 300)}"
     for state in ("MISMATCH", "error", "refused", "exact"):
         if state in (train_state, dual_state):
             result.state = state
@@ -414,17 +419,17 @@ def _check_training(result: ZooResult, model, branches, masks, tolerance: float)
         loss = tree_causal_lm_loss(model, batch, self_check=True)  # the default, whatever the environment says
     except Exception as error:  # noqa: BLE001
         if isinstance(error, ValueError) and raised_by_hf_tree(error):
-            return "refused", f"training: {_first_line(error, 400)}"
-        return "error", f"training: {type(error).__name__}: {_first_line(error, 300)}"
+            return "refused", f"training: {first_line(error, 400)}"
+        return "error", f"training: {type(error).__name__}: {first_line(error, 300)}"
     loss.backward()
-    tree_grads = _grads(model)
+    tree_grads = parameter_grads(model)
     model.zero_grad()
     reference = per_branch_loss(model, branches, masks)
     reference.backward()
-    reference_grads = _grads(model)
+    reference_grads = parameter_grads(model)
     model.zero_grad()
-    result.loss_error = _relative(loss, reference)
-    result.grad_error = _max_grad_error(tree_grads, reference_grads)
+    result.loss_error = relative_error(loss, reference)
+    result.grad_error = max_grad_error(tree_grads, reference_grads)
     if result.loss_error <= tolerance and result.grad_error <= tolerance:
         return "exact", ""
     return "MISMATCH", "tree training differs from per-branch training"
@@ -464,7 +469,7 @@ def _check_router_loss(result: ZooResult, model, branches, masks, tolerance: flo
                 padded_router = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).aux_loss
         except Exception as error:  # noqa: BLE001 - the model itself cannot compute it in this tiny config
             result.router = "not buildable"
-            return f"router loss: the model's own forward fails: {type(error).__name__}: {_first_line(error)}"
+            return f"router loss: the model's own forward fails: {type(error).__name__}: {first_line(error)}"
         batch = TreeDataCollator(max_packed_tokens=64)([Tree.from_sequences(branches, masks).to_dict()])
         try:
             losses = tree_losses(model, batch, self_check=False)  # the model passed the self-check above
@@ -472,22 +477,24 @@ def _check_router_loss(result: ZooResult, model, branches, masks, tolerance: flo
             if not raised_by_hf_tree(error):
                 raise
             result.router = "refused"
-            return f"router loss: {_first_line(error, 300)}"
+            return f"router loss: {first_line(error, 300)}"
         losses.model_loss().backward()
-        tree_grads = _grads(model)
+        tree_grads = parameter_grads(model)
         model.zero_grad()
         with own_attention(model):  # the same forward again, now with the graph of the per-branch loss
             padded_router = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).aux_loss
         reference = per_branch_loss(model, branches, masks) + ROUTER_COEF * padded_router
         reference.backward()
-        reference_grads = _grads(model)
+        reference_grads = parameter_grads(model)
         model.zero_grad()
     except Exception as error:  # noqa: BLE001 - classified, never hidden
         result.router = "error"
-        return f"router loss: {type(error).__name__}: {_first_line(error, 300)}"
+        return f"router loss: {type(error).__name__}: {first_line(error, 300)}"
     finally:
         config.output_router_logits = False
-    result.router_error = max(_relative(losses.model_loss(), reference), _max_grad_error(tree_grads, reference_grads))
+    result.router_error = max(
+        relative_error(losses.model_loss(), reference), max_grad_error(tree_grads, reference_grads)
+    )
     result.router = "exact" if result.router_error <= tolerance else "MISMATCH"
     return "" if result.router == "exact" else "router loss differs from per-branch training"
 
@@ -527,3 +534,28 @@ def markdown_table(results: Sequence[ZooResult]) -> str:
     lines.append("")
     lines.append(", ".join(f"{state}: {n}" for state, n in counts.items()) + f" (of {len(results)})")
     return "\n".join(lines)
+
+
+def run_zoo(
+    check: Callable[[str], Any],
+    model_types: Sequence[str],
+    table: Callable[[Sequence[Any]], str],
+    json_path: str | None = None,
+) -> int:
+    """The zoo benchmarks' driver: ``check`` each model type (one thread; progress on stderr), print the markdown
+    ``table`` of the results, write them as JSON to ``json_path`` if given. Returns the exit status: 1 if any
+    architecture is a silent ``MISMATCH``, else 0."""
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore")
+    torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
+    results = []
+    for model_type in model_types:
+        result = check(model_type)
+        print(f"{model_type}: {result.state} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
+        results.append(result)
+    print(f"transformers {transformers.__version__}, torch {torch.__version__}\n")
+    print(table(results))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
+    return 1 if any(r.state == "MISMATCH" for r in results) else 0

@@ -32,17 +32,22 @@ from hf_tree.models.head import causal_lm_of, own_attention, raised_by_hf_tree
 from hf_tree.vision.collator import MediaTreeCollator
 from hf_tree.vision.forward import SUPPORTED, tree_vision_lm_loss
 from hf_tree.vision.media_tree import MediaTree
-from hf_tree.zoo import TOLERANCE, _first_line, _grads, _max_grad_error, _relative, _shrink, _time_limit
+from hf_tree.zoo import (
+    STATES,
+    TOLERANCE,
+    NotBuildable,
+    first_line,
+    max_grad_error,
+    parameter_grads,
+    relative_error,
+    seconds_limit,
+    shrink_config,
+)
 
-STATES = ("exact", "refused", "not buildable", "error", "MISMATCH")
 # Families with float32 internals even in a float64 model: Qwen3.5's GatedDeltaNet decay gates (docs/hybrids.md's
 # 1e-4 floor, ~3e-6 measured here); a branch or image leak moves the loss and gradients by far more.
 FLOAT32_INTERNALS = {"qwen3_5": 1e-4, "qwen3_5_moe": 1e-4}
 ConfigFactory = Callable[[], transformers.PretrainedConfig]
-
-
-class NotBuildable(Exception):
-    """The architecture cannot be built tiny (the reason is the message)."""
 
 
 @dataclass
@@ -66,7 +71,7 @@ def vision_model_types() -> list[str]:
 def tiny_vision_config(model_type: str) -> transformers.PretrainedConfig:
     """``model_type``'s default config with every size shrunk (``hf_tree.zoo``'s generic shrink, nested vision and
     text configs included), rebuilt so derived fields follow."""
-    values = _shrink(transformers.AutoConfig.for_model(model_type).to_dict())
+    values = shrink_config(transformers.AutoConfig.for_model(model_type).to_dict())
     for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
         values.pop(key, None)
     return transformers.AutoConfig.for_model(model_type, **values)
@@ -77,13 +82,13 @@ def build_tiny_vlm(model_type: str, factory: ConfigFactory | None = None) -> tor
     try:
         config = factory() if factory is not None else tiny_vision_config(model_type)
     except Exception as error:  # noqa: BLE001 - any failure means: cannot be built tiny
-        raise NotBuildable(f"config: {type(error).__name__}: {_first_line(error)}") from error
+        raise NotBuildable(f"config: {type(error).__name__}: {first_line(error)}") from error
     torch.manual_seed(0)
     try:
         model = transformers.AutoModelForImageTextToText.from_config(copy.deepcopy(config), dtype=torch.float64)
         model.set_attn_implementation("tree_flash")
     except Exception as error:  # noqa: BLE001
-        raise NotBuildable(f"build: {type(error).__name__}: {_first_line(error)}") from error
+        raise NotBuildable(f"build: {type(error).__name__}: {first_line(error)}") from error
     return model.eval()
 
 
@@ -162,12 +167,12 @@ def _check_exact(result: VisionZooResult, model: torch.nn.Module) -> None:
     model.zero_grad()
     loss = tree_vision_lm_loss(model, batch)
     loss.backward()
-    tree_grads = _grads(model)
+    tree_grads = parameter_grads(model)
     model.zero_grad()
     reference = per_branch_vlm_loss(model, sequences, images, masks)
     reference.backward()
-    result.loss_error = _relative(loss, reference)
-    result.grad_error = _max_grad_error(tree_grads, _grads(model))
+    result.loss_error = relative_error(loss, reference)
+    result.grad_error = max_grad_error(tree_grads, parameter_grads(model))
     tolerance = FLOAT32_INTERNALS.get(model.config.model_type, TOLERANCE[torch.float64])
     if max(result.loss_error, result.grad_error) <= tolerance:
         result.state = "exact"
@@ -187,7 +192,7 @@ def _check_refused(result: VisionZooResult, model: torch.nn.Module) -> None:
         tree_vision_lm_loss(model, batch)
     except ValueError as error:
         if raised_by_hf_tree(error):
-            result.state, result.detail = "refused", _first_line(error, 400).split(" Supported:")[0]
+            result.state, result.detail = "refused", first_line(error, 400).split(" Supported:")[0]
             return
         raise
     result.state, result.detail = "MISMATCH", "an unsupported family ran on an image batch without being refused"
@@ -200,7 +205,7 @@ def check_vision_architecture(
     result = VisionZooResult(model_type)
     start = time.perf_counter()
     try:
-        with _time_limit(time_limit):
+        with seconds_limit(time_limit):
             model = build_tiny_vlm(model_type, (configs or {}).get(model_type))
             result.model_class = type(model).__name__
             if model.config.model_type in SUPPORTED:
@@ -214,7 +219,7 @@ def check_vision_architecture(
     except Exception as error:  # noqa: BLE001 - anything else is reported, never hidden
         result.state = "error"
         result.detail = (
-            f"{type(error).__name__}: {_first_line(error)} @ {traceback.extract_tb(error.__traceback__)[-1].name}"
+            f"{type(error).__name__}: {first_line(error)} @ {traceback.extract_tb(error.__traceback__)[-1].name}"
         )
     result.seconds = time.perf_counter() - start
     return result
