@@ -284,6 +284,11 @@ def tree_losses(
             "(TreeDataCollator adds it; context parallel shards do not carry it). Set router_aux_loss_coef=0.0 to "
             "train without the router loss."
         )
+    if router_coef and model_inputs:
+        raise ValueError(
+            f"router_aux_loss_coef={router_coef} with image inputs: the MoE router loss of vision-language trees is "
+            "not tested yet. Set router_aux_loss_coef=0.0 (or config.output_router_logits=False) for image trees."
+        )
     router_inputs = {"output_router_logits": True} if router_coef else {}
     with capture_last_hidden_state(causal_lm) as captured:
         # model_inputs may replace the rows' own (e.g. mRoPE positions and image features of a vision tree)

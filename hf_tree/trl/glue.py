@@ -65,6 +65,11 @@ def _tree_fused_call(
 ) -> FusedCausalLMOutput:
     output_router_logits = bool(other_inputs.pop("output_router_logits", False))
     media = RowMedia.from_rows(model, input_ids, other_inputs)  # takes the image inputs out of other_inputs
+    if media is not None and output_router_logits:
+        raise ValueError(
+            "router_aux_loss_coef != 0 with image inputs: the MoE router loss of vision-language trees is not tested "
+            "yet. Set router_aux_loss_coef=0.0, or tree_logprobs=False."
+        )
     unsupported = sorted(k for k, v in other_inputs.items() if v is not None and v is not False)
     if unsupported:
         raise ValueError(
