@@ -345,10 +345,17 @@ def _layer_types(model: torch.nn.Module) -> list[str]:
 def check_architecture(model_type: str, time_limit: int = 300) -> ZooResult:
     """Build ``model_type`` tiny and put it in exactly one state (see the module docstring)."""
     result = ZooResult(model_type)
+    return classified(result, lambda: _check(result), time_limit)
+
+
+def classified(result: Any, check: Callable[[], None], time_limit: int) -> Any:
+    """Run ``check`` (which fills ``result``) within ``time_limit`` seconds; what it raises decides the state:
+    ``NotBuildable`` and time-outs are "not buildable", ``RefusedOnLoad`` "refused", anything else "error" (reported,
+    never hidden). Sets ``result.seconds`` and returns ``result``."""
     start = time.perf_counter()
     try:
         with seconds_limit(time_limit):
-            _check(result)
+            check()
     except NotBuildable as error:
         result.state, result.detail = "not buildable", str(error)
     except RefusedOnLoad as error:
@@ -512,11 +519,8 @@ def zoo_model_types() -> list[str]:
 def markdown_table(results: Sequence[ZooResult]) -> str:
     """The docs table: one row per architecture, then the count per state."""
 
-    def number(value: float | None) -> str:
-        return "" if value is None else f"{value:.1e}"
-
     def router_cell(r: ZooResult) -> str:
-        return f"{r.router} ({number(r.router_error)})" if r.router_error is not None else r.router
+        return f"{r.router} ({error_cell(r.router_error)})" if r.router_error is not None else r.router
 
     lines = [
         "| model_type | class | state | dtype | loss err | grad err | dual-mode err | router loss | layer kinds "
@@ -526,14 +530,22 @@ def markdown_table(results: Sequence[ZooResult]) -> str:
     for r in results:
         detail = r.detail.replace("|", "\\|").replace("\n", " ")
         lines.append(
-            f"| {r.model_type} | {r.model_class} | {r.state} | {r.dtype} | {number(r.loss_error)} | "
-            f"{number(r.grad_error)} | {number(r.dual_error)} | {router_cell(r)} | {', '.join(r.layer_types)} | "
-            f"{detail} |"
+            f"| {r.model_type} | {r.model_class} | {r.state} | {r.dtype} | {error_cell(r.loss_error)} | "
+            f"{error_cell(r.grad_error)} | {error_cell(r.dual_error)} | {router_cell(r)} | "
+            f"{', '.join(r.layer_types)} | {detail} |"
         )
+    return "\n".join(lines + ["", state_counts(results)])
+
+
+def error_cell(value: float | None) -> str:
+    """A relative error as a table cell (empty where not measured)."""
+    return "" if value is None else f"{value:.1e}"
+
+
+def state_counts(results: Sequence[Any]) -> str:
+    """The tables' last line: how many results ended in each of ``STATES``."""
     counts = {state: sum(r.state == state for r in results) for state in STATES}
-    lines.append("")
-    lines.append(", ".join(f"{state}: {n}" for state, n in counts.items()) + f" (of {len(results)})")
-    return "\n".join(lines)
+    return ", ".join(f"{state}: {n}" for state, n in counts.items()) + f" (of {len(results)})"
 
 
 def run_zoo(

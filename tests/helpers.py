@@ -106,14 +106,21 @@ def float64_norms() -> Iterator[None]:
         Qwen2_5_VLRMSNorm,
         Qwen3VLTextRMSNorm,
     )
-    originals = [cls.forward for cls in classes]
-    for cls in classes:
-        cls.forward = forward
+    with replaced(classes, "forward", forward):
+        yield
+
+
+@contextlib.contextmanager
+def replaced(owners: Sequence[object], name: str, value: object) -> Iterator[None]:
+    """Set ``owner.<name> = value`` on every owner (classes or modules) for the block, then restore the originals."""
+    originals = [getattr(owner, name) for owner in owners]
+    for owner in owners:
+        setattr(owner, name, value)
     try:
         yield
     finally:
-        for cls, original in zip(classes, originals):
-            cls.forward = original
+        for owner, original in zip(owners, originals):
+            setattr(owner, name, original)
 
 
 def own_attention(model: torch.nn.Module) -> str:

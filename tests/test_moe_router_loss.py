@@ -67,21 +67,6 @@ SEQUENCES = [[5, 6, 7, 8, 9, 10], [5, 6, 7, 11, 12], [5, 6, 7, 11, 13, 14, 15], 
 MASKS = [[0, 0, 0, 1, 1, 1], [0, 0, 0, 1, 1], [0, 0, 0, 1, 1, 1, 1], [0, 1, 1]]
 
 
-def padded_branches() -> dict[str, torch.Tensor]:
-    """The branches as one right-padded batch, labels -100 where not trained."""
-    length = max(map(len, SEQUENCES))
-    batch = {
-        "input_ids": torch.zeros(len(SEQUENCES), length, dtype=torch.long),
-        "attention_mask": torch.zeros(len(SEQUENCES), length, dtype=torch.long),
-        "labels": torch.full((len(SEQUENCES), length), -100, dtype=torch.long),
-    }
-    for i, (seq, mask) in enumerate(zip(SEQUENCES, MASKS)):
-        batch["input_ids"][i, : len(seq)] = torch.tensor(seq)
-        batch["attention_mask"][i, : len(seq)] = 1
-        batch["labels"][i, : len(seq)] = torch.where(torch.tensor(mask).bool(), torch.tensor(seq), -100)
-    return batch
-
-
 def peaked_routers(model: torch.nn.Module) -> torch.nn.Module:
     """Scale the routers' weights up: a random tiny router is nearly uniform, so any weighting of the tokens gives
     about the same load-balancing loss; peaked, token-dependent routing makes a wrong weighting visible."""
@@ -104,7 +89,7 @@ def test_tree_loss_adds_the_router_loss_of_the_branches(family):
         tree_grads = grads_of(model)
         model.zero_grad()
         model.set_attn_implementation(own_attention(model))
-        padded = padded_branches()
+        padded = collate_branches([{"sequences": SEQUENCES, "masks": MASKS}])  # right-padded, -100 labels
         outputs = model(input_ids=padded["input_ids"], attention_mask=padded["attention_mask"])
         logits, labels = outputs.logits[:, :-1], padded["labels"][:, 1:]
         token_loss = F.cross_entropy(logits.transpose(1, 2), labels, ignore_index=-100)  # float64, HF's mean

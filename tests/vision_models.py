@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 
-from tests.helpers import HYBRIDS, TINY, own_attention
+from tests.helpers import HYBRIDS, TINY, own_attention, replaced
 
 IMAGE_TOKEN = 100
 VISION_START, VISION_END = 102, 103
@@ -111,14 +111,8 @@ def float64_vision_rotary() -> Iterator[None]:
         return q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
 
     modules = [importlib.import_module(f"transformers.models.{n}.modeling_{n}") for n in FAMILIES if is_mrope(n)]
-    originals = [module.apply_rotary_pos_emb_vision for module in modules]
-    for module in modules:
-        module.apply_rotary_pos_emb_vision = apply
-    try:
+    with replaced(modules, "apply_rotary_pos_emb_vision", apply):
         yield
-    finally:
-        for module, original in zip(modules, originals):
-            module.apply_rotary_pos_emb_vision = original
 
 
 def tiny_vlm(family: str, dtype: torch.dtype = torch.float64, attn: str = "tree_flash", seed: int = 0):

@@ -18,8 +18,6 @@ Used by ``benchmarks/vision_zoo.py`` and ``tests/test_vision_zoo.py``.
 from __future__ import annotations
 
 import copy
-import time
-import traceback
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -33,15 +31,16 @@ from hf_tree.vision.collator import MediaTreeCollator
 from hf_tree.vision.forward import SUPPORTED, tree_vision_lm_loss
 from hf_tree.vision.media_tree import MediaTree
 from hf_tree.zoo import (
-    STATES,
     TOLERANCE,
     NotBuildable,
+    classified,
+    error_cell,
     first_line,
     max_grad_error,
     parameter_grads,
     relative_error,
-    seconds_limit,
     shrink_config,
+    state_counts,
 )
 
 # Families with float32 internals even in a float64 model: Qwen3.5's GatedDeltaNet decay gates (docs/hybrids.md's
@@ -203,41 +202,26 @@ def check_vision_architecture(
 ) -> VisionZooResult:
     """Build ``model_type`` tiny (``configs[model_type]`` where given) and put it in exactly one state."""
     result = VisionZooResult(model_type)
-    start = time.perf_counter()
-    try:
-        with seconds_limit(time_limit):
-            model = build_tiny_vlm(model_type, (configs or {}).get(model_type))
-            result.model_class = type(model).__name__
-            if model.config.model_type in SUPPORTED:
-                _check_exact(result, model)
-            else:
-                _check_refused(result, model)
-    except NotBuildable as error:
-        result.state, result.detail = "not buildable", str(error)
-    except TimeoutError as error:
-        result.state, result.detail = "not buildable", f"timeout: {error}"
-    except Exception as error:  # noqa: BLE001 - anything else is reported, never hidden
-        result.state = "error"
-        result.detail = (
-            f"{type(error).__name__}: {first_line(error)} @ {traceback.extract_tb(error.__traceback__)[-1].name}"
-        )
-    result.seconds = time.perf_counter() - start
-    return result
+
+    def check() -> None:
+        model = build_tiny_vlm(model_type, (configs or {}).get(model_type))
+        result.model_class = type(model).__name__
+        if model.config.model_type in SUPPORTED:
+            _check_exact(result, model)
+        else:
+            _check_refused(result, model)
+
+    return classified(result, check, time_limit)
 
 
 def markdown_table(results: Sequence[VisionZooResult]) -> str:
     """The docs table: one row per architecture, then the count per state."""
 
-    def number(value: float | None) -> str:
-        return "" if value is None else f"{value:.1e}"
-
     lines = ["| model_type | class | state | loss err | grad err | detail |", "|---|---|---|---|---|---|"]
     for r in results:
         detail = r.detail.replace("|", "\\|").replace("\n", " ")
         lines.append(
-            f"| {r.model_type} | {r.model_class} | {r.state} | {number(r.loss_error)} | {number(r.grad_error)} | "
-            f"{detail} |"
+            f"| {r.model_type} | {r.model_class} | {r.state} | {error_cell(r.loss_error)} | "
+            f"{error_cell(r.grad_error)} | {detail} |"
         )
-    counts = {state: sum(r.state == state for r in results) for state in STATES}
-    lines += ["", ", ".join(f"{state}: {n}" for state, n in counts.items()) + f" (of {len(results)})"]
-    return "\n".join(lines)
+    return "\n".join(lines + ["", state_counts(results)])
