@@ -12,14 +12,16 @@ of the PEFT adapter). Intermediate checkpoints under ``SHARDED_STATE_DICT`` stay
 ``torch.distributed.checkpoint`` folder that ``Trainer`` writes next to the optimizer for resuming).
 
 PEFT (0.21) selects an adapter's entries by the model's module names, which keep FSDP's activation-checkpoint wrapper
-(``_checkpoint_wrapped_module.``) that ``get_model_state_dict`` drops: without care a LoRA model under
+(``_checkpoint_wrapped_module.``) that ``state_dict`` and ``get_model_state_dict`` drop: without care a LoRA model under
 ``fsdp_activation_checkpointing`` saves an adapter file with no tensors. The save hands PEFT the model's own names and
-drops the wrapper from the written adapter file.
+drops the wrapper from the written adapter file. Trainer's sharded checkpoint folder goes through the same PEFT
+selection (accelerate's ``save_fsdp_model(adapter_only=True)``) and holds no adapter there, so such a run's
+checkpoints also get the complete adapter file, which ``_load_from_checkpoint`` (resume) and ``_load_best_model``
+load back into the sharded model.
 """
 
 from __future__ import annotations
 
-import logging
 from collections import defaultdict
 from itertools import chain
 from pathlib import Path
@@ -29,9 +31,8 @@ from accelerate import Accelerator
 from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
+from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 from transformers.utils import ADAPTER_SAFE_WEIGHTS_NAME
-
-logger = logging.getLogger("hf_tree")
 
 
 def is_sharded_state_dict(accelerator: Accelerator) -> bool:
@@ -80,6 +81,34 @@ def strip_checkpoint_prefix(adapter_file: Path) -> None:
     save_file({k.replace(_CHECKPOINT_PREFIX, ""): v for k, v in tensors.items()}, adapter_file, {"format": "pt"})
 
 
+def adapter_in_wrapped_modules(model: torch.nn.Module) -> bool:
+    """Whether ``model`` is a PEFT model under FSDP activation checkpointing (PEFT cannot select its adapter from
+    the state dict there: see the module docstring)."""
+    return isinstance(model, PeftModel) and bool(checkpoint_wrapped_names(model))
+
+
+def load_adapter_file(model: PeftModel, adapter_file: Path) -> None:
+    """Load a saved adapter file (PEFT's key names, full tensors) into the FSDP2-sharded PEFT ``model``.
+
+    Collective: every rank reads the file and keeps its own shards (``set_model_state_dict`` with full tensors).
+    PEFT's own key mapping (``_remove_adapter_name_from_key``, the rule its save and load share) links the file's
+    names to the model's; a name the model does not have raises.
+    """
+    adapter = model.active_adapter
+    tuner = type(model.base_model)
+    own_names = {name.replace(_CHECKPOINT_PREFIX, "") for name, _ in model.named_parameters(remove_duplicate=False)}
+    by_file_key = {tuner._remove_adapter_name_from_key(name, adapter): name for name in own_names}
+    tensors = load_file(adapter_file)
+    unknown = sorted(set(tensors) - set(by_file_key))
+    if unknown:
+        raise ValueError(
+            f"{adapter_file} holds {len(unknown)} tensors that the model's adapter {adapter!r} lacks (e.g. "
+            f"{unknown[0]!r}): resume with the LoRA configuration that wrote this checkpoint."
+        )
+    state_dict = {by_file_key[key]: tensor for key, tensor in tensors.items()}
+    set_model_state_dict(model, state_dict, options=StateDictOptions(full_state_dict=True, strict=False))
+
+
 class FSDPFullSaveMixin:
     """``save_model`` for ``Trainer`` subclasses that writes a complete model or adapter under FSDP2, whatever
     ``fsdp_state_dict_type`` says. Place it before the ``Trainer`` class in the bases."""
@@ -87,21 +116,15 @@ class FSDPFullSaveMixin:
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False) -> None:
         """``Trainer.save_model``; under FSDP2, rank 0 writes the gathered full state dict (every rank must call).
 
-        A checkpoint (``_internal_call``) under ``SHARDED_STATE_DICT`` keeps ``Trainer``'s sharded model folder,
-        unless ``save_only_model`` (then ``Trainer`` writes no sharded folder, and the checkpoint gets the full
-        model so that it holds one).
+        A checkpoint (``_internal_call``) under ``SHARDED_STATE_DICT`` keeps ``Trainer``'s sharded model folder
+        alone, unless ``save_only_model`` (then ``Trainer`` writes no sharded folder, and the checkpoint gets the full
+        model so that it holds one) or the adapter sits in activation-checkpointed modules (the sharded folder holds
+        no adapter then; the checkpoint also gets the complete adapter file, loaded back on resume).
         """
         if not (self.is_fsdp_enabled and self.accelerator.is_fsdp2):
             return super().save_model(output_dir, _internal_call)
         sharded = is_sharded_state_dict(self.accelerator)
-        if _internal_call and sharded and not self.args.save_only_model:
-            if isinstance(self.model, PeftModel) and checkpoint_wrapped_names(self.model):
-                logger.warning(
-                    "hf_tree: this checkpoint holds no LoRA weights: under fsdp_activation_checkpointing with "
-                    "fsdp_state_dict_type SHARDED_STATE_DICT, PEFT finds no adapter in the wrapped modules' state "
-                    "dict, so resuming from it would restart the adapter (the final save is complete). For LoRA use "
-                    "fsdp2_lora.json (fsdp_activation_checkpointing false, --gradient_checkpointing instead)."
-                )
+        if _internal_call and sharded and not self.args.save_only_model and not adapter_in_wrapped_modules(self.model):
             return super().save_model(output_dir, _internal_call)
         output_dir = self.args.output_dir if output_dir is None else output_dir
         state_dict = gather_full_state_dict(self.accelerator, self.model)
@@ -114,3 +137,28 @@ class FSDPFullSaveMixin:
         self.accelerator.wait_for_everyone()  # the files exist for every rank once save_model returns
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: torch.nn.Module | None = None) -> None:
+        """``Trainer._load_from_checkpoint``, then the adapter file of a checkpoint whose sharded folder holds none."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        self._load_adapter_beside_sharded_folder(resume_from_checkpoint, self.model if model is None else model)
+
+    def _load_best_model(self) -> None:
+        """``Trainer._load_best_model``, then the adapter file of a checkpoint whose sharded folder holds none."""
+        super()._load_best_model()
+        self._load_adapter_beside_sharded_folder(self.state.best_model_checkpoint, self.model)
+
+    def _load_adapter_beside_sharded_folder(self, checkpoint: str, model: torch.nn.Module) -> None:
+        """Load ``checkpoint``'s adapter file into ``model`` where ``save_model`` wrote it for want of a sharded one."""
+        if not (self.is_fsdp_enabled and self.accelerator.is_fsdp2 and is_sharded_state_dict(self.accelerator)):
+            return
+        if not adapter_in_wrapped_modules(model):
+            return
+        adapter_file = Path(checkpoint) / ADAPTER_SAFE_WEIGHTS_NAME
+        if not adapter_file.is_file():
+            raise ValueError(
+                f"{checkpoint} has no {ADAPTER_SAFE_WEIGHTS_NAME}: its sharded folder holds no LoRA weights under "
+                "fsdp_activation_checkpointing (checkpoints written before hf_tree saved the adapter beside it), so "
+                "resuming would restart the adapter. Resume from a newer checkpoint or start the run again."
+            )
+        load_adapter_file(model, adapter_file)

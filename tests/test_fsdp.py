@@ -6,8 +6,9 @@ parameters were sharded (DTensor), then resumes a fresh model from ``checkpoint-
 ``KILL_CONFIGS`` that checkpoint comes from an earlier launch whose processes were all SIGKILLed right after it was
 written (a preempted job). Oracle: the same run in one process on the same global batch (2 processes x 2 trees =
 1 process x 4 trees): same logged losses, same parameters, and the same saved files (tensor names and values).
-Under a config with FSDP activation checkpointing the launch also trains and saves a LoRA run (no checkpoints),
-whose adapter must equal the single-process one.
+Under a config with FSDP activation checkpointing the launch also trains, checkpoints, saves and resumes a LoRA run
+(PEFT cannot find its adapter in the sharded checkpoint folder there: ``hf_tree.saving``), whose checkpoint, final
+adapter and resumed parameters must equal the single-process ones.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from tests.helpers import launch_command, max_relative_error  # noqa: E402
 CONFIGS = sorted((REPO / "fsdp_configs").glob("*.json"))
 KILL_CONFIGS = {"fsdp2_lora", "fsdp2_full"}  # resumed from a checkpoint of a killed launch
 # Configs with FSDP activation checkpointing, which renames modules (PEFT's adapter selection trips over it): the launch
-# also saves a LoRA run without checkpoints (PEFT checkpoints there hold no adapter: docs/training.md)
+# also runs LoRA with checkpoints and a resume
 ACTIVATION_CHECKPOINTING_CONFIGS = {"fsdp2_context_parallel"}
 GLOBAL_BATCH = 4
 # float32 on gloo: reductions run in a different order than in one process
@@ -142,11 +143,6 @@ def run(output_dir: str, lora: bool, per_device_batch: int, resume_dir: str | No
     }
 
 
-def lora_save_run(output_dir: str, per_device_batch: int) -> dict[str, torch.Tensor]:
-    """A LoRA run without checkpoints saved to ``output_dir/final``: its final parameters."""
-    return train_and_save(output_dir, True, per_device_batch, save_strategy="no")[1]
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize("config", CONFIGS, ids=[c.stem for c in CONFIGS])
@@ -156,7 +152,7 @@ def test_fsdp2_config_on_two_cpu_processes(tmp_path, config):
     killed = tmp_path / "killed" if config.stem in KILL_CONFIGS else None
     report = tmp_path / "report.pt"
     worker = [*launch_command(config), __file__, "--report", str(report), *(["--lora"] if lora else [])]
-    worker += ["--lora_save_run"] if also_lora else []
+    worker += ["--also_lora"] if also_lora else []
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     if killed is not None:
         result = subprocess.run(
@@ -196,15 +192,22 @@ def test_fsdp2_config_on_two_cpu_processes(tmp_path, config):
         assert max_relative_error(saved, expected) <= TOLERANCE
         reloaded = {n: p.detach() for n, p in load_saved(final, lora).named_parameters()}
         assert max_relative_error(reloaded, distributed["params"]) <= TOLERANCE
-    if also_lora:  # the adapter of a LoRA run under FSDP activation checkpointing: complete, as in one process
-        single_lora = lora_save_run(str(tmp_path / "single_lora"), per_device_batch=GLOBAL_BATCH)
-        saved = saved_weights(tmp_path / "run" / "lora" / "final", lora=True)
-        expected = saved_weights(tmp_path / "single_lora" / "final", lora=True)
-        assert saved.keys() == expected.keys() and len(saved) > 0
-        assert max_relative_error(saved, expected) <= TOLERANCE
-        reloaded = {n: p.detach() for n, p in load_saved(tmp_path / "run" / "lora" / "final", True).named_parameters()}
-        assert max_relative_error(reloaded, distributed["lora_params"]) <= TOLERANCE
-        assert max_relative_error(distributed["lora_params"], single_lora) <= TOLERANCE
+    if also_lora:  # LoRA under FSDP activation checkpointing: complete checkpoints, saves and resume
+        lora_run, single_lora = tmp_path / "run" / "lora", tmp_path / "single_lora"
+        _, single_params, _, single_losses = train_and_save(str(single_lora), True, per_device_batch=GLOBAL_BATCH)
+        lora = distributed["lora"]
+        assert lora["losses"] == pytest.approx(single_losses, rel=TOLERANCE)
+        assert max_relative_error(lora["params"], single_params) <= TOLERANCE
+        for written in ["checkpoint-1", "final"]:
+            saved = saved_weights(lora_run / written, lora=True)
+            expected = saved_weights(single_lora / written, lora=True)
+            assert saved.keys() == expected.keys() and len(saved) > 0
+            assert max_relative_error(saved, expected) <= TOLERANCE
+        reloaded = {n: p.detach() for n, p in load_saved(lora_run / "final", True).named_parameters()}
+        assert max_relative_error(reloaded, lora["params"]) <= TOLERANCE
+        # resuming from checkpoint-1 loads its adapter: step 2 is repeated exactly (a restarted adapter is not)
+        assert lora["resumed_losses"] == pytest.approx(lora["losses"], rel=TOLERANCE)
+        assert max_relative_error(lora["resumed_params"], lora["params"]) <= TOLERANCE
 
 
 if __name__ == "__main__":
@@ -216,10 +219,10 @@ if __name__ == "__main__":
     parser.add_argument("--lora", action="store_true")
     parser.add_argument("--resume_dir", default=None, help="resume from this run's checkpoint-1 (a killed launch)")
     parser.add_argument("--kill", action="store_true", help="SIGKILL every process right after checkpoint-1")
-    parser.add_argument("--lora_save_run", action="store_true", help="also a LoRA run saved to <output_dir>/lora")
+    parser.add_argument("--also_lora", action="store_true", help="also a LoRA run (and resume) in <output_dir>/lora")
     options = parser.parse_args()
     out = run(options.output_dir, options.lora, GLOBAL_BATCH // 2, resume_dir=options.resume_dir, kill=options.kill)
-    if options.lora_save_run:
-        out["lora_params"] = lora_save_run(str(Path(options.output_dir) / "lora"), GLOBAL_BATCH // 2)
+    if options.also_lora:
+        out["lora"] = run(str(Path(options.output_dir) / "lora"), True, GLOBAL_BATCH // 2)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(out, options.report)
