@@ -1,7 +1,7 @@
 """The TRL tree trainers under ``accelerate launch`` with an FSDP2 config on 2 CPU processes (gloo), issue 26 item 5.
 
 The file is also the launched worker (``__main__``): it trains one optimizer step of ``TreeGRPOTrainer`` (fixed
-completions through TRL's ``rollout_func``) or ``TreeDPOTrainer``, full (``fsdp2_full.json``) or LoRA
+completions through TRL's ``rollout_func``), ``TreeRLOOTrainer`` (sampled completions) or ``TreeDPOTrainer``, full (``fsdp2_full.json``) or LoRA
 (``fsdp2_lora.json``), saves the final model with ``save_model``, and reports the trained parameters (full tensors)
 and whether they were sharded. Oracle: TRL's own trainer in the same launch with only the class swapped (the tree
 passes change how log-probs are computed, nothing else), and the saved files: they hold, and reload to, exactly the
@@ -41,11 +41,12 @@ def train_and_save(kind: str, tree: bool, lora: bool, model_path: str, output_di
     from datasets import Dataset
     from peft import LoraConfig
     from torch.distributed.tensor import DTensor
-    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
     from hf_tree.distributed import enable_fsdp2_on_cpu
     from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
     from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
+    from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer
     from tests.helpers import FIXED_COMPLETIONS, fixed_rollout, tiny_trl_config, varied_reward, word_tokenizer
 
     enable_fsdp2_on_cpu()  # the tree configs do it themselves; TRL's own runs get the same sharded path
@@ -62,6 +63,18 @@ def train_and_save(kind: str, tree: bool, lora: bool, model_path: str, output_di
             train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
             processing_class=word_tokenizer(),
             rollout_func=fixed_rollout,
+            peft_config=peft,
+        )
+    elif kind == "rloo":  # no rollout_func in RLOO: it samples (same seed and weights in both launches)
+        trainer_class, config_class = (TreeRLOOTrainer, TreeRLOOConfig) if tree else (RLOOTrainer, RLOOConfig)
+        rloo = dict(num_generations=4, max_completion_length=8, beta=0.1, gradient_accumulation_steps=2)
+        args = tiny_trl_config(config_class, output_dir, torch.float32, **settings, **rloo)
+        trainer = trainer_class(
+            model_path,
+            varied_reward,
+            args,
+            train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
+            processing_class=word_tokenizer(),
             peft_config=peft,
         )
     else:
@@ -95,7 +108,9 @@ def saved_trainable(final: Path, lora: bool) -> dict[str, torch.Tensor]:
 @pytest.mark.distributed
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "kind, lora", [("grpo", False), ("grpo", True), ("dpo", False)], ids=["grpo", "grpo-lora", "dpo"]
+    "kind, lora",
+    [("grpo", False), ("grpo", True), ("rloo", False), ("dpo", False)],
+    ids=["grpo", "grpo-lora", "rloo", "dpo"],
 )
 def test_trl_tree_trainer_under_fsdp2_trains_and_saves_as_trl(tmp_path, kind, lora):
     from tests.helpers import saved_tiny_model
@@ -121,6 +136,9 @@ def test_trl_tree_trainer_under_fsdp2_trains_and_saves_as_trl(tmp_path, kind, lo
     trained = {n.removeprefix("base_model.model.") if not lora else n: t for n, t in tree.items()}
     assert trained.keys() <= saved.keys(), sorted(trained.keys() - saved.keys())[:5]
     assert max_relative_error({n: saved[n] for n in trained}, trained) == 0.0
+    if not lora:  # the step moved the weights (an update of zero would match TRL trivially)
+        initial = load_file(Path(model_path) / "model.safetensors")
+        assert all(not torch.equal(trained[n], initial[n]) for n in initial if "layers.0." in n)
 
 
 if __name__ == "__main__":
