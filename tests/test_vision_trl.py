@@ -248,12 +248,18 @@ def image_rollout(prompts: list, trainer) -> dict:
     return output
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_one_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, peft):
-    """One optimizer step of TreeGRPOTrainer = TRL's GRPOTrainer on a LLaVA with a real processor: two prompts with the
-    same text and different images (they must not merge), old-policy, reference and policy passes (2 micro-batches,
-    2 iterations per generation), SGD without clipping."""
+@pytest.mark.parametrize(
+    "trainer, peft", [("grpo", False), ("grpo", True), ("rloo", False)], ids=["grpo", "grpo-lora", "rloo"]
+)
+def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, peft):
+    """One optimizer step of TreeGRPOTrainer (TreeRLOOTrainer) = TRL's GRPOTrainer (RLOOTrainer) on a LLaVA with a real
+    processor: two prompts with the same text and different images (they must not merge), old-policy, reference and
+    policy passes (2 micro-batches, 2 iterations per generation), SGD without clipping. GRPO's completions are fixed
+    (``rollout_func``); RLOO has no such hook and samples (the same seed and weights give both the same)."""
     from peft import LoraConfig
+    from trl import RLOOConfig, RLOOTrainer
+
+    from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer
 
     Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
 
@@ -266,22 +272,27 @@ def test_one_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, peft)
     question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w5 w6 w7"}]}]
     images = [Image.new("RGB", (8, 8), colour) for colour in ((200, 30, 30), (30, 30, 200))]
     dataset = Dataset.from_dict({"prompt": [question, question], "image": images})
+    classes = {
+        "grpo": ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)),
+        "rloo": ((RLOOTrainer, RLOOConfig), (TreeRLOOTrainer, TreeRLOOConfig)),
+    }[trainer]
     results = []
-    for cls, config in ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)):
+    for cls, config in classes:
         args = trainer_args(
             config, path, torch.float64, gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0
         )
-        trainer = cls(
+        run = cls(
             path,
             varied_reward,
             args,
             train_dataset=dataset,
             processing_class=llava_processor(),
-            rollout_func=image_rollout,
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
+            **({"rollout_func": image_rollout} if trainer == "grpo" else {}),
         )
-        results.append((trainer, train_and_measure_updates(trainer)))
+        results.append((run, train_and_measure_updates(run)))
     (trl, trl_updates), (tree, tree_updates) = results
+    assert "tree/dedup_ratio" in tree.state.log_history[0]  # the policy pass ran on trees
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
     assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
     # CLIP's k_proj biases have a zero true gradient (softmax is shift-invariant): their ~1e-19 updates are rounding
@@ -290,14 +301,18 @@ def test_one_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, peft)
     assert any("vision_tower" in n for n in tree_updates) or peft
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full-ref_model", "lora"])
-def test_one_dpo_step_on_image_prompts_matches_trl(tmp_path, peft):
-    """One SGD step of TreeDPOTrainer = TRL's DPOTrainer on a LLaVA with a real processor: chosen and rejected share
-    their image prompt (one tree each), the same question about another image must not merge with it."""
+@pytest.mark.parametrize(
+    "trainer, peft", [("dpo", False), ("dpo", True), ("kto", False)], ids=["dpo-full-ref_model", "dpo-lora", "kto"]
+)
+def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, peft):
+    """One SGD step of TreeDPOTrainer (TreeKTOTrainer) = TRL's DPOTrainer (KTOTrainer) on a LLaVA with a real
+    processor: chosen and rejected (KTO: completions of one prompt and image) share their image prompt, the same
+    question about another image must not merge with it. KTO's KL pass (mismatched pairs) runs on trees too."""
     from peft import LoraConfig
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
+    from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
     from tests.helpers import tiny_trl_config, train_and_measure_updates
     from tests.vision_models import llava_processor
 
@@ -312,19 +327,19 @@ def test_one_dpo_step_on_image_prompts_matches_trl(tmp_path, peft):
 
     rows = [(red, "w5 w6", "w7 w8", "w9"), (blue, "w5 w6", "w7 w8", "w9 w10"), (red, "w11", "w12 w13 w14", "w12")]
     rows.append((red, "w5 w6", "w7 w8", "w15"))
-    dataset = Dataset.from_dict(
-        {
-            "prompt": [question(r[1]) for r in rows],
-            "chosen": [answer(r[2]) for r in rows],
-            "rejected": [answer(r[3]) for r in rows],
-            "image": [r[0] for r in rows],
-        }
-    )
+    if trainer == "dpo":
+        columns = {"chosen": [answer(r[2]) for r in rows], "rejected": [answer(r[3]) for r in rows]}
+        classes = ((DPOTrainer, DPOConfig), (TreeDPOTrainer, TreeDPOConfig))
+    else:  # each pair as a desirable and an undesirable row, listed together (KTO's sequential order)
+        columns = {"completion": [answer(r[k]) for r in rows for k in (2, 3)], "label": [True, False] * len(rows)}
+        rows = [r for r in rows for _ in range(2)]
+        classes = ((KTOTrainer, KTOConfig), (TreeKTOTrainer, TreeKTOConfig))
+    dataset = Dataset.from_dict({"prompt": [question(r[1]) for r in rows], "image": [r[0] for r in rows], **columns})
     path = str(tmp_path / "llava")
     tiny_vlm("llava", attn="sdpa").save_pretrained(path)
     results = []
-    for cls, config in ((DPOTrainer, DPOConfig), (TreeDPOTrainer, TreeDPOConfig)):
-        trainer = cls(
+    for cls, config in classes:
+        run = cls(
             path,
             args=tiny_trl_config(config, path, torch.float64, max_steps=1, learning_rate=1.0, max_length=None),
             train_dataset=dataset,
@@ -332,10 +347,10 @@ def test_one_dpo_step_on_image_prompts_matches_trl(tmp_path, peft):
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
         )
         with float64_norms():
-            results.append((trainer, train_and_measure_updates(trainer)))
+            results.append((run, train_and_measure_updates(run)))
     (trl, trl_updates), (tree, tree_updates) = results
     base = tree.model.get_base_model() if peft else tree.model
-    assert base.hf_tree_layout_stats.dedup_ratio > 1  # chosen and rejected shared their image prompt
+    assert base.hf_tree_layout_stats.dedup_ratio > 1  # rows shared their image prompt
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
     assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
     # CLIP's k_proj biases have a zero true gradient: measured against 1e-6 of the largest update (as for GRPO)
@@ -344,31 +359,23 @@ def test_one_dpo_step_on_image_prompts_matches_trl(tmp_path, peft):
 
 
 def test_preference_trainers_refuse_unsupported_vision_language_models(tmp_path):
-    """DPO: a vision-language family outside hf_tree.vision.rows' families is refused at set-up; KTO: any one."""
+    """DPO and KTO: a vision-language family outside hf_tree.vision.rows' families is refused at set-up."""
     from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
     from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
     from tests.helpers import tiny_trl_config
 
     pairs = Dataset.from_dict({"prompt": ["w10 w11"], "chosen": [" w20"], "rejected": [" w21"]})
+    rows = Dataset.from_dict({"prompt": ["w10 w11"], "completion": [" w20"], "label": [True]})
     path = str(tmp_path / "idefics3")
     tiny_vlm("idefics3", attn="sdpa").save_pretrained(path)
-    with pytest.raises(ValueError, match="model_type='idefics3'.*tree log-probs support text-only causal LMs"):
-        TreeDPOTrainer(
-            path,
-            args=tiny_trl_config(TreeDPOConfig, path, torch.float64),
-            train_dataset=pairs,
-            processing_class=word_tokenizer(),
-        )
-    path = str(tmp_path / "qwen2_vl")
-    tiny_vlm("qwen2_vl", attn="sdpa").save_pretrained(path)
-    rows = Dataset.from_dict({"prompt": ["w10 w11"], "completion": [" w20"], "label": [True]})
-    with pytest.raises(ValueError, match="TreeKTOTrainer's tree log-probs support text-only causal LMs"):
-        TreeKTOTrainer(
-            path,
-            args=tiny_trl_config(TreeKTOConfig, path, torch.float64),
-            train_dataset=rows,
-            processing_class=word_tokenizer(),
-        )
+    for trainer, config, dataset in ((TreeDPOTrainer, TreeDPOConfig, pairs), (TreeKTOTrainer, TreeKTOConfig, rows)):
+        with pytest.raises(ValueError, match="model_type='idefics3'.*tree log-probs support text-only causal LMs"):
+            trainer(
+                path,
+                args=tiny_trl_config(config, path, torch.float64),
+                train_dataset=dataset,
+                processing_class=word_tokenizer(),
+            )
 
 
 def test_dpo_on_text_pairs_with_a_vision_language_model_matches_trl(tmp_path):
