@@ -134,6 +134,21 @@ def test_refused_models_and_inputs():
         MediaTreeCollator(max_packed_tokens=64, max_branch_tokens=8, overlong="truncate")
 
 
+def test_sharded_model_is_refused_before_encoding_images(tmp_path):
+    """FSDP2 (here one gloo process, ``fully_shard``): the images would be encoded outside FSDP's gathering."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = fully_shard(tiny_vlm("qwen2_vl"))
+        batch, _ = tree_batch("qwen2_vl")
+        with pytest.raises(ValueError, match=r"sharded \(FSDP2\): image trees encode their images before"):
+            tree_vision_lm_loss(model, batch)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_activation_checkpointing_recomputes_the_same_tree():
     """Recomputed vision and language layers in backward see the same inputs (kv_end, positions, features)."""
     model = tiny_vlm("qwen2_vl")

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from hf_tree.loss import tree_causal_lm_loss
@@ -147,8 +148,8 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
     mRoPE models) and ``mm_encoder_outputs`` (each distinct image encoded once, one entry per showing).
 
     Raises:
-        ValueError: for a model not in ``SUPPORTED``, processor tensors its ``get_image_features`` does not take, or
-            placeholder runs that do not match the image features.
+        ValueError: for a model not in ``SUPPORTED``, a sharded model (FSDP2), processor tensors its
+            ``get_image_features`` does not take, or placeholder runs that do not match the image features.
     """
     family = vision_family(model)
     causal_lm: PreTrainedModel = causal_lm_of(model)
@@ -156,6 +157,14 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
     image_inputs = batch["image_inputs"]
     if not image_inputs:
         return inputs
+    if any(isinstance(p, DTensor) for p in causal_lm.parameters()):
+        # The images are encoded here, before the model's forward: FSDP2 gathers the root's parameters (projector,
+        # patch embeddings) only inside that forward, and reduces their gradients from its backward hooks.
+        raise ValueError(
+            f"{type(causal_lm).__name__} is sharded (FSDP2): image trees encode their images before the model's "
+            "forward, outside FSDP's parameter gathering, which is not supported yet. Train vision-language trees "
+            "without FSDP, or flat sequences under FSDP."
+        )
     unknown = sorted(set(image_inputs) - set(family.image_inputs))
     if unknown:
         raise ValueError(
