@@ -58,9 +58,8 @@ SUPPORTED = {
 }
 # Why other families are refused (a family not named here: it was not tested with tree batches).
 REFUSED = {
-    "paligemma": "its prefix (image and prompt) is attended bidirectionally, so a prompt token sees later prompt "
-    "tokens (and a shared prompt's tokens would need the prefix of the branch they are in); the tree mask is causal "
-    "apart from image blocks",
+    "paligemma": "its prefix (image and prompt) is attended bidirectionally, across the nodes where branches' prompts "
+    "fork; the tree mask is causal apart from image blocks inside one node",
 }
 
 
