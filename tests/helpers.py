@@ -107,6 +107,7 @@ def float64_norms() -> Iterator[None]:
         Qwen2_5_VLRMSNorm,
         Qwen3VLTextRMSNorm,
     )
+
     def gemma3_forward(self, x):  # Gemma 3 scales by (1 + weight), in float32 upstream
         compute = torch.float64 if x.dtype == torch.float64 else torch.float32
         h = x.to(compute)

@@ -12,8 +12,13 @@ import random
 
 import pytest
 import torch
-from transformers.masking_utils import and_masks, blockwise_overlay, causal_mask_function, or_masks
-from transformers.masking_utils import sliding_window_overlay
+from transformers.masking_utils import (
+    and_masks,
+    blockwise_overlay,
+    causal_mask_function,
+    or_masks,
+    sliding_window_overlay,
+)
 
 from hf_tree.attention import (
     ENGINES,
@@ -115,7 +120,9 @@ def test_cpu_engine_sends_blocks_to_the_blocked_engine():
     blocks = blocks_in_nodes(kv_end, seed=2)
     q, k, v = qkv(kv_end, (4, 2), torch.float64)
     out, grads = run(cpu_tree_attention, q, k, v, kv_end, position_ids, scaling=0.5, bidirectional_block=blocks)
-    ref, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.5, bidirectional_block=blocks)
+    ref, ref_grads = run(
+        reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.5, bidirectional_block=blocks
+    )
     assert relative_error(out, ref) <= TOLERANCE
     assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads))
     none = torch.full_like(blocks, -1)  # no block: the plain tree mask (the segments engine may run)

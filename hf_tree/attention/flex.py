@@ -1,9 +1,10 @@
 """Tree attention on FlexAttention: a ``BlockMask`` built from ``kv_end`` block summaries, shared by all layers.
 
 The block mask is computed from per-key-block summaries of ``kv_end`` (min/max; depth min/max with a
-sliding window), never from the ``N x N`` mask: a (query block, key block) pair is skipped when no key
-of the block is an ancestor-or-self of a query of the block (nor in a bidirectional block with one), "full" (no ``mask_mod`` call) when every
-key is seen by every query, and partial otherwise, where ``tree_mask_mod`` decides per element.
+sliding window; bidirectional block ids min/max with an overlay), never from the ``N x N`` mask: a (query block,
+key block) pair is skipped when no key of the block is an ancestor-or-self of a query of the block (nor shares a
+bidirectional block with one), "full" (no ``mask_mod`` call) when every key is seen by every query, and partial
+otherwise, where ``tree_mask_mod`` decides per element.
 
 The block mask is built once per batch and shared by all layers (``hf_tree.attention.batch_cache``).
 
