@@ -155,7 +155,8 @@ def gemma3_samples() -> tuple[list[list[int]], list[list[dict]], list[list[int]]
     """Gemma 3 trees: a shared image prompt (begin/end-of-image wrapped) with three completions, two of which show a
     second image in their own nodes (the nodes fork at the first image token, so each starts with an image block);
     unwrapped runs at node boundaries (a branch ending on an image that another continues, a node that starts with
-    an image right after the shared text)."""
+    an image right after the shared text, a leaf ending on an image packed right before a sibling starting with
+    another: adjacent in the row, two blocks)."""
     first, second = tiny_image("gemma3", 1), tiny_image("gemma3", 2)
     a, b = placeholders("gemma3", first), placeholders("gemma3", second)
     raw = [IMAGE_TOKEN] * 4
@@ -167,8 +168,10 @@ def gemma3_samples() -> tuple[list[list[int]], list[list[dict]], list[list[int]]
         [3, 4, *raw],
         [3, 4, *raw, 8],
         [3, 4, 9, *raw, 8],
+        [7, *raw],
+        [7, *raw, 8],
     ]
-    images = [[first], [first, second], [first, first], [first], [first], [second], [second]]
+    images = [[first], [first, second], [first, first], [first], [first], [second], [second], [first], [second]]
     masks = [[0] + [1] * (len(s) - 1) for s in sequences]
     return sequences, images, masks
 
@@ -191,7 +194,9 @@ def test_gemma3_bidirectional_image_blocks_equal_per_branch(engine):
     assert batch["input_ids"].shape[0] == 2
     blocks = vision_model_inputs(model, batch)["bidirectional_block"]
     assert torch.equal(blocks >= 0, batch["media_ids"] >= 0)
-    assert (blocks.amax(1) >= 2).all()  # three blocks in each row (one per image run)
+    assert (blocks.amax(1) >= 2).all()  # three blocks or more in each row (one per image run)
+    adjacent = (blocks[:, 1:] >= 0) & (blocks[:, :-1] >= 0)
+    assert (adjacent & (blocks[:, 1:] != blocks[:, :-1])).any()  # sibling images side by side: two blocks
     set_attention_backend(engine)
     try:
         loss, grads = loss_and_grads(model, lambda: tree_vision_lm_loss(model, batch))
