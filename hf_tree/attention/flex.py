@@ -79,10 +79,10 @@ def tree_block_mask(
     all_visible = (k_last <= q_first) & (end_min > q_last)
     if bidirectional_block is not None:  # a block id in both tiles (ids' ranges overlap; exact for ids rising along
         # the row, as hf_tree.vision numbers them, conservative otherwise: mask_mod decides in partial tiles)
-        ids = bidirectional_block.to(torch.int64)
+        ids, unmarked = bidirectional_block.to(torch.int64), 1 << 62  # above any id, exact as a pad value
         marked = ids >= 0
-        id_min = _block_summaries(torch.where(marked, ids, n + 1), block_size, fill_min=n + 1, fill_max=-1)[0]
-        id_max = _block_summaries(torch.where(marked, ids, -1), block_size, fill_min=n + 1, fill_max=-1)[1]
+        id_min = _block_summaries(torch.where(marked, ids, unmarked), block_size, fill_min=unmarked, fill_max=-1)[0]
+        id_max = _block_summaries(torch.where(marked, ids, -1), block_size, fill_min=unmarked, fill_max=-1)[1]
         any_visible |= (id_min[:, :, None] <= id_max[:, None, :]) & (id_min[:, None, :] <= id_max[:, :, None])
     if sliding_window is not None:
         depth = position_ids.to(torch.int64)
