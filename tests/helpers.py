@@ -80,7 +80,8 @@ def tiny_model(
 @contextlib.contextmanager
 def float64_norms() -> Iterator[None]:
     """HF's RMSNorm upcasts to float32 even in a float64 model, which rounds a shared token's gradient
-    differently in a tree than per branch (~1e-7). Keep float64 in both models for 1e-9 tests."""
+    differently in a tree than per branch (~1e-7). Keep float64 in both models for 1e-9 tests (Gemma 3's too)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
@@ -106,7 +107,14 @@ def float64_norms() -> Iterator[None]:
         Qwen2_5_VLRMSNorm,
         Qwen3VLTextRMSNorm,
     )
-    with replaced(classes, "forward", forward):
+
+    def gemma3_forward(self, x):  # Gemma 3 scales by (1 + weight), in float32 upstream
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        h = x.to(compute)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.to(compute))).type_as(x)
+
+    with replaced(classes, "forward", forward), replaced((Gemma3RMSNorm,), "forward", gemma3_forward):
         yield
 
 

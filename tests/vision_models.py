@@ -2,7 +2,7 @@
 
 The oracle: the same model, on its own attention, run on each sample as an ordinary sequence with that sample's
 images passed as the processor would (``pixel_values`` and friends concatenated, ``mm_token_type_ids`` for the
-mRoPE families), combined with token normalization.
+mRoPE families, ``token_type_ids`` for Gemma 3), combined with token normalization.
 """
 
 from __future__ import annotations
@@ -93,6 +93,24 @@ CONFIGS = {
         image_token_id=IMAGE_TOKEN,
         vision_feature_layer=-1,
     ),
+    # Local layers with a 3-token window, shorter than an image's 4 tokens: the window cuts the image blocks (the
+    # bidirectional overlay is AND(window, OR(causal, block)) there), a global layer sees whole blocks.
+    "gemma3": lambda: transformers.Gemma3Config(
+        text_config=dict(
+            TEXT,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        vision_config=dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2
+        ),  # 16 patches pooled 2x2: 4 placeholder tokens per image
+        mm_tokens_per_image=4,
+        image_token_index=IMAGE_TOKEN,
+        boi_token_index=VISION_START,
+        eoi_token_index=VISION_END,
+    ),
 }
 FAMILIES = tuple(CONFIGS)
 # Families whose own float32 internals (GatedDeltaNet's decay parameters) bound the float64 comparison.
@@ -119,6 +137,9 @@ def tiny_vlm(family: str, dtype: torch.dtype = torch.float64, attn: str = "tree_
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(CONFIGS[family](), dtype=dtype)
     model.set_attn_implementation(attn)
+    if family == "gemma3":  # its projector starts at zero (every image feature 0): give the images some weight
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
     return model
 
 
@@ -139,8 +160,16 @@ def tiny_image(family: str, seed: int, height: int = 4, width: int = 4) -> dict[
     return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, height, width]])}
 
 
+def has_bidirectional_images(family: str) -> bool:
+    """Gemma 3: image tokens attend to each other both ways when the model gets ``token_type_ids``."""
+    return family == "gemma3"
+
+
 def placeholders(family: str, image: dict[str, torch.Tensor]) -> list[int]:
-    """The tokens a processor writes for ``image`` (Qwen: wrapped in vision start/end tokens)."""
+    """The tokens a processor writes for ``image`` (Qwen: wrapped in vision start/end tokens; Gemma 3: in its
+    begin/end-of-image tokens)."""
+    if has_bidirectional_images(family):
+        return [VISION_START] + [IMAGE_TOKEN] * 4 + [VISION_END]
     if not is_mrope(family):
         return [IMAGE_TOKEN] * 4
     count = int(image["image_grid_thw"].prod()) // 4
@@ -152,8 +181,10 @@ def per_branch_vlm_loss(
     sequences: Sequence[Sequence[int]],
     images: Sequence[Sequence[dict[str, torch.Tensor]]],
     loss_masks: Sequence[Sequence[int]] | None = None,
+    drop_image_blocks: bool = False,
 ) -> torch.Tensor:
-    """Token-normalized CE of every sample run alone (its own attention, its images encoded for it alone)."""
+    """Token-normalized CE of every sample run alone (its own attention, its images encoded for it alone; Gemma 3:
+    with the processor's ``token_type_ids``, its bidirectional image blocks, unless ``drop_image_blocks``)."""
     previous = model.config._attn_implementation
     model.set_attn_implementation(own_attention(model))
     total, divisor = 0.0, 0.0
@@ -165,6 +196,8 @@ def per_branch_vlm_loss(
             )
             if is_mrope(model.config.model_type):
                 inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
+            if has_bidirectional_images(model.config.model_type) and not drop_image_blocks:
+                inputs["token_type_ids"] = (ids == IMAGE_TOKEN).int()  # as Gemma3Processor writes them
             mask = torch.tensor(loss_masks[b] if loss_masks else [1] * len(seq), dtype=torch.float64)[1:]
             logits = model(input_ids=ids, **inputs).logits[0, :-1]
             total = total + (F.cross_entropy(logits.double(), ids[0, 1:], reduction="none") * mask).sum()
