@@ -110,10 +110,11 @@ def test_depth_first_execution_matches_packed_and_trainer_on_branches(tmp_path):
     assert len(auto_batch["loss_positions"]) > 0  # "auto" packs the trees that fit a row beside them
 
 
-def test_depth_first_refuses_recurrent_hybrids_before_the_first_step(tmp_path):
+def test_depth_first_accepts_recurrent_hybrids(tmp_path):
+    """Recurrent states are carried between units (tests/test_depth_first.py checks them against the branches)."""
     args = TreeTrainingArguments(**common_args(tmp_path, "hybrid", 1, 1), tree_execution="auto")
-    with pytest.raises(ValueError, match=r"tree_execution='depth_first'.*Qwen3NextForCausalLM.*'packed'"):
-        TreeTrainer(model=hybrid_model("qwen3_next"), args=args, train_dataset=tree_dataset(branch_groups()))
+    trainer = TreeTrainer(model=hybrid_model("qwen3_next"), args=args, train_dataset=tree_dataset(branch_groups()))
+    assert trainer.tree_depth_first is not None
 
 
 def test_trees_are_split_across_rows_in_the_equivalence_setting():
