@@ -211,12 +211,45 @@ def test_recurrent_hybrids_match_per_branch(family):
     ref_loss, ref_grads = oracle(model, groups, "token")
     assert relative_error(loss, ref_loss) <= 1e-8
     assert float32_floor_grad_error(grads, ref_grads) <= FLOAT32_FLOOR
+    assert_matches_packed(model, groups, loss, grads)
+
+
+def assert_matches_packed(model, groups, loss: torch.Tensor, grads: dict, normalization: str = "token") -> None:
+    """``loss``/``grads`` of a depth-first run equal the trees packed in one row (the same float64 tree ops; ``A_log``'s
+    gradient passes through the model's float32 exponential: ~2e-7)."""
     model.zero_grad()
     trees = [Tree.from_sequences(s, m) for s, m in groups]
-    packed = tree_causal_lm_loss(model, TreeDataCollator(max_packed_tokens=sum(t.num_tokens for t in trees))(trees))
+    collator = TreeDataCollator(max_packed_tokens=sum(t.num_tokens for t in trees), normalization=normalization)
+    packed = tree_causal_lm_loss(model, collator(trees))
     packed.backward()
     assert relative_error(loss, packed) <= 1e-12
     assert max_grad_relative_error(grads, grads_of(model)) <= 1e-6
+
+
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+def test_recurrent_hybrid_with_gradient_checkpointing(family):
+    """A checkpointed layer's recompute runs its convolution and scan again and records the same entries."""
+    model = recurrent_hybrid(family)
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    groups = branch_groups(seed=7)
+    assert_matches_packed(model, groups, *depth_first(model, groups, "token"))
+
+
+@given(
+    seed=st.integers(0, 2**31),
+    max_unit_tokens=st.integers(1, 24),
+    family=st.sampled_from(["qwen3_5_text", "bamba"]),
+    normalization=st.sampled_from(["token", "sequence"]),
+)
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+def test_recurrent_hybrids_in_random_units_match_packed(seed, max_unit_tokens, family, normalization):
+    """Random forests in any unit size, down to one token (every token a unit, a cached state per token), against
+    the same forest packed."""
+    rng = random.Random(seed)
+    groups = [random_tree_branches(rng, rng.randint(1, 5)) for _ in range(2)]
+    model = recurrent_hybrid(family)
+    assert_matches_packed(model, groups, *depth_first(model, groups, normalization, max_unit_tokens), normalization)
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
