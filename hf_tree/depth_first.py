@@ -9,16 +9,15 @@ The tree is cut into *units* (``plan_units``), each one forward of the model:
   *cache*) while the rest of its subtree runs.
 
 Units run in DFS order (``depth_first_backward``). A unit's queries also see its ancestors' cached keys/values
-(``hf_tree.attention.prefix``; causal convolutions read their cached inputs the same way, and recurrences — gated
-delta rule, Mamba2 scan — start the unit's roots from the state its nearest cached ancestor piece ended with), which
+(``hf_tree.attention.prefix``; causal convolutions read their cached inputs the same way, and recurrences (gated
+delta rule, Mamba2 scan) start the unit's roots from the state its nearest cached ancestor piece ended with), which
 enter its forward as detached leaves, one per cached piece and entry: the unit's backward accumulates their
-gradients in ``.grad``. A
-group is backpropagated right after its forward; a piece once its whole subtree is done, with
-``torch.autograd.backward([hidden, *entries], [dL/dhidden, *entry_leaf.grad])``, so every node's graph is
-backpropagated once and the parameters' ``.grad`` add up to the
-packed (= per-branch) gradient. The loss of a unit is scored right after its forward on detached hidden states, so
-neither logits nor head gradients are held while its subtree runs. Peak activation memory: the pieces of one
-root-to-leaf path, their caches, and one group. Loss weights and divisor are the tree's own (docs/design.md).
+gradients in ``.grad``. A group is backpropagated right after its forward; a piece once its whole subtree is done,
+with ``torch.autograd.backward([hidden, *entries], [dL/dhidden, *entry_leaf.grad])``, so every node's graph is
+backpropagated once and the parameters' ``.grad`` add up to the packed (= per-branch) gradient. The loss of a unit
+is scored right after its forward on detached hidden states, so neither logits nor head gradients are held while its
+subtree runs. Peak activation memory: the pieces of one root-to-leaf path, their caches, and one group. Loss weights
+and divisor are the tree's own (docs/design.md).
 """
 
 from __future__ import annotations
