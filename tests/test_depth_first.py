@@ -260,6 +260,7 @@ def test_dropping_the_carried_state_is_detected(family, monkeypatch):
     groups = branch_groups(seed=6)
     model = recurrent_hybrid(family)
     ref_loss, ref_grads = oracle(model, groups, "token")
+    assert depth_first_module.probe_depth_first(model, model, detect_logit_head(model)) <= 1e-12  # carried: passes
     join = PrefixCache.join
 
     def carried(transform):
@@ -335,6 +336,20 @@ def test_recurrences_continue_the_cached_state_exactly(recurrence):
         torch.autograd.backward([output, state][: len(grads)], grads)
     for x, expected_grad in zip(inputs, expected, strict=True):
         assert relative_error(x.grad, expected_grad) <= 1e-12
+
+
+@pytest.mark.parametrize("recurrence", list(RECURRENCES))
+def test_a_recurrence_without_its_convolution_is_refused(recurrence):
+    """A state is keyed by the convolution its mixer ran just before (the ops get no module), taken once: a second
+    scan, or one with no convolution before it, would read another layer's state and is refused."""
+    op, shapes = RECURRENCES[recurrence]
+    inputs = [torch.randn(1, 3, *shape, dtype=torch.float64) for shape in shapes]
+    kv_end = torch.full((1, 3), 3)
+    prefix = PrefixCache.over({}, torch.zeros(1, 0), kv_end, kv_end)
+    prefix.mixer = 0
+    op(inputs, build_topology(kv_end), prefix)
+    with pytest.raises(ValueError, match="without a causal convolution before it"):
+        op(inputs, build_topology(kv_end), prefix)
 
 
 def test_reentrant_gradient_checkpointing_is_refused():
