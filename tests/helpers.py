@@ -119,6 +119,27 @@ def float64_norms() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def float64_qwen3_5_norms() -> Iterator[None]:
+    """``float64_norms`` for Qwen3.5's RMSNorm (``1 + weight``) and its GatedDeltaNet's gated RMSNorm, which compute
+    in float32 even in a float64 model (their float32 inputs are the same math in the same order)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+
+    def norm(self, x):
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (self._norm(h) * (1.0 + self.weight.to(h.dtype))).type_as(x)
+
+    def gated(self, hidden_states, gate):
+        compute = torch.promote_types(hidden_states.dtype, torch.float32)
+        h = hidden_states.to(compute)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = self.weight * h.to(hidden_states.dtype)
+        return (h * F.silu(gate.to(compute))).to(hidden_states.dtype)
+
+    with replaced([Qwen3_5RMSNorm], "forward", norm), replaced([Qwen3_5RMSNormGated], "forward", gated):
+        yield
+
+
+@contextlib.contextmanager
 def replaced(owners: Sequence[object], name: str, value: object) -> Iterator[None]:
     """Set ``owner.<name> = value`` on every owner (classes or modules) for the block, then restore the originals."""
     originals = [getattr(owner, name) for owner in owners]
