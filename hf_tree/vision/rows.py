@@ -89,7 +89,10 @@ class RowMedia:
                 ``num_images`` or the images, or (mm_)``token_type_ids`` marking other tokens than the image
                 placeholders (videos).
         """
-        given = {k: inputs.pop(k, None) for k in ROW_IMAGE_INPUTS}
+        # token_type_ids mark image tokens only in the vision families; a text model's (GPT-2 adds their embeddings)
+        # stay in ``inputs``, where the tree head refuses them
+        vision_rows = causal_lm_of(model).config.model_type in ROW_FAMILIES
+        given = {k: inputs.pop(k, None) if vision_rows or k != "token_type_ids" else None for k in ROW_IMAGE_INPUTS}
         pixel_values, grid = given["pixel_values"], given["image_grid_thw"]
         if pixel_values is None:
             return None
