@@ -314,8 +314,12 @@ class SharedPromptPolicyMixin:
                 stats.row_tokens += int(columns[-1]) + 1 - start
             predicting.append(hidden.index_select(0, torch.from_numpy(np.concatenate(local)).to(device)))
 
+        # TRL's row order (its kernel's float32 gradients round by the order of the rows it scores)
+        output_index = np.concatenate(output_index)
+        order = np.argsort(output_index, kind="stable")
+        index = torch.from_numpy(output_index[order]).to(device)
         head = causal_lm.get_output_embeddings()
-        hidden = torch.cat(predicting)
+        hidden = torch.cat(predicting).index_select(0, torch.from_numpy(order).to(device))
         autocast = nullcontext()
         if getattr(self.args, "cast_lm_head_to_fp32", False):
             hidden = hidden.float()
@@ -325,7 +329,7 @@ class SharedPromptPolicyMixin:
                 hidden,
                 head.weight,
                 head.bias,
-                torch.from_numpy(np.concatenate(targets)).to(device),
+                torch.from_numpy(np.concatenate(targets)[order]).to(device),
                 self.temperature,
                 VOCAB_CHUNK_SIZE,
                 logit_head.softcap,
@@ -333,7 +337,6 @@ class SharedPromptPolicyMixin:
                 ("log_probs", "entropy"),
             )
         values = dict(zip(FUSED_OUTPUTS, values))
-        index = torch.from_numpy(np.concatenate(output_index)).to(device)
 
         def rows_of(value: torch.Tensor) -> torch.Tensor:
             flat = value.new_zeros(batch_size * (width - 1)).index_copy(0, index, value)
