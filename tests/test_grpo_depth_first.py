@@ -172,6 +172,15 @@ def test_skipping_the_prompt_backward_is_wrong(path, trl_runs, monkeypatch):
     assert error > 1e-3, error
 
 
+def test_pieces_left_from_a_previous_step_are_refused(path, monkeypatch):
+    """Pieces that missed their backward (a training loop without accelerate's sync_gradients on the last
+    micro-batch) would silently drop gradient: the next optimizer step's pass raises instead."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    monkeypatch.setattr(SharedPromptPolicyMixin, "backward_shared_prompts", lambda self: None)
+    with pytest.raises(RuntimeError, match="never backpropagated"):
+        one_step(TreeGRPOTrainer, TreeGRPOConfig, path, False, **CUT, **SHARED)
+
+
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
 def test_rloo_shared_prompts_match_trl(path, monkeypatch, peft):
     """RLOO shares the mixin; it samples its own completions (same seed, same logits: the same ones)."""

@@ -97,6 +97,8 @@ class _Piece:
     """Detached ``requires_grad`` copies that units read; their ``.grad`` accumulate over the micro-batches."""
     positions: torch.Tensor
     """``[1, length]`` depths."""
+    global_step: int
+    """The optimizer step (``Trainer.state.global_step``) whose weights it was computed with."""
 
 
 @dataclass
@@ -266,6 +268,14 @@ class SharedPromptPolicyMixin:
             groups[tuple(ids[row, start:prompt_width].tolist())].append((row, start, columns))
         if not groups:
             return None
+        stale = [p for p in self._shared_pieces.values() if p.global_step != self.state.global_step]
+        if stale:  # backward_shared_prompts did not run on the last micro-batch of the previous optimizer step
+            self._shared_pieces = {}
+            raise RuntimeError(
+                f"{OPTION}: prompt pieces of optimizer step {stale[0].global_step} were never backpropagated (their "
+                "gradient is missing from that step). The trainer's training_step must run on every micro-batch, "
+                "with accelerate's sync_gradients set on the last one, as transformers.Trainer does."
+            )
 
         unwrapped = self.accelerator.unwrap_model(model)
         causal_lm = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
@@ -365,7 +375,7 @@ class SharedPromptPolicyMixin:
             )
         outputs = list(prefix.own.values())
         leaves = {key: t.detach().requires_grad_(t.requires_grad) for key, t in prefix.own.items()}
-        piece = _Piece(length, outputs, leaves, position_ids)
+        piece = _Piece(length, outputs, leaves, position_ids, self.state.global_step)
         self._shared_pieces[prompt] = piece
         self.shared_prompt_stats.pieces += 1
         self.shared_prompt_stats.piece_tokens += length
