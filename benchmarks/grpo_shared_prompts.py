@@ -5,7 +5,9 @@ One prompt of ``--prompt-len`` tokens and ``--generations`` fixed completions of
 (TRL's ``rollout_func`` hook: no sampling), micro-batches of ``--batch`` rows, ``--accumulation`` of them per
 optimizer step, ``num_iterations=1`` and ``beta=0`` (TRL then runs neither an old-policy nor a reference pass: only
 the policy pass is timed). Printed per method: tokens the backbone forwarded with gradients per optimizer step
-(a forward hook) and the median of TRL's logged ``step_time`` over ``--repeats`` steps after one warm-up step.
+(a forward hook) and the median of TRL's logged ``step_time`` over ``--repeats`` steps after one warm-up step;
+with ``--memory``, the peak bytes torch's CPU allocator holds during a separate one-step run (optimizer state
+included, the same for every method).
 
     PYTHONPATH=. python benchmarks/grpo_shared_prompts.py            # 256 + 8 x 32, micro-batches of 2, GA 4
     PYTHONPATH=. python benchmarks/grpo_shared_prompts.py --quick    # smoke test
@@ -44,6 +46,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--vocab", type=int, default=2048)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--checkpointing", action="store_true", help="gradient checkpointing (TRL's default)")
+    parser.add_argument("--memory", action="store_true", help="also a one-step run under the memory profiler")
     args = parser.parse_args()
     if args.quick:
         args.prompt_len, args.completion_len, args.layers, args.hidden, args.vocab, args.repeats = 24, 4, 2, 32, 128, 1
@@ -70,8 +73,8 @@ class Counter:
             self.tokens += ids.numel()
 
 
-def run(method: str, path: str, args: argparse.Namespace) -> tuple[float, float]:
-    """(tokens forwarded with gradients per optimizer step, median step seconds) of ``method``."""
+def run(method: str, path: str, args: argparse.Namespace, steps: int | None = None):
+    """The trainer of ``method`` for ``steps`` optimizer steps (default ``1 + --repeats``), not yet trained."""
     generator = torch.Generator().manual_seed(0)
     prompt = " ".join(f"w{int(i)}" for i in torch.randint(3, args.vocab, (args.prompt_len,), generator=generator))
     completions = torch.randint(3, args.vocab, (args.generations, args.completion_len), generator=generator).tolist()
@@ -81,7 +84,7 @@ def run(method: str, path: str, args: argparse.Namespace) -> tuple[float, float]
         chosen = [completions[i % len(completions)] for i in range(len(ids))]
         return {"prompt_ids": ids, "completion_ids": chosen, "logprobs": None}
 
-    steps = 1 + args.repeats
+    steps = steps or 1 + args.repeats
     common = dict(
         output_dir=f"{path}/out",
         use_cpu=True,
@@ -106,7 +109,7 @@ def run(method: str, path: str, args: argparse.Namespace) -> tuple[float, float]
     else:
         shared = method == "shared"
         config, trainer_class = TreeGRPOConfig(**common, tree_share_across_microbatches=shared), TreeGRPOTrainer
-    trainer = trainer_class(
+    return trainer_class(
         path,
         lambda completions, **_: [0.0] * len(completions),
         config,
@@ -114,11 +117,22 @@ def run(method: str, path: str, args: argparse.Namespace) -> tuple[float, float]
         processing_class=tokenizer(args.vocab),
         rollout_func=rollout,
     )
+
+
+def measure(method: str, path: str, args: argparse.Namespace) -> tuple[float, float, float | None]:
+    """(tokens forwarded with gradients per optimizer step, median step seconds, peak MiB or None)."""
+    trainer = run(method, path, args)
     counter = Counter(trainer.model)
     trainer.train()
     counter.handle.remove()
     times = [entry["step_time"] for entry in trainer.state.log_history if "step_time" in entry]
-    return counter.tokens / steps, statistics.median(times[1:] if len(times) > 1 else times)
+    steps = trainer.state.global_step
+    peak = None
+    if args.memory:
+        from _profiling import cpu_peak_bytes
+
+        peak = cpu_peak_bytes(run(method, path, args, steps=1).train) / 2**20
+    return counter.tokens / steps, statistics.median(times[1:] if len(times) > 1 else times), peak
 
 
 def main() -> None:
@@ -136,16 +150,17 @@ def main() -> None:
     )
     with tempfile.TemporaryDirectory() as path:
         AutoModelForCausalLM.from_config(config, attn_implementation="sdpa").save_pretrained(path)
-        results = {method: run(method, path, args) for method in METHODS}
+        results = {method: measure(method, path, args) for method in METHODS}
     print(
         f"GRPO shared prompts: prompt {args.prompt_len}, {args.generations} completions of {args.completion_len}, "
         f"micro-batches of {args.batch}, GA {args.accumulation}, checkpointing={args.checkpointing}, "
         f"hidden {args.hidden} x {args.layers} layers, vocab {args.vocab}, median of {args.repeats} steps"
     )
-    print("| method | tokens forwarded / step | step s (median) | time / shared |")
-    print("|---|---|---|---|")
-    for method, (tokens, seconds) in results.items():
-        print(f"| {method} | {tokens:.0f} | {seconds:.3f} | {seconds / results['shared'][1]:.2f} |")
+    print("| method | tokens forwarded / step | step s (median) | time / shared | peak MiB (one step) |")
+    print("|---|---|---|---|---|")
+    for method, (tokens, seconds, peak) in results.items():
+        memory = "-" if peak is None else f"{peak:.1f}"
+        print(f"| {method} | {tokens:.0f} | {seconds:.3f} | {seconds / results['shared'][1]:.2f} | {memory} |")
 
 
 if __name__ == "__main__":
