@@ -194,7 +194,7 @@ def test_rloo_shared_prompts_match_trl(path, monkeypatch, peft):
     assert_same_logs(tree, trl)
 
 
-def test_refusals(path, tmp_path):
+def test_refusals(path, tmp_path, monkeypatch):
     setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
     with pytest.raises(ValueError, match="tree_share_across_microbatches.*tree_logprobs"):
         trainer_args(TreeGRPOConfig, path, torch.float64, tree_logprobs=False, **SHARED)
@@ -217,6 +217,11 @@ def test_refusals(path, tmp_path):
             hybrid, zero_reward, trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, **no_ref), **setup
         )
     tree = TreeGRPOTrainer(path, zero_reward, trainer_args(TreeGRPOConfig, path, torch.float64, **SHARED), **setup)
+    with monkeypatch.context() as patch:  # what a 2-process launch or DeepSpeed would set
+        patch.setattr(type(tree.accelerator), "num_processes", property(lambda self: 2))
+        patch.setattr(tree, "is_deepspeed_enabled", True, raising=False)
+        with pytest.raises(ValueError, match="tree_share_across_microbatches.*2 processes.*DeepSpeed"):
+            tree._check_shared_prompts()
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     tree.model.train()  # the policy pass (training, gradients on, entropies)
     with torch.enable_grad(), pytest.raises(ValueError, match="tree_share_across_microbatches.*image"):
