@@ -40,7 +40,7 @@ from accelerate.utils import is_peft_model
 from trl.kernels import ChunkedLogProbFunction
 
 from hf_tree.attention.prefix import PrefixCache
-from hf_tree.depth_first import check_depth_first
+from hf_tree.depth_first import check_depth_first, refuse_for_depth_first
 from hf_tree.models.check import check_model_for_trees, self_check_setting
 from hf_tree.models.head import backbone_of
 from hf_tree.models.length_rope import check_rope_lengths
@@ -156,8 +156,6 @@ class SharedPromptPolicyMixin:
     def _refuse_model(self) -> None:
         """``refuse_for_depth_first`` (recurrent hybrids, MoE router loss, reentrant checkpointing), naming this
         option."""
-        from hf_tree.depth_first import refuse_for_depth_first
-
         try:
             refuse_for_depth_first(self._shared_causal_lm())
         except ValueError as error:
@@ -207,7 +205,7 @@ class SharedPromptPolicyMixin:
         except BaseException:
             self._shared_pieces = {}
             raise
-        if self._shared_pieces and self.accelerator.sync_gradients:
+        if getattr(self, "_shared_pieces", None) and self.accelerator.sync_gradients:
             self.backward_shared_prompts()
         return output
 
