@@ -9,20 +9,20 @@ The tree is cut into *units* (``plan_units``), each one forward of the model:
   *cache*) while the rest of its subtree runs.
 
 Units run in DFS order (``depth_first_backward``). A unit's queries also see its ancestors' cached keys/values
-(``hf_tree.attention.prefix``; causal convolutions read their cached inputs the same way), which enter its forward
-as detached leaves, one per cached piece and entry: the unit's backward accumulates their gradients in ``.grad``. A
-group is backpropagated right after its forward; a piece once its whole subtree is done, with
-``torch.autograd.backward([hidden, *entries], [dL/dhidden, *entry_leaf.grad])``, so every node's graph is
-backpropagated once and the parameters' ``.grad`` add up to the
-packed (= per-branch) gradient. The loss of a unit is scored right after its forward on detached hidden states, so
-neither logits nor head gradients are held while its subtree runs. Peak activation memory: the pieces of one
-root-to-leaf path, their caches, and one group. Loss weights and divisor are the tree's own (docs/design.md).
+(``hf_tree.attention.prefix``; causal convolutions read their cached inputs the same way, and recurrences (gated
+delta rule, Mamba2 scan) start the unit's roots from the state its nearest cached ancestor piece ended with), which
+enter its forward as detached leaves, one per cached piece and entry: the unit's backward accumulates their
+gradients in ``.grad``. A group is backpropagated right after its forward; a piece once its whole subtree is done,
+with ``torch.autograd.backward([hidden, *entries], [dL/dhidden, *entry_leaf.grad])``, so every node's graph is
+backpropagated once and the parameters' ``.grad`` add up to the packed (= per-branch) gradient. The loss of a unit
+is scored right after its forward on detached hidden states, so neither logits nor head gradients are held while its
+subtree runs. Peak activation memory: the pieces of one root-to-leaf path, their caches, and one group. Loss weights
+and divisor are the tree's own (docs/design.md).
 """
 
 from __future__ import annotations
 
 import functools
-import sys
 import weakref
 from collections.abc import Callable, Hashable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,16 +35,12 @@ from hf_tree.attention.prefix import PrefixCache
 from hf_tree.loss import checked_tree_model, divide_by_items, score_hidden_states, tree_causal_lm_loss
 from hf_tree.models.check import self_check_enabled
 from hf_tree.models.head import LogitHead, capture_last_hidden_state, eval_mode_no_grad, probe_ids
-from hf_tree.models.mixers import TREE_MIXER_MODULES
 from hf_tree.models.probe import bound, token_difference
 from hf_tree.models.router_loss import router_aux_loss_coef
 from hf_tree.packing import Normalization, pack_trees, tree_divisor
 from hf_tree.tree import Tree
 
 OPTION = "tree_execution='depth_first'"
-# hf_tree.models.mixers ops that run a recurrence (a state across node boundaries): models whose modeling module has
-# one are refused; the causal convolutions are carried (``hf_tree.models.mixers.conv``).
-RECURRENT_OPS = ("torch_chunk_gated_delta_rule", "mamba2_chunk_scan")
 
 
 @dataclass(frozen=True)
@@ -174,8 +170,8 @@ class _Pending:
     cache_keys: list[Hashable] = field(default_factory=list)
     """The ``PrefixCache`` key of each cached entry (pieces)."""
     cache_leaves: list[torch.Tensor] = field(default_factory=list)
-    """Detached ``requires_grad`` views of the entries descendants read (keys/values, convolution inputs), in the
-    order of ``cache_keys``."""
+    """Detached ``requires_grad`` views of the entries descendants read (keys/values, convolution inputs, recurrent
+    states), in the order of ``cache_keys``."""
 
     def backward(self) -> None:
         grads = self.output_grads[:1] + [leaf.grad for leaf in self.cache_leaves]
@@ -188,10 +184,9 @@ class _Pending:
 def refuse_for_depth_first(causal_lm: PreTrainedModel) -> None:
     """``ValueError`` (naming the model and the option) for models depth-first execution would train wrongly.
 
-    An MoE router load-balancing loss is a mean over the whole micro-batch. Hybrids with recurrent mixers (gated
-    delta rule, Mamba2 SSD) carry a state across a node boundary, which a unit forwarded alone does not receive
-    (attention keys/values and convolution inputs are cached; LFM2's convolutions train); reentrant gradient
-    checkpointing would cut the cache out of the autograd graph.
+    An MoE router load-balancing loss is a mean over the whole micro-batch; reentrant gradient checkpointing would cut
+    the cache out of the autograd graph. (Hybrids train: convolution inputs and recurrent states are carried between
+    units like attention keys/values, ``hf_tree.models.mixers``.)
     """
     coef = router_aux_loss_coef(causal_lm)
     if coef:  # a mean over all the micro-batch's tokens at once; the units run and backpropagate one by one
@@ -199,20 +194,6 @@ def refuse_for_depth_first(causal_lm: PreTrainedModel) -> None:
             f"{OPTION} does not support an MoE router load-balancing loss (router_aux_loss_coef={coef}): it is a "
             "product of means over every token of the micro-batch. Set router_aux_loss_coef=0.0, or "
             "tree_execution='packed'."
-        )
-    modeling = {type(module).__module__ for module in causal_lm.modules()}
-    recurrent = sorted(
-        name.rsplit(".modeling_", 1)[-1]
-        for name in modeling
-        if any(name.endswith(f".modeling_{family}") for family in TREE_MIXER_MODULES)
-        and any(hasattr(sys.modules[name], op) for op in RECURRENT_OPS)
-    )
-    if recurrent:
-        raise ValueError(
-            f"{OPTION} does not support {type(causal_lm).__name__} (hybrid {recurrent[0]!r} with recurrent mixers): a "
-            "recurrent state crosses node boundaries, and only attention keys/values and convolution inputs are "
-            "carried between units. Use tree_execution='packed' (trees larger than a row are then split by their "
-            "branches)."
         )
     for module in causal_lm.modules():
         checkpoint_func = getattr(module, "_gradient_checkpointing_func", None)
@@ -342,7 +323,8 @@ def probe_depth_first(model: torch.nn.Module, causal_lm: PreTrainedModel, logit_
 
     Raises:
         ValueError: naming the model and the option when a hidden state differs beyond rounding (e.g. a token mixer
-            that reads context outside the attention keys/values and convolution inputs carried between units).
+            that reads context outside the attention keys/values, convolution inputs and recurrent states carried
+            between units).
     """
     device = next(causal_lm.parameters()).device
     ids = probe_ids(causal_lm.config.get_text_config().vocab_size, 28, seed=3, device=torch.device("cpu")).tolist()
@@ -383,8 +365,9 @@ def probe_depth_first(model: torch.nn.Module, causal_lm: PreTrainedModel, logit_
             f"{OPTION} is not exact for {type(causal_lm).__name__}: a 4-branch probe tree run depth-first (units of "
             f"{PROBE_UNIT_TOKENS} tokens) differs from the same tree packed by up to {difference:.2e} per token "
             f"(relative; bound {allowed:.1e} for {dtype}): something in the model reads context other than the "
-            "attention keys/values and convolution inputs carried between units. Use tree_execution='packed'. If you "
-            "know better, opt out with self_check=False / tree_self_check=False / HF_TREE_SELF_CHECK=0."
+            "attention keys/values, convolution inputs and recurrent states carried between units. Use "
+            "tree_execution='packed'. If you know better, opt out with self_check=False / tree_self_check=False / "
+            "HF_TREE_SELF_CHECK=0."
         )
     return difference
 
@@ -395,7 +378,7 @@ def _prefix_of(
     """The cache a unit (``kv_end``, ``position_ids`` ``[1, N]``) reads: the entries of every piece on the stack (its
     ancestors), in order."""
     keys = stack[0].cache_keys if stack else []
-    cached = {key: torch.cat([p.cache_leaves[i] for p in stack], dim=2) for i, key in enumerate(keys)}
+    cached = {key: PrefixCache.join(key, [p.cache_leaves[i] for p in stack]) for i, key in enumerate(keys)}
     positions = [arrays.position_ids[p.unit.start : p.unit.end] for p in stack]
     prefix_positions = torch.cat([position_ids[0, :0], *positions])[None]
     return PrefixCache.over(cached, prefix_positions, kv_end, position_ids)

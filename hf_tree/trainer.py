@@ -237,7 +237,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
 
         Raises:
             ValueError: naming ``tree_execution`` and the fix, on several processes (DDP/FSDP), under context
-                parallel or DeepSpeed, with fp16 loss scaling, reentrant gradient checkpointing or a recurrent hybrid.
+                parallel or DeepSpeed, with fp16 loss scaling, reentrant gradient checkpointing or an MoE router loss.
         """
         packing = getattr(self.data_collator, "packing", None)
         if packing is None or packing.tree_execution == "packed":

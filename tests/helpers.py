@@ -80,7 +80,8 @@ def tiny_model(
 @contextlib.contextmanager
 def float64_norms() -> Iterator[None]:
     """HF's RMSNorm upcasts to float32 even in a float64 model, which rounds a shared token's gradient
-    differently in a tree than per branch (~1e-7). Keep float64 in both models for 1e-9 tests."""
+    differently in a tree than per branch (~1e-7). Keep float64 in both models for 1e-9 tests (Gemma 3's too)."""
+    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
     from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from transformers.models.mistral.modeling_mistral import MistralRMSNorm
@@ -106,7 +107,35 @@ def float64_norms() -> Iterator[None]:
         Qwen2_5_VLRMSNorm,
         Qwen3VLTextRMSNorm,
     )
-    with replaced(classes, "forward", forward):
+
+    def gemma3_forward(self, x):  # Gemma 3 scales by (1 + weight), in float32 upstream
+        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
+        h = x.to(compute)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.to(compute))).type_as(x)
+
+    with replaced(classes, "forward", forward), replaced((Gemma3RMSNorm,), "forward", gemma3_forward):
+        yield
+
+
+@contextlib.contextmanager
+def float64_qwen3_5_norms() -> Iterator[None]:
+    """``float64_norms`` for Qwen3.5's RMSNorm (``1 + weight``) and its GatedDeltaNet's gated RMSNorm, which compute
+    in float32 even in a float64 model (their float32 inputs are the same math in the same order)."""
+    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
+
+    def norm(self, x):
+        h = x.to(torch.promote_types(x.dtype, torch.float32))
+        return (self._norm(h) * (1.0 + self.weight.to(h.dtype))).type_as(x)
+
+    def gated(self, hidden_states, gate):
+        compute = torch.promote_types(hidden_states.dtype, torch.float32)
+        h = hidden_states.to(compute)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        h = self.weight * h.to(hidden_states.dtype)
+        return (h * F.silu(gate.to(compute))).to(hidden_states.dtype)
+
+    with replaced([Qwen3_5RMSNorm], "forward", norm), replaced([Qwen3_5RMSNormGated], "forward", gated):
         yield
 
 

@@ -32,7 +32,7 @@ def test_tree_rows_are_recognised_by_every_to_dict_key():
 
 
 def test_builtin_names_and_the_old_launcher_spelling():
-    assert [builtin_name(name) for name in BUILTIN_DATASETS] == ["champ", "bfcl", "synthetic-agent"]
+    assert [builtin_name(name) for name in BUILTIN_DATASETS] == ["champ", "bfcl", "synthetic-agent", "shapes"]
     assert builtin_name("synthetic:agent") == "synthetic-agent" and BUILTIN_ALIASES
     assert builtin_name("data.jsonl") is None
     with pytest.raises(ValueError, match=r"unknown built-in dataset 'builtin:synthetic'.*builtin:synthetic-agent"):
@@ -47,7 +47,7 @@ def test_builtin_names_and_the_old_launcher_spelling():
 
 
 def test_chat_template_lookup():
-    assert [default_chat_template(name) for name in BUILTIN_DATASETS] == [None, "qwen3", "qwen3"]
+    assert [default_chat_template(name) for name in BUILTIN_DATASETS] == [None, "qwen3", "qwen3", None]
     assert default_chat_template("synthetic:agent") == "qwen3" and default_chat_template("data.jsonl") is None
     path = chat_template_file("qwen3")
     assert path.endswith("qwen3.jinja") and chat_template_file(path) == path

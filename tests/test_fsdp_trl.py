@@ -1,11 +1,11 @@
 """The TRL tree trainers under ``accelerate launch`` with an FSDP2 config on 2 CPU processes (gloo), issue 26 item 5.
 
 The file is also the launched worker (``__main__``): it trains one optimizer step of ``TreeGRPOTrainer`` (fixed
-completions through TRL's ``rollout_func``), ``TreeRLOOTrainer`` (sampled completions) or ``TreeDPOTrainer``, full (``fsdp2_full.json``) or LoRA
-(``fsdp2_lora.json``), saves the final model with ``save_model``, and reports the trained parameters (full tensors)
-and whether they were sharded. Oracle: TRL's own trainer in the same launch with only the class swapped (the tree
-passes change how log-probs are computed, nothing else), and the saved files: they hold, and reload to, exactly the
-parameters that were trained.
+completions through TRL's ``rollout_func``), ``TreeRLOOTrainer`` (sampled completions) or ``TreeDPOTrainer``, full
+(``fsdp2_full.json``) or LoRA (``fsdp2_lora.json``), saves the final model with ``save_model``, and reports the
+trained parameters (full tensors) and whether they were sharded. Oracle: TRL's own trainer in the same launch with
+only the class swapped (the tree passes change how log-probs are computed, nothing else), and the saved files: they
+hold, and reload to, exactly the parameters that were trained.
 """
 
 from __future__ import annotations

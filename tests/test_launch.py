@@ -293,3 +293,38 @@ def test_builtin_datasets_and_their_template_in_the_launcher():
         ["--model_name_or_path", "some/model", "--dataset_name", "x.jsonl"]
     )
     assert train.default_chat_template_path(model_args, data_args) is None  # the model's own template
+
+
+def test_vision_language_model_on_builtin_shapes(tmp_path, monkeypatch):
+    """A vision-language checkpoint (LLaVA, saved with its processor) on the offline image questions: the launcher
+    loads the model and processor, builds one tree per image (``--group_by image_id``), each image stored once,
+    trains and saves the adapter. The text builders refuse the image rows instead of dropping their images."""
+    pytest.importorskip("PIL.Image")  # hf_tree[vision]
+    from hf_tree.data.sources import load_tree_rows
+    from hf_tree.vision.media_tree import MediaTree
+    from tests.vision_models import llava_processor, tiny_vlm
+
+    path = tmp_path / "llava"
+    tiny_vlm("llava", dtype=torch.float32, attn="sdpa").save_pretrained(path)
+    llava_processor().save_pretrained(path)
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(path), "--dataset_name", "builtin:shapes", "--group_by", "image_id"]
+    argv += ["--max_train_samples", "8", "--max_steps", "2", "--per_device_train_batch_size", "1", "--use_peft"]
+    argv += ["--output_dir", str(out), "--report_to", "none", "--save_strategy", "no", "--max_packed_tokens", "512"]
+    captured = {}
+    original = train.TreeSFTTrainer.train
+
+    def keep_trainer(trainer, *args, **kwargs):  # the trainer main() builds, to inspect its dataset
+        captured["trainer"] = trainer
+        return original(trainer, *args, **kwargs)
+
+    monkeypatch.setattr(train.TreeSFTTrainer, "train", keep_trainer)
+    summary = train.main(argv)
+    rows = train.load_split(train.parse_arguments(argv)[1], "train").select(range(8))
+    trees = [MediaTree.from_dict(row) for row in captured["trainer"].train_dataset]
+    assert len(trees) == len(set(rows["image_id"])) and all(len(tree.media) == 1 for tree in trees)
+    assert sum(tree.tree.num_branches for tree in trees) == len(rows)  # every row trained
+    assert torch.isfinite(torch.tensor(summary["train_loss"]))
+    assert PeftModel.from_pretrained(tiny_vlm("llava", dtype=torch.float32), out) is not None
+    with pytest.raises(ValueError, match="image rows"):
+        load_tree_rows("builtin:shapes", load_smollm2_tokenizer, limit=1)

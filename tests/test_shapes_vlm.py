@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from hf_tree.data.shapes_vlm import COLORS, check_answer, draw_shapes, shapes_dataset
+from hf_tree.data.shapes_vlm import COLORS, check_answer, draw_shapes, shapes_dataset, shapes_sft_dataset
 from hf_tree.vision import MediaTree, MediaTreeCollator, tree_vision_lm_loss
 from tests.helpers import float64_norms, relative_error
 from tests.vision_models import IMAGE_TOKEN, float64_vision_rotary, per_branch_vlm_loss, placeholders, tiny_vlm
@@ -24,6 +24,15 @@ def test_shapes_are_seeded_and_answers_match_the_drawing():
     top = shapes[-1]  # drawn last, so its centre shows its colour
     assert image.getpixel(top.center) == COLORS[top.color]
     assert check_answer(" Red. ", "red") and not check_answer("", "red") and not check_answer("2 red", "red")
+
+
+def test_sft_rows_are_the_questions_with_their_answers():
+    prompts, conversations = shapes_dataset(2, seed=5), shapes_sft_dataset(2, seed=5)
+    assert conversations["image_id"] == prompts["image_id"]
+    for prompt, conversation in zip(prompts, conversations, strict=True):
+        user, assistant = conversation["messages"]
+        assert user == prompt["prompt"][0] and assistant["content"][0]["text"] == prompt["answer"]
+        assert list(conversation["images"][0].getdata()) == list(prompt["image"].getdata())
 
 
 def test_one_image_questions_as_a_tree_equal_per_question_training():

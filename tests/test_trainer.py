@@ -20,6 +20,7 @@ from tests.helpers import (
     collate_branches,
     common_args,
     float64_norms,
+    float64_qwen3_5_norms,
     hybrid_model,
     per_branch_loss,
     relative_error,
@@ -110,10 +111,23 @@ def test_depth_first_execution_matches_packed_and_trainer_on_branches(tmp_path):
     assert len(auto_batch["loss_positions"]) > 0  # "auto" packs the trees that fit a row beside them
 
 
-def test_depth_first_refuses_recurrent_hybrids_before_the_first_step(tmp_path):
-    args = TreeTrainingArguments(**common_args(tmp_path, "hybrid", 1, 1), tree_execution="auto")
-    with pytest.raises(ValueError, match=r"tree_execution='depth_first'.*Qwen3NextForCausalLM.*'packed'"):
-        TreeTrainer(model=hybrid_model("qwen3_next"), args=args, train_dataset=tree_dataset(branch_groups()))
+def test_depth_first_trains_a_recurrent_hybrid_as_packed(tmp_path):
+    """Qwen3.5 (GatedDeltaNet, its states carried between units; tests/test_depth_first.py checks them against the
+    branches): three SGD steps with every tree depth-first in units of 12 tokens equal the packed TreeTrainer (rows
+    of 24, trees split)."""
+    groups, models = branch_groups(), {}
+    for execution, max_packed_tokens in (("packed", 24), ("depth_first", 12)):
+        models[execution] = hybrid_model("qwen3_5_text")
+        args = TreeTrainingArguments(
+            **common_args(tmp_path, execution, 2, 1),
+            max_packed_tokens=max_packed_tokens,
+            max_branch_tokens=24,
+            tree_execution=execution,
+        )
+        with float64_qwen3_5_norms():  # float32 norms would round each run differently (~1e-7)
+            TreeTrainer(model=models[execution], args=args, train_dataset=tree_dataset(groups)).train()
+    assert max_param_relative_error(models["packed"], hybrid_model("qwen3_5_text")) > 1e-3
+    assert max_param_relative_error(models["depth_first"], models["packed"]) <= TOLERANCE
 
 
 def test_trees_are_split_across_rows_in_the_equivalence_setting():

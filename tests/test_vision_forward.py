@@ -3,15 +3,22 @@
 Loss and every gradient (vision tower, projector, language model; LoRA on both) against the same model run on each
 sample alone with its own attention (tests/vision_models.py), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL (mRoPE positions
 from the model's ``get_rope_index`` per branch, deepstack features), Qwen3.5 (GatedDeltaNet hybrid), LLaVA and
-Idefics3/SmolVLM (1-D positions).
+Idefics3/SmolVLM (1-D positions) and Gemma 3 (its image tokens attend to each other both ways: the tree mask plus
+the ``bidirectional_block`` overlay, also under its sliding-window layers).
 """
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
-from hf_tree.vision import MediaTree, MediaTreeCollator, tree_vision_lm_loss, vision_family
+from hf_tree import Tree
+from hf_tree.attention import set_attention_backend
+from hf_tree.loss import tree_causal_lm_loss
+from hf_tree.vision import MediaTree, MediaTreeCollator, tree_vision_lm_loss, vision_family, vision_model_inputs
+from hf_tree.vision.media_tree import MEDIA_TOKEN_BASE
 from tests.helpers import (
     FLOAT32_FLOOR,
     float32_floor_grad_error,
@@ -118,13 +125,10 @@ def test_each_image_encoded_once_per_batch():
 
 
 def test_refused_models_and_inputs():
-    gemma = pytest.importorskip("transformers").Gemma3ForConditionalGeneration
-    config = pytest.importorskip("transformers").Gemma3Config(
-        text_config=dict(vocab_size=64, hidden_size=16, intermediate_size=16, num_hidden_layers=1, head_dim=8),
-        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2),
-    )
-    with pytest.raises(ValueError, match="Gemma3ForConditionalGeneration.*bidirectionally"):
-        vision_family(gemma(config))
+    paligemma = torch.nn.Module()
+    paligemma.config = types.SimpleNamespace(model_type="paligemma")
+    with pytest.raises(ValueError, match="model_type='paligemma'.*bidirectionally"):
+        vision_family(paligemma)
     model = tiny_vlm("qwen2_vl")
     batch, _ = tree_batch("qwen2_vl")
     batch["image_inputs"]["image_sizes"] = torch.tensor([[4, 4], [4, 8]])
@@ -132,6 +136,21 @@ def test_refused_models_and_inputs():
         tree_vision_lm_loss(model, batch)
     with pytest.raises(ValueError, match="overlong='truncate'"):
         MediaTreeCollator(max_packed_tokens=64, max_branch_tokens=8, overlong="truncate")
+
+
+def test_sharded_model_is_refused_before_encoding_images(tmp_path):
+    """FSDP2 (here one gloo process, ``fully_shard``): the images would be encoded outside FSDP's gathering."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rendezvous'}", rank=0, world_size=1)
+    try:
+        model = fully_shard(tiny_vlm("qwen2_vl"))
+        batch, _ = tree_batch("qwen2_vl")
+        with pytest.raises(ValueError, match=r"sharded \(FSDP2\): image trees encode their images before"):
+            tree_vision_lm_loss(model, batch)
+    finally:
+        dist.destroy_process_group()
 
 
 def test_activation_checkpointing_recomputes_the_same_tree():
@@ -145,3 +164,94 @@ def test_activation_checkpointing_recomputes_the_same_tree():
     ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
     assert relative_error(loss, ref) < TOLERANCE
     assert max_grad_relative_error(grads, ref_grads) < TOLERANCE
+
+
+def gemma3_samples() -> tuple[list[list[int]], list[list[dict]], list[list[int]]]:
+    """Gemma 3 trees: a shared image prompt (begin/end-of-image wrapped) with three completions, two of which show a
+    second image in their own nodes (the nodes fork at the first image token, so each starts with an image block);
+    unwrapped runs at node boundaries (a branch ending on an image that another continues, a node that starts with
+    an image right after the shared text, a leaf ending on an image packed right before a sibling starting with
+    another: adjacent in the row, two blocks)."""
+    first, second = tiny_image("gemma3", 1), tiny_image("gemma3", 2)
+    a, b = placeholders("gemma3", first), placeholders("gemma3", second)
+    raw = [IMAGE_TOKEN] * 4
+    sequences = [
+        [1, 2, *a, 5, 6, 7, 8],
+        [1, 2, *a, 5, 9, *b, 10, 11],
+        [1, 2, *a, 5, 9, *a, 12],
+        [3, 4, *raw, 6, 7],
+        [3, 4, *raw],
+        [3, 4, *raw, 8],
+        [3, 4, 9, *raw, 8],
+        [7, *raw],
+        [7, *raw, 8],
+    ]
+    images = [[first], [first, second], [first, first], [first], [first], [second], [second], [first], [second]]
+    masks = [[0] + [1] * (len(s) - 1) for s in sequences]
+    return sequences, images, masks
+
+
+def gemma3_batch() -> tuple[dict, tuple]:
+    sequences, images, masks = gemma3_samples()
+    trees = [
+        MediaTree.from_samples(sequences[:3], images[:3], IMAGE_TOKEN, masks[:3]),
+        MediaTree.from_samples(sequences[3:], images[3:], IMAGE_TOKEN, masks[3:]),
+    ]
+    return MediaTreeCollator(max_packed_tokens=40)(trees), (sequences, images, masks)
+
+
+@pytest.mark.parametrize("engine", ["cpu", "blocked", "reference"])
+def test_gemma3_bidirectional_image_blocks_equal_per_branch(engine):
+    """The tree mask plus Gemma 3's image blocks (global and 3-token sliding layers) = each branch alone with its
+    own sdpa attention and the processor's token_type_ids; loss and every gradient, vision tower included."""
+    model = tiny_vlm("gemma3")
+    batch, (sequences, images, masks) = gemma3_batch()
+    assert batch["input_ids"].shape[0] == 2
+    blocks = vision_model_inputs(model, batch)["bidirectional_block"]
+    assert torch.equal(blocks >= 0, batch["media_ids"] >= 0)
+    assert (blocks.amax(1) >= 2).all()  # three blocks or more in each row (one per image run)
+    adjacent = (blocks[:, 1:] >= 0) & (blocks[:, :-1] >= 0)
+    assert (adjacent & (blocks[:, 1:] != blocks[:, :-1])).any()  # sibling images side by side: two blocks
+    set_attention_backend(engine)
+    try:
+        loss, grads = loss_and_grads(model, lambda: tree_vision_lm_loss(model, batch))
+    finally:
+        set_attention_backend(None)
+    ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
+    assert any("vision_tower" in n and g.abs().max() > 0 for n, g in grads.items())
+    assert relative_error(loss, ref) < TOLERANCE
+    assert max_grad_relative_error(grads, ref_grads) < TOLERANCE
+
+
+def test_gemma3_without_the_overlay_is_wrong():
+    """The overlay is needed: dropping it from the tree (or token_type_ids from the branches) moves the gradients far
+    beyond rounding."""
+    model = tiny_vlm("gemma3")
+    batch, (sequences, images, masks) = gemma3_batch()
+
+    def without_overlay():
+        inputs = vision_model_inputs(model, batch)
+        del inputs["bidirectional_block"]
+        return tree_causal_lm_loss(model, batch, model_inputs=inputs)
+
+    loss, grads = loss_and_grads(model, without_overlay)
+    ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
+    assert max(relative_error(loss, ref), max_grad_relative_error(grads, ref_grads)) > 1e-3
+    assert max_grad_relative_error(grads, ref_grads) > 1e-3
+    causal, causal_grads = loss_and_grads(
+        model, lambda: per_branch_vlm_loss(model, sequences, images, masks, drop_image_blocks=True)
+    )
+    assert relative_error(causal, loss) < TOLERANCE  # the causal tree is the causal branches: the overlay is the gap
+    assert max_grad_relative_error(causal_grads, grads) < TOLERANCE
+
+
+def test_image_run_split_between_nodes_is_refused():
+    """A trie whose node boundary cuts an image run (not what MediaTree.from_samples builds) is refused by name."""
+    model = tiny_vlm("gemma3")
+    m = MEDIA_TOKEN_BASE
+    merged = Tree.from_sequences([[1, 2, m, m, m, m, 5], [1, 2, m, m, m, m, 6]])
+    assert merged.node_tokens == [[1, 2, m, m, m, m], [5], [6]]
+    cut = Tree([[1, 2, m, m], [m, m, 5], [m, m, 6]], [-1, 0, 0], merged.branch_end_nodes, merged.branch_loss_spans)
+    batch = MediaTreeCollator(max_packed_tokens=16)([MediaTree(cut, IMAGE_TOKEN, [tiny_image("gemma3", 1)])])
+    with pytest.raises(ValueError, match=r"packed row 0: the image tokens from token 4 on continue .*split between"):
+        tree_vision_lm_loss(model, batch)

@@ -131,7 +131,8 @@ def test_unsupported_image_inputs_raise(trainers):
         )
 
 
-def test_vision_sft_step_matches_trl(tmp_path):
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_vision_sft_step_matches_trl(tmp_path, family):
     """TreeSFTTrainer on TRL's vision rows (``messages`` + ``images``, grouped into one tree by a column: the same
     question about two images forks at the image) = TRL's SFTTrainer (which tokenizes in its vision collator): one SGD
     step, same loss and updates, on a LLaVA with a real processor."""
@@ -140,7 +141,7 @@ def test_vision_sft_step_matches_trl(tmp_path):
 
     from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
     from tests.helpers import exact_sgd_args, train_and_measure_updates
-    from tests.vision_models import llava_processor
+    from tests.vision_models import PROCESSORS
 
     red, blue = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
 
@@ -150,15 +151,15 @@ def test_vision_sft_step_matches_trl(tmp_path):
     rows = [(red, chat("w5 w6", "w7 w8")), (red, chat("w5 w6", "w9")), (blue, chat("w5 w6", "w7 w8"))]
     rows.append((red, chat("w10", "w11 w12 w13")))
     dataset = Dataset.from_dict({"messages": [r[1] for r in rows], "images": [[r[0]] for r in rows], "group": [0] * 4})
-    path = str(tmp_path / "llava")
-    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    path = str(tmp_path / family)
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
     settings = dict(max_steps=1, learning_rate=1.0, per_device_train_batch_size=4, use_cpu=True, bf16=False)
     settings |= dict(model_init_kwargs={"dtype": torch.float64}, max_length=None, shuffle_dataset=False)
     trl = SFTTrainer(
         path,
         args=SFTConfig(**exact_sgd_args(str(tmp_path / "trl"), **settings)),
         train_dataset=dataset,
-        processing_class=llava_processor(),
+        processing_class=PROCESSORS[family](),
     )
     tree = TreeSFTTrainer(
         path,
@@ -166,7 +167,7 @@ def test_vision_sft_step_matches_trl(tmp_path):
             **exact_sgd_args(str(tmp_path / "tree"), **settings), max_packed_tokens=64, group_by="group"
         ),
         train_dataset=dataset,
-        processing_class=llava_processor(),
+        processing_class=PROCESSORS[family](),
     )
     assert len(tree.train_dataset) == 1 and len(tree.train_dataset[0]["media"]) == 2  # one tree, each image once
     trl_updates, tree_updates = train_and_measure_updates(trl), train_and_measure_updates(tree)
@@ -194,15 +195,15 @@ def test_vision_sft_refusals(tmp_path):
         TreeSFTTrainer(tiny_vlm("llava"), args=args, train_dataset=prompts, processing_class=llava_processor())
 
 
-def test_tree_trainer_step_on_image_trees_equals_per_branch_sgd(tmp_path):
+@pytest.mark.parametrize("family", ["qwen2_vl", "gemma3"])
+def test_tree_trainer_step_on_image_trees_equals_per_branch_sgd(tmp_path, family):
     """``TreeTrainer`` with ``MediaTreeCollator`` on ``MediaTree.to_dict()`` rows: one SGD step moves every parameter
-    (vision tower included) as the per-sample loss's gradient does."""
+    (vision tower included) as the per-sample loss's gradient does (Gemma 3: with its bidirectional image blocks)."""
     from hf_tree import TreeTrainer, TreeTrainingArguments
     from hf_tree.vision import MediaTree, MediaTreeCollator
     from tests.helpers import exact_sgd_args, grads_of
     from tests.vision_models import per_branch_vlm_loss
 
-    family = "qwen2_vl"
     first, second = tiny_image(family, 1), tiny_image(family, 2)
     a, b = placeholders(family, first), placeholders(family, second)
     sequences = [[1, 2, *a, 5, 6, 7], [1, 2, *a, 5, 8], [1, 2, *b, 5, 6, 7]]
@@ -230,7 +231,7 @@ def test_tree_trainer_step_on_image_trees_equals_per_branch_sgd(tmp_path):
     with float64_norms(), float64_vision_rotary():
         trainer.train()
     updates = {n: p.detach() - before[n] for n, p in model.named_parameters() if n in expected}
-    assert any("visual" in n for n in updates)
+    assert any("visual" in n or "vision_tower" in n for n in updates)
     assert max_grad_relative_error(updates, expected) <= 1e-9
 
 
@@ -248,40 +249,54 @@ def image_rollout(prompts: list, trainer) -> dict:
     return output
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-def test_one_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, peft):
-    """One optimizer step of TreeGRPOTrainer = TRL's GRPOTrainer on a LLaVA with a real processor: two prompts with the
-    same text and different images (they must not merge), old-policy, reference and policy passes (2 micro-batches,
-    2 iterations per generation), SGD without clipping."""
+@pytest.mark.parametrize(
+    "trainer, peft, family",
+    [("grpo", False, "llava"), ("grpo", True, "llava"), ("rloo", False, "llava"), ("grpo", False, "gemma3")],
+    ids=["grpo", "grpo-lora", "rloo", "grpo-gemma3"],
+)
+def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, peft, family):
+    """One optimizer step of TreeGRPOTrainer (TreeRLOOTrainer) = TRL's GRPOTrainer (RLOOTrainer) on a LLaVA (Gemma 3:
+    bidirectional image blocks, ``token_type_ids``) with a real processor: two prompts with the same text and
+    different images (they must not merge), old-policy, reference and policy passes (2 micro-batches, 2 iterations
+    per generation), SGD without clipping. GRPO's completions are fixed (``rollout_func``); RLOO has no such hook and
+    samples (the same seed and weights give both the same)."""
     from peft import LoraConfig
+    from trl import RLOOConfig, RLOOTrainer
+
+    from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer
 
     Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
 
     from tests.helpers import train_and_measure_updates, varied_reward
-    from tests.vision_models import llava_processor
+    from tests.vision_models import PROCESSORS
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    path = str(tmp_path / "llava")
-    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    path = str(tmp_path / family)
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
     question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w5 w6 w7"}]}]
     images = [Image.new("RGB", (8, 8), colour) for colour in ((200, 30, 30), (30, 30, 200))]
     dataset = Dataset.from_dict({"prompt": [question, question], "image": images})
+    classes = {
+        "grpo": ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)),
+        "rloo": ((RLOOTrainer, RLOOConfig), (TreeRLOOTrainer, TreeRLOOConfig)),
+    }[trainer]
     results = []
-    for cls, config in ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)):
+    for cls, config in classes:
         args = trainer_args(
             config, path, torch.float64, gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0
         )
-        trainer = cls(
+        run = cls(
             path,
             varied_reward,
             args,
             train_dataset=dataset,
-            processing_class=llava_processor(),
-            rollout_func=image_rollout,
+            processing_class=PROCESSORS[family](),
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
+            **({"rollout_func": image_rollout} if trainer == "grpo" else {}),
         )
-        results.append((trainer, train_and_measure_updates(trainer)))
+        results.append((run, train_and_measure_updates(run)))
     (trl, trl_updates), (tree, tree_updates) = results
+    assert "tree/dedup_ratio" in tree.state.log_history[0]  # the policy pass ran on trees
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
     assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
     # CLIP's k_proj biases have a zero true gradient (softmax is shift-invariant): their ~1e-19 updates are rounding
@@ -290,16 +305,22 @@ def test_one_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, peft)
     assert any("vision_tower" in n for n in tree_updates) or peft
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full-ref_model", "lora"])
-def test_one_dpo_step_on_image_prompts_matches_trl(tmp_path, peft):
-    """One SGD step of TreeDPOTrainer = TRL's DPOTrainer on a LLaVA with a real processor: chosen and rejected share
-    their image prompt (one tree each), the same question about another image must not merge with it."""
+@pytest.mark.parametrize(
+    "trainer, peft, family",
+    [("dpo", False, "llava"), ("dpo", True, "llava"), ("kto", False, "llava"), ("dpo", False, "gemma3")],
+    ids=["dpo-full-ref_model", "dpo-lora", "kto", "dpo-gemma3"],
+)
+def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, peft, family):
+    """One SGD step of TreeDPOTrainer (TreeKTOTrainer) = TRL's DPOTrainer (KTOTrainer) on a LLaVA with a real
+    processor: chosen and rejected (KTO: completions of one prompt and image) share their image prompt, the same
+    question about another image must not merge with it. KTO's KL pass (mismatched pairs) runs on trees too."""
     from peft import LoraConfig
-    from trl import DPOConfig, DPOTrainer
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
     from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
+    from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
     from tests.helpers import tiny_trl_config, train_and_measure_updates
-    from tests.vision_models import llava_processor
+    from tests.vision_models import PROCESSORS
 
     Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
     red, blue = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
@@ -312,30 +333,30 @@ def test_one_dpo_step_on_image_prompts_matches_trl(tmp_path, peft):
 
     rows = [(red, "w5 w6", "w7 w8", "w9"), (blue, "w5 w6", "w7 w8", "w9 w10"), (red, "w11", "w12 w13 w14", "w12")]
     rows.append((red, "w5 w6", "w7 w8", "w15"))
-    dataset = Dataset.from_dict(
-        {
-            "prompt": [question(r[1]) for r in rows],
-            "chosen": [answer(r[2]) for r in rows],
-            "rejected": [answer(r[3]) for r in rows],
-            "image": [r[0] for r in rows],
-        }
-    )
-    path = str(tmp_path / "llava")
-    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    if trainer == "dpo":
+        columns = {"chosen": [answer(r[2]) for r in rows], "rejected": [answer(r[3]) for r in rows]}
+        classes = ((DPOTrainer, DPOConfig), (TreeDPOTrainer, TreeDPOConfig))
+    else:  # each pair as a desirable and an undesirable row, listed together (KTO's sequential order)
+        columns = {"completion": [answer(r[k]) for r in rows for k in (2, 3)], "label": [True, False] * len(rows)}
+        rows = [r for r in rows for _ in range(2)]
+        classes = ((KTOTrainer, KTOConfig), (TreeKTOTrainer, TreeKTOConfig))
+    dataset = Dataset.from_dict({"prompt": [question(r[1]) for r in rows], "image": [r[0] for r in rows], **columns})
+    path = str(tmp_path / family)
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
     results = []
-    for cls, config in ((DPOTrainer, DPOConfig), (TreeDPOTrainer, TreeDPOConfig)):
-        trainer = cls(
+    for cls, config in classes:
+        run = cls(
             path,
             args=tiny_trl_config(config, path, torch.float64, max_steps=1, learning_rate=1.0, max_length=None),
             train_dataset=dataset,
-            processing_class=llava_processor(),
+            processing_class=PROCESSORS[family](),
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
         )
         with float64_norms():
-            results.append((trainer, train_and_measure_updates(trainer)))
+            results.append((run, train_and_measure_updates(run)))
     (trl, trl_updates), (tree, tree_updates) = results
     base = tree.model.get_base_model() if peft else tree.model
-    assert base.hf_tree_layout_stats.dedup_ratio > 1  # chosen and rejected shared their image prompt
+    assert base.hf_tree_layout_stats.dedup_ratio > 1  # rows shared their image prompt
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
     assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
     # CLIP's k_proj biases have a zero true gradient: measured against 1e-6 of the largest update (as for GRPO)
@@ -344,31 +365,23 @@ def test_one_dpo_step_on_image_prompts_matches_trl(tmp_path, peft):
 
 
 def test_preference_trainers_refuse_unsupported_vision_language_models(tmp_path):
-    """DPO: a vision-language family outside hf_tree.vision.rows' families is refused at set-up; KTO: any one."""
+    """DPO and KTO: a vision-language family outside hf_tree.vision.rows' families is refused at set-up."""
     from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
     from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
     from tests.helpers import tiny_trl_config
 
     pairs = Dataset.from_dict({"prompt": ["w10 w11"], "chosen": [" w20"], "rejected": [" w21"]})
+    rows = Dataset.from_dict({"prompt": ["w10 w11"], "completion": [" w20"], "label": [True]})
     path = str(tmp_path / "idefics3")
     tiny_vlm("idefics3", attn="sdpa").save_pretrained(path)
-    with pytest.raises(ValueError, match="model_type='idefics3'.*tree log-probs support text-only causal LMs"):
-        TreeDPOTrainer(
-            path,
-            args=tiny_trl_config(TreeDPOConfig, path, torch.float64),
-            train_dataset=pairs,
-            processing_class=word_tokenizer(),
-        )
-    path = str(tmp_path / "qwen2_vl")
-    tiny_vlm("qwen2_vl", attn="sdpa").save_pretrained(path)
-    rows = Dataset.from_dict({"prompt": ["w10 w11"], "completion": [" w20"], "label": [True]})
-    with pytest.raises(ValueError, match="TreeKTOTrainer's tree log-probs support text-only causal LMs"):
-        TreeKTOTrainer(
-            path,
-            args=tiny_trl_config(TreeKTOConfig, path, torch.float64),
-            train_dataset=rows,
-            processing_class=word_tokenizer(),
-        )
+    for trainer, config, dataset in ((TreeDPOTrainer, TreeDPOConfig, pairs), (TreeKTOTrainer, TreeKTOConfig, rows)):
+        with pytest.raises(ValueError, match="model_type='idefics3'.*tree log-probs support text-only causal LMs"):
+            trainer(
+                path,
+                args=tiny_trl_config(config, path, torch.float64),
+                train_dataset=dataset,
+                processing_class=word_tokenizer(),
+            )
 
 
 def test_dpo_on_text_pairs_with_a_vision_language_model_matches_trl(tmp_path):

@@ -24,5 +24,9 @@ def test_benchmark_quick_runs():
         env=env,
     )
     assert result.returncode == 0, result.stderr[-4000:]
-    assert "VLM group step" in result.stdout and "step total: hf_tree" in result.stdout
+    assert (
+        "GRPO group" in result.stdout
+        and "screenshot trajectory" in result.stdout
+        and "step total: hf_tree" in result.stdout
+    )
     assert "| per_branch |" in result.stdout and "| padded |" in result.stdout and "| hf_tree |" in result.stdout

@@ -2,7 +2,7 @@
 
 The oracle: the same model, on its own attention, run on each sample as an ordinary sequence with that sample's
 images passed as the processor would (``pixel_values`` and friends concatenated, ``mm_token_type_ids`` for the
-mRoPE families), combined with token normalization.
+mRoPE families, ``token_type_ids`` for Gemma 3), combined with token normalization.
 """
 
 from __future__ import annotations
@@ -93,6 +93,24 @@ CONFIGS = {
         image_token_id=IMAGE_TOKEN,
         vision_feature_layer=-1,
     ),
+    # Local layers with a 3-token window, shorter than an image's 4 tokens: the window cuts the image blocks (the
+    # bidirectional overlay is AND(window, OR(causal, block)) there), a global layer sees whole blocks.
+    "gemma3": lambda: transformers.Gemma3Config(
+        text_config=dict(
+            TEXT,
+            head_dim=8,
+            query_pre_attn_scalar=8,
+            sliding_window=3,
+            layer_types=["sliding_attention", "full_attention"],
+        ),
+        vision_config=dict(
+            hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2, image_size=8, patch_size=2
+        ),  # 16 patches pooled 2x2: 4 placeholder tokens per image
+        mm_tokens_per_image=4,
+        image_token_index=IMAGE_TOKEN,
+        boi_token_index=VISION_START,
+        eoi_token_index=VISION_END,
+    ),
 }
 FAMILIES = tuple(CONFIGS)
 # Families whose own float32 internals (GatedDeltaNet's decay parameters) bound the float64 comparison.
@@ -119,6 +137,9 @@ def tiny_vlm(family: str, dtype: torch.dtype = torch.float64, attn: str = "tree_
     torch.manual_seed(seed)
     model = transformers.AutoModelForImageTextToText.from_config(CONFIGS[family](), dtype=dtype)
     model.set_attn_implementation(attn)
+    if family == "gemma3":  # its projector starts at zero (every image feature 0): give the images some weight
+        with torch.no_grad():
+            model.model.multi_modal_projector.mm_input_projection_weight.normal_(std=0.5)
     return model
 
 
@@ -139,8 +160,16 @@ def tiny_image(family: str, seed: int, height: int = 4, width: int = 4) -> dict[
     return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, height, width]])}
 
 
+def has_bidirectional_images(family: str) -> bool:
+    """Gemma 3: image tokens attend to each other both ways when the model gets ``token_type_ids``."""
+    return family == "gemma3"
+
+
 def placeholders(family: str, image: dict[str, torch.Tensor]) -> list[int]:
-    """The tokens a processor writes for ``image`` (Qwen: wrapped in vision start/end tokens)."""
+    """The tokens a processor writes for ``image`` (Qwen: wrapped in vision start/end tokens; Gemma 3: in its
+    begin/end-of-image tokens)."""
+    if has_bidirectional_images(family):
+        return [VISION_START] + [IMAGE_TOKEN] * 4 + [VISION_END]
     if not is_mrope(family):
         return [IMAGE_TOKEN] * 4
     count = int(image["image_grid_thw"].prod()) // 4
@@ -152,8 +181,10 @@ def per_branch_vlm_loss(
     sequences: Sequence[Sequence[int]],
     images: Sequence[Sequence[dict[str, torch.Tensor]]],
     loss_masks: Sequence[Sequence[int]] | None = None,
+    drop_image_blocks: bool = False,
 ) -> torch.Tensor:
-    """Token-normalized CE of every sample run alone (its own attention, its images encoded for it alone)."""
+    """Token-normalized CE of every sample run alone (its own attention, its images encoded for it alone; Gemma 3:
+    with the processor's ``token_type_ids``, its bidirectional image blocks, unless ``drop_image_blocks``)."""
     previous = model.config._attn_implementation
     model.set_attn_implementation(own_attention(model))
     total, divisor = 0.0, 0.0
@@ -165,6 +196,8 @@ def per_branch_vlm_loss(
             )
             if is_mrope(model.config.model_type):
                 inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
+            if has_bidirectional_images(model.config.model_type) and not drop_image_blocks:
+                inputs["token_type_ids"] = (ids == IMAGE_TOKEN).int()  # as Gemma3Processor writes them
             mask = torch.tensor(loss_masks[b] if loss_masks else [1] * len(seq), dtype=torch.float64)[1:]
             logits = model(input_ids=ids, **inputs).logits[0, :-1]
             total = total + (F.cross_entropy(logits.double(), ids[0, 1:], reduction="none") * mask).sum()
@@ -174,32 +207,63 @@ def per_branch_vlm_loss(
     return total / divisor
 
 
-def llava_processor() -> transformers.LlavaProcessor:
-    """A real ``LlavaProcessor`` for the tiny LLaVA: a word-level tokenizer (``w{i}`` -> id ``i``, ``<image>`` ->
-    ``IMAGE_TOKEN``), CLIP's PIL image processor at 8x8 (4 placeholder tokens per image), a one-line chat template."""
+def word_level_tokenizer(special: dict[int, tuple[str, str]]) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny vocabulary (``w{i}`` -> id ``i``) with ``special``: ``{id: (attribute,
+    token)}``, e.g. ``{IMAGE_TOKEN: ("image_token", "<image>")}``, registered as extra special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, **{f"w{i}": i for i in range(3, TEXT["vocab_size"])}}
-    vocab["<image>"] = IMAGE_TOKEN
-    del vocab[f"w{IMAGE_TOKEN}"]
+    for token_id, (_, token) in special.items():
+        del vocab[f"w{token_id}"]
+        vocab[token] = token_id
     words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
+    return transformers.PreTrainedTokenizerFast(
         tokenizer_object=words,
         pad_token="[PAD]",
         eos_token="[EOS]",
         unk_token="[UNK]",
-        extra_special_tokens={"image_token": "<image>"},
+        extra_special_tokens=dict(special.values()),
     )
-    template = (
-        "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> {% else %}"
-        "{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
+
+
+def chat_template(image_part: str) -> str:
+    """A one-line chat template: each content part in order, an image part written as ``image_part``."""
+    return (
+        f"{{% for m in messages %}}{{% for c in m['content'] %}}{{% if c['type'] == 'image' %}}{image_part} "
+        "{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
     )
+
+
+def llava_processor() -> transformers.LlavaProcessor:
+    """A real ``LlavaProcessor`` for the tiny LLaVA: a word-level tokenizer (``w{i}`` -> id ``i``, ``<image>`` ->
+    ``IMAGE_TOKEN``), CLIP's PIL image processor at 8x8 (4 placeholder tokens per image), a one-line chat template."""
     return transformers.LlavaProcessor(
         image_processor=transformers.CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}),
-        tokenizer=tokenizer,
+        tokenizer=word_level_tokenizer({IMAGE_TOKEN: ("image_token", "<image>")}),
         patch_size=4,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=template,
+        chat_template=chat_template("<image>"),
     )
+
+
+def gemma3_processor() -> transformers.Gemma3Processor:
+    """A real ``Gemma3Processor`` for the tiny Gemma 3: the word-level tokenizer with its begin/end-of-image and soft
+    image tokens, its PIL image processor at 8x8 (4 soft tokens per image, ``token_type_ids`` marking them), a
+    one-line chat template."""
+    special = {
+        IMAGE_TOKEN: ("image_token", "<image_soft_token>"),
+        VISION_START: ("boi_token", "<start_of_image>"),
+        VISION_END: ("eoi_token", "<end_of_image>"),
+    }
+    return transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 8, "width": 8}),
+        tokenizer=word_level_tokenizer(special),
+        chat_template=chat_template("<start_of_image>"),
+        image_seq_length=4,
+    )
+
+
+# The families tested through TRL's trainers with a real processor, and their processors.
+PROCESSORS = {"llava": llava_processor, "gemma3": gemma3_processor}

@@ -21,7 +21,7 @@ import torch
 from hf_tree.attention.blocked import blocked_tree_attention
 from hf_tree.attention.dual import DeferredMask, model_attention_forward
 from hf_tree.attention.flex import flex_tree_attention
-from hf_tree.attention.mask import dense_tree_mask, render_mask, tree_mask_mod
+from hf_tree.attention.mask import check_bidirectional_block, dense_tree_mask, render_mask, tree_mask_mod
 from hf_tree.attention.options import tree_mode_options
 from hf_tree.attention.prefix import PrefixCache, attention_layer, prefix_tree_attention
 from hf_tree.attention.reference import reference_tree_attention
@@ -101,6 +101,7 @@ def tree_attention_forward(
     dropout: float = 0.0,
     kv_end: torch.Tensor | None = None,
     kv_prefix: PrefixCache | None = None,
+    bidirectional_block: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """transformers attention interface: ``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` ->
@@ -108,10 +109,17 @@ def tree_attention_forward(
     attention (``hf_tree.attention.dual``). ``position_ids``, ``sliding_window``, ``softcap``, ``s_aux`` and
     the other keywords of transformers' attention calls arrive in ``kwargs`` (see ``hf_tree.attention.options``).
     ``kv_prefix`` (with ``kv_end``; depth-first execution, ``hf_tree.depth_first``): the ancestors' cached keys and
-    values every query also sees; the layer's own keys/values are recorded into it."""
+    values every query also sees; the layer's own keys/values are recorded into it. ``bidirectional_block [B, N]``
+    (with ``kv_end``): a bidirectional overlay, the block id of each token (``-1``: none), tokens of one block seeing
+    each other both ways (Gemma 3's image tokens; ``hf_tree.attention.mask.tree_mask_mod``)."""
     if kv_end is None:
         if kv_prefix is not None:
             raise ValueError("kv_prefix (depth-first execution) needs kv_end: pass the unit's subtree ends too.")
+        if bidirectional_block is not None:
+            raise ValueError(
+                "bidirectional_block (a tree mask overlay) needs kv_end; without it the model builds its own mask "
+                "(pass its own inputs for that, e.g. Gemma 3's token_type_ids)."
+            )
         return model_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
@@ -121,6 +129,15 @@ def tree_attention_forward(
         scaling=options.scaling, sliding_window=options.sliding_window, softcap=options.softcap, sinks=options.sinks
     )
     engine = scoped_attention_engine()  # e.g. hf_tree.parallel's context parallel: local rows, all keys
+    if bidirectional_block is not None:
+        check_bidirectional_block("tree_flash", kv_end, bidirectional_block)
+        if engine is not None or kv_prefix is not None:
+            raise ValueError(
+                "bidirectional_block (e.g. Gemma 3's image blocks) is supported by the packed tree engines only, not "
+                "inside an attention_engine_scope (tree context parallel) or with kv_prefix (depth-first execution). "
+                "Use tree_execution='packed' without context parallel."
+            )
+        engine_options["bidirectional_block"] = bidirectional_block
     if engine is not None and kv_prefix is not None:
         raise ValueError(
             "kv_prefix (tree_execution='depth_first') inside an attention_engine_scope (tree context parallel): the "

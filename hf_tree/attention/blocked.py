@@ -5,7 +5,8 @@ The tree mask gives every query block ``[q0, q1)`` a small key set: the ancestor
 visible keys' subtrees contain ``q0`` too) plus the block itself. Keys visible to every query of the
 block (``j <= q0``, ``kv_end[j] >= q1``, and inside the sliding window of the deepest query) come first
 and get no mask; only the remaining columns are masked. Siblings, other trees of the row and padding
-never enter a matmul.
+never enter a matmul. With a bidirectional overlay (``bidirectional_block``), the later tokens of a block that a
+query block cuts join its keys as masked columns.
 
 Each block computes its whole score row at once (one matmul, one fused softmax, one matmul) and the
 block size adapts so that a score tile holds about ``tile_elements`` numbers: memory is
@@ -28,6 +29,7 @@ import torch
 
 from hf_tree.attention.mask import (
     autocast_inputs,
+    check_bidirectional_block,
     check_sinks,
     check_window_depths,
     tree_mask_mod,
@@ -85,6 +87,19 @@ def _block_bounds(kv_end: torch.Tensor, num_heads: int, tile_elements: int) -> l
     return bounds
 
 
+def _block_keys(kv_end: torch.Tensor, block: torch.Tensor, q0: int, q1: int) -> torch.Tensor:
+    """Keys outside ``[q0, q1)`` and the ancestors of ``q0`` that share a bidirectional block with a query of
+    ``[q0, q1)`` (``block [N]``, ``-1`` for none): the later tokens of a block the query block cuts."""
+    ids = block[q0:q1]
+    ids = torch.unique(ids[ids >= 0])
+    if not ids.numel():
+        return torch.zeros(0, dtype=torch.int64)
+    shared = torch.isin(block, ids)
+    shared[q0:q1] = False
+    shared[:q0] &= kv_end[:q0] <= q0  # ancestors of q0 are candidates already
+    return torch.nonzero(shared).flatten()
+
+
 def _plan_row(
     kv_end: torch.Tensor,
     depth: torch.Tensor | None,
@@ -92,12 +107,18 @@ def _plan_row(
     num_heads: int,
     tile_elements: int,
     device: torch.device,
+    block: torch.Tensor | None = None,
 ) -> Iterator[_Block]:
-    """The blocks of one row (``kv_end``/``depth``: ``[N]`` int64 on the CPU), index tensors on ``device``."""
+    """The blocks of one row (``kv_end``/``depth``/``block``: ``[N]`` int64 on the CPU; ``block``: bidirectional
+    block ids, ``-1`` for none), index tensors on ``device``."""
     for q0, q1 in _block_bounds(kv_end, num_heads, tile_elements):
         candidates = torch.cat([torch.nonzero(kv_end[:q0] > q0).flatten(), torch.arange(q0, q1)])
         ends = kv_end[candidates]
         full = (candidates <= q0) & (ends >= q1)
+        if block is not None:  # keys only the overlay makes visible: never full (masked per query)
+            shared = _block_keys(kv_end, block, q0, q1)
+            candidates, ends = torch.cat([candidates, shared]), torch.cat([ends, kv_end[shared]])
+            full = torch.cat([full, torch.zeros(shared.numel(), dtype=torch.bool)])
         if window is not None:
             block_depth = depth[q0:q1]
             key_depth = depth[candidates]
@@ -109,7 +130,9 @@ def _plan_row(
         partial = keys[num_full:]
         hidden = None
         if partial.numel():
-            mask_mod = tree_mask_mod(kv_end[None], None if depth is None else depth[None], window)
+            mask_mod = tree_mask_mod(
+                kv_end[None], None if depth is None else depth[None], window, None if block is None else block[None]
+            )
             visible = mask_mod(0, None, torch.arange(q0, q1)[:, None], partial[None, :])
             hidden = (~visible).to(device)
         first, last = int(keys[0]), int(keys[-1])
@@ -192,12 +215,17 @@ class _Planner:
     window: int | None
     num_heads: int
     tile_elements: int
+    bidirectional_block: torch.Tensor | None = None
+    """``[B, N]`` int64 bidirectional block ids (``-1``: none), or ``None``."""
 
     def blocks(self, device: torch.device) -> Iterator[tuple[int, _Block]]:
         """``(row, block)`` pairs, planned lazily (the plan of a block lives only while it is in flight)."""
         for b in range(self.kv_end.shape[0]):
             depth = None if self.depth is None else self.depth[b]
-            for block in _plan_row(self.kv_end[b], depth, self.window, self.num_heads, self.tile_elements, device):
+            overlay = None if self.bidirectional_block is None else self.bidirectional_block[b]
+            for block in _plan_row(
+                self.kv_end[b], depth, self.window, self.num_heads, self.tile_elements, device, overlay
+            ):
                 yield b, block
 
 
@@ -405,6 +433,7 @@ def blocked_tree_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    bidirectional_block: torch.Tensor | None = None,
     tile_elements: int | None = None,
 ) -> torch.Tensor:
     """Tree attention computed block by block over visible keys only; arguments and result as
@@ -417,6 +446,7 @@ def blocked_tree_attention(
     """
     check_window_depths("blocked_tree_attention", position_ids, sliding_window)
     check_sinks("blocked_tree_attention", sinks, query.shape[1])
+    check_bidirectional_block("blocked_tree_attention", kv_end, bidirectional_block)
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query has {query.shape[1]} heads, not a multiple of the {key.shape[1]} key/value heads.")
     if tile_elements is None:  # all workers' live tiles together: about one query row's bytes
@@ -427,6 +457,9 @@ def blocked_tree_attention(
         window=sliding_window,
         num_heads=query.shape[1],
         tile_elements=tile_elements,
+        bidirectional_block=None
+        if bidirectional_block is None
+        else bidirectional_block.detach().to("cpu", torch.int64),
     )
     query, key, value = autocast_inputs(query, key, value)
     with torch.autocast(query.device.type, enabled=False):

@@ -1,9 +1,10 @@
 """Tree attention on FlexAttention: a ``BlockMask`` built from ``kv_end`` block summaries, shared by all layers.
 
 The block mask is computed from per-key-block summaries of ``kv_end`` (min/max; depth min/max with a
-sliding window), never from the ``N x N`` mask: a (query block, key block) pair is skipped when no key
-of the block is an ancestor-or-self of a query of the block, "full" (no ``mask_mod`` call) when every
-key is seen by every query, and partial otherwise, where ``tree_mask_mod`` decides per element.
+sliding window; bidirectional block ids min/max with an overlay), never from the ``N x N`` mask: a (query block,
+key block) pair is skipped when no key of the block is an ancestor-or-self of a query of the block (nor shares a
+bidirectional block with one), "full" (no ``mask_mod`` call) when every key is seen by every query, and partial
+otherwise, where ``tree_mask_mod`` decides per element.
 
 The block mask is built once per batch and shared by all layers (``hf_tree.attention.batch_cache``).
 
@@ -20,7 +21,7 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from hf_tree.attention.batch_cache import BatchCache
-from hf_tree.attention.mask import check_sinks, check_window_depths, tree_mask_mod
+from hf_tree.attention.mask import check_bidirectional_block, check_sinks, check_window_depths, tree_mask_mod
 
 # FlexAttention's default sparse block size (its kernels' tile size).
 BLOCK_SIZE = 128
@@ -48,6 +49,7 @@ def tree_block_mask(
     position_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     block_size: int = BLOCK_SIZE,
+    bidirectional_block: torch.Tensor | None = None,
 ) -> BlockMask:
     """The ``BlockMask`` of packed tree rows (uncached; see ``flex_tree_attention`` for the cached use).
 
@@ -56,8 +58,11 @@ def tree_block_mask(
         position_ids: ``[B, N]`` depths; needed with ``sliding_window``.
         sliding_window: window in depth positions.
         block_size: query and key block size.
+        bidirectional_block: ``[B, N]`` block id per token (``-1``: none): tokens of one block see each other both
+            ways (``tree_mask_mod``). A tile pair whose blocks' id ranges overlap is kept (as partial).
     """
     check_window_depths("tree_block_mask", position_ids, sliding_window)
+    check_bidirectional_block("tree_block_mask", kv_end, bidirectional_block)
     batch, n = kv_end.shape
     device = kv_end.device
     ends = kv_end.to(torch.int64)
@@ -72,6 +77,13 @@ def tree_block_mask(
     any_visible = (k_first <= q_last) & (end_max > q_first)
     # Every key seen by every query: all keys precede the block's first query and outlive its last.
     all_visible = (k_last <= q_first) & (end_min > q_last)
+    if bidirectional_block is not None:  # a block id in both tiles (ids' ranges overlap; exact for ids rising along
+        # the row, as hf_tree.vision numbers them, conservative otherwise: mask_mod decides in partial tiles)
+        ids, unmarked = bidirectional_block.to(torch.int64), 1 << 62  # above any id, exact as a pad value
+        marked = ids >= 0
+        id_min = _block_summaries(torch.where(marked, ids, unmarked), block_size, fill_min=unmarked, fill_max=-1)[0]
+        id_max = _block_summaries(torch.where(marked, ids, -1), block_size, fill_min=unmarked, fill_max=-1)[1]
+        any_visible |= (id_min[:, :, None] <= id_max[:, None, :]) & (id_min[:, None, :] <= id_max[:, :, None])
     if sliding_window is not None:
         depth = position_ids.to(torch.int64)
         depth_min, depth_max = _block_summaries(depth, block_size, fill_min=n + 1, fill_max=-1)
@@ -86,18 +98,25 @@ def tree_block_mask(
         full_counts,
         full_indices,
         BLOCK_SIZE=block_size,
-        mask_mod=tree_mask_mod(kv_end, position_ids, sliding_window),
+        mask_mod=tree_mask_mod(kv_end, position_ids, sliding_window, bidirectional_block),
         seq_lengths=(n, n),
     )
 
 
 def cached_tree_block_mask(
-    kv_end: torch.Tensor, position_ids: torch.Tensor | None, sliding_window: int | None
+    kv_end: torch.Tensor,
+    position_ids: torch.Tensor | None,
+    sliding_window: int | None,
+    bidirectional_block: torch.Tensor | None = None,
 ) -> BlockMask:
     """``tree_block_mask`` built once per batch: keyed on the identity and version of ``kv_end`` (and of
-    ``position_ids`` when a sliding window reads them)."""
+    ``position_ids`` when a sliding window reads them, and of ``bidirectional_block``)."""
     depth = position_ids if sliding_window is not None else None
-    return _cache.get((kv_end, depth), (sliding_window,), lambda: tree_block_mask(kv_end, depth, sliding_window))
+    return _cache.get(
+        (kv_end, depth, bidirectional_block),
+        (sliding_window,),
+        lambda: tree_block_mask(kv_end, depth, sliding_window, bidirectional_block=bidirectional_block),
+    )
 
 
 def clear_block_mask_cache() -> None:
@@ -129,6 +148,7 @@ def flex_tree_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    bidirectional_block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tree attention with FlexAttention; arguments and result as ``reference_tree_attention`` (``query
     [B, H, N, D]``, ``key/value [B, Hkv, N, D]``, ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype).
@@ -145,7 +165,7 @@ def flex_tree_attention(
             )
         query, key, value = query.detach(), key.detach(), value.detach()
         sinks = None if sinks is None else sinks.detach()
-    block_mask = cached_tree_block_mask(kv_end, position_ids, sliding_window)
+    block_mask = cached_tree_block_mask(kv_end, position_ids, sliding_window, bidirectional_block)
     attend = _compiled_flex_attention() if query.is_cuda else flex_attention
     out = attend(
         query,

@@ -1,7 +1,9 @@
 """The tree mask as a small pure factory over ``kv_end`` (one int per key; see DESIGN.md).
 
-Query ``i`` sees key ``j`` iff ``j <= i < kv_end[j]`` (and, with a sliding window, iff
-``depth(i) - depth(j) < window``). This module holds the only definitions of that rule
+Query ``i`` sees key ``j`` iff ``j <= i < kv_end[j]`` or, with a bidirectional overlay, both lie in the same
+bidirectional block (``block[i] == block[j] >= 0``: e.g. Gemma 3's image tokens, one block per image); and, with a
+sliding window, iff ``depth(i) - depth(j) < window`` (the window cuts the overlay too, as Gemma 3's local layers do:
+``AND(window, OR(causal, block))``). This module holds the only definitions of that rule
 (``tree_mask_mod``), of the number of keys a query sees (``visible_keys_per_query``) and of the dtype
 attention computes its softmax in (``compute_dtype``); dense masks, block masks, the engines' per-block
 masks and the pictures are derived from them (the attention-gym pattern). Only tests, the reference
@@ -28,18 +30,39 @@ def check_sinks(where: str, sinks: torch.Tensor | None, num_heads: int) -> None:
         )
 
 
-def tree_mask_mod(kv_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None):
+def check_bidirectional_block(where: str, kv_end: torch.Tensor, bidirectional_block: torch.Tensor | None) -> None:
+    """Raise (naming ``where``) unless ``bidirectional_block`` is ``None`` or an integer ``[B, N]`` like ``kv_end``."""
+    if bidirectional_block is None:
+        return
+    if bidirectional_block.shape != kv_end.shape or bidirectional_block.is_floating_point():
+        raise ValueError(
+            f"{where}: bidirectional_block must be an integer tensor shaped like kv_end {tuple(kv_end.shape)} (one "
+            f"block id per token, -1 for none); got {bidirectional_block.dtype} {tuple(bidirectional_block.shape)}."
+        )
+
+
+def tree_mask_mod(
+    kv_end: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    bidirectional_block: torch.Tensor | None = None,
+):
     """A FlexAttention-style ``mask_mod(b, h, q, kv) -> bool`` for a batch of packed rows.
 
     Args:
         kv_end: ``[B, N]`` integer, packed index where the subtree of each key's node ends.
         position_ids: ``[B, N]`` depth of each token; needed only with ``sliding_window``.
         sliding_window: keys more than ``sliding_window - 1`` depth positions above the query are hidden.
+        bidirectional_block: ``[B, N]`` integer block of each token, ``-1`` for none: tokens of one block see each
+            other both ways (each block must lie inside one tree node; ``hf_tree.vision.forward`` checks it).
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
         # Any broadcastable index tensors work: FlexAttention's scalars, or whole grids (dense_tree_mask).
         visible = (kv_idx <= q_idx) & (q_idx < kv_end[b, kv_idx])
+        if bidirectional_block is not None:
+            block = bidirectional_block[b, q_idx]
+            visible = visible | ((block == bidirectional_block[b, kv_idx]) & (block >= 0))
         if sliding_window is not None:
             visible = visible & (position_ids[b, q_idx] - position_ids[b, kv_idx] < sliding_window)
         return visible
@@ -48,14 +71,19 @@ def tree_mask_mod(kv_end: torch.Tensor, position_ids: torch.Tensor | None = None
 
 
 def dense_tree_mask(
-    kv_end: torch.Tensor, position_ids: torch.Tensor | None = None, sliding_window: int | None = None
+    kv_end: torch.Tensor,
+    position_ids: torch.Tensor | None = None,
+    sliding_window: int | None = None,
+    bidirectional_block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[B, N, N]`` bool mask, ``True`` where query (dim 1) sees key (dim 2). For tests and the reference."""
     check_window_depths("dense_tree_mask", position_ids, sliding_window)
+    check_bidirectional_block("dense_tree_mask", kv_end, bidirectional_block)
     batch, n = kv_end.shape
     rows = torch.arange(batch, device=kv_end.device)[:, None, None]
     positions = torch.arange(n, device=kv_end.device)
-    return tree_mask_mod(kv_end, position_ids, sliding_window)(rows, None, positions[:, None], positions[None, :])
+    mask_mod = tree_mask_mod(kv_end, position_ids, sliding_window, bidirectional_block)
+    return mask_mod(rows, None, positions[:, None], positions[None, :])
 
 
 def visible_keys_per_query(kv_end: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,10 @@ class PrefixCache:
 
     Entries are keyed by what records them: ``("key", layer_idx)`` and ``("value", layer_idx)`` for an attention layer's
     post-RoPE keys/values ``[B, Hkv, n, D]`` (as its attention function receives them), ``("conv", id)`` for a causal
-    convolution's inputs ``[B, C, n]`` (``hf_tree.models.mixers.conv``); tokens are on dim 2 in every entry.
+    convolution's inputs ``[B, C, n]`` (``hf_tree.models.mixers.conv``); tokens are on dim 2 in these entries.
+    ``("state", id)`` is a recurrence's state after the last token ``[B, *state]`` (gated delta rule, Mamba2 scan:
+    ``hf_tree.models.mixers.topology.scan_levels``), keyed by the convolution its mixer runs first: a unit continues
+    the state of its nearest cached ancestor piece, the last one on its path (``join``).
 
     Attributes:
         cached: the ancestors' entries (``n = P`` tokens, the prefix); empty for a unit without ancestors.
@@ -46,12 +49,15 @@ class PrefixCache:
             their per-batch plans on it).
         row_position_ids: ``[B, P + N]`` depths of that row (sliding windows measure depth distance).
         own: filled during the unit's forward: its own entries (``n = N`` tokens, with their autograd graph).
+        mixer: the id of the convolution recorded last (set by the convolution, taken by the recurrence that
+            follows it in the same mixer: ``recurrent_state_key``).
     """
 
     cached: dict[Hashable, torch.Tensor]
     row_kv_end: torch.Tensor
     row_position_ids: torch.Tensor
     own: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+    mixer: Hashable | None = None
 
     @classmethod
     def over(
@@ -74,6 +80,30 @@ class PrefixCache:
         """
         self.own[key] = tensor
         return self.cached.get(key)
+
+    def recurrent_state_key(self) -> Hashable:
+        """The key of a recurrence's state entry: ``("state", id)`` of the convolution its mixer ran just before (every
+        GatedDeltaNet and Mamba2 mixer convolves its inputs first; the ops get no module). Taken once, so a
+        recurrence without its own convolution is refused instead of reading another layer's state.
+
+        Raises:
+            ValueError: when no convolution was recorded since the last recurrence.
+        """
+        if self.mixer is None:
+            raise ValueError(
+                "tree_execution='depth_first': a recurrent mixer ran without a causal convolution before it, so its "
+                "carried state cannot be matched to its layer. Use tree_execution='packed'."
+            )
+        key, self.mixer = ("state", self.mixer), None
+        return key
+
+    @staticmethod
+    def join(key: Hashable, entries: list[torch.Tensor]) -> torch.Tensor:
+        """The ancestors' entry of ``key`` from the entries of the cached pieces on a unit's path (root first): per
+        token entries concatenated on dim 2, a recurrent state the last piece's (the state entering the unit)."""
+        if isinstance(key, tuple) and key[0] == "state":
+            return entries[-1]
+        return torch.cat(entries, dim=2)
 
 
 def attention_layer(module: torch.nn.Module) -> int:

@@ -21,6 +21,7 @@ def reference_tree_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    bidirectional_block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of a packed tree row.
 
@@ -34,12 +35,14 @@ def reference_tree_attention(
         softcap: ``softcap * tanh(scores / softcap)`` before masking (Gemma-style), if set.
         sinks: ``[H]`` attention-sink logits (gpt-oss ``s_aux``), if set: one extra logit per query head joins
             every query's softmax denominator and attends to nothing, as in the models' eager attention.
+        bidirectional_block: ``[B, N]`` block id per token (``-1``: none), if set: tokens of one block also see the
+            block's later tokens (Gemma 3's image tokens; ``hf_tree.attention.mask.tree_mask_mod``).
 
     Returns:
         ``[B, N, H, D]`` in ``query``'s dtype.
     """
     check_sinks("reference_tree_attention", sinks, query.shape[1])
-    visible = dense_tree_mask(kv_end, position_ids, sliding_window)[:, None]
+    visible = dense_tree_mask(kv_end, position_ids, sliding_window, bidirectional_block)[:, None]
     out = masked_attention(query, key, value, visible, scaling=scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous()
 

@@ -285,16 +285,19 @@ def segment_tree_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    bidirectional_block: torch.Tensor | None = None,
     plan: SegmentPlan | None = None,
 ) -> torch.Tensor:
     """Tree attention from fused flash-attention calls on contiguous rectangles (CPU); arguments and result as
     ``reference_tree_attention`` (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` never repeated,
-    ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype), without softcapping or sliding windows."""
+    ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype), without softcapping, sliding windows or a
+    bidirectional overlay (``cpu_tree_attention`` sends those to the blocked engine)."""
     check_sinks("segment_tree_attention", sinks, query.shape[1])
-    if sliding_window is not None or softcap is not None:
+    if sliding_window is not None or softcap is not None or _has_blocks(bidirectional_block):
         raise ValueError(
-            f"segment_tree_attention got sliding_window={sliding_window}, softcap={softcap}: the fused kernel has "
-            "neither; use blocked_tree_attention for such layers."
+            f"segment_tree_attention got sliding_window={sliding_window}, softcap={softcap}, "
+            f"bidirectional_block={'set' if _has_blocks(bidirectional_block) else None}: its causal rectangles have "
+            "none of them; use blocked_tree_attention for such layers."
         )
     del position_ids  # depths matter only for sliding windows
     if plan is None:
@@ -315,11 +318,15 @@ def cpu_tree_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    bidirectional_block: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The automatic engine off CUDA: ``segment_tree_attention`` on CPU batches whose segments are long enough
     (``MIN_TOKENS_PER_CALL`` tokens per kernel call), else ``blocked_tree_attention`` (short segments,
-    softcapping, sliding windows, other devices). Arguments and result as ``reference_tree_attention``."""
-    if query.device.type == "cpu" and sliding_window is None and softcap is None:
+    softcapping, sliding windows, bidirectional blocks, other devices). Arguments and result as
+    ``reference_tree_attention``."""
+    if not _has_blocks(bidirectional_block):
+        bidirectional_block = None
+    if query.device.type == "cpu" and sliding_window is None and softcap is None and bidirectional_block is None:
         plan = cached_segment_plan(kv_end)
         if plan.tokens_per_call >= MIN_TOKENS_PER_CALL:
             return segment_tree_attention(query, key, value, kv_end, scaling=scaling, sinks=sinks, plan=plan)
@@ -333,4 +340,10 @@ def cpu_tree_attention(
         sliding_window=sliding_window,
         softcap=softcap,
         sinks=sinks,
+        bidirectional_block=bidirectional_block,
     )
+
+
+def _has_blocks(bidirectional_block: torch.Tensor | None) -> bool:
+    """Whether a bidirectional overlay marks any token (all ``-1``: the plain tree mask)."""
+    return bidirectional_block is not None and bool((bidirectional_block >= 0).any())

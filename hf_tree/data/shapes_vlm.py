@@ -12,6 +12,7 @@ Pillow (``pip install hf_tree[vision]``), imported when an image is drawn.
 from __future__ import annotations
 
 import random
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,20 +64,49 @@ def check_answer(completion: str, answer: str) -> bool:
     return bool(words) and words[0].lower().rstrip(".,!") == answer
 
 
+def shape_questions(
+    num_images: int, questions_per_image: int = 4, size: int = 112, seed: int = 0
+) -> Iterator[tuple[Any, int, str, str]]:
+    """``(image, image_id, question, answer)`` for ``num_images`` seeded images, ``questions_per_image`` each (fewer
+    where an image offers fewer)."""
+    rng = random.Random(seed)
+    for image_id in range(num_images):
+        image, shapes = draw_shapes(rng, size)
+        for question, answer in questions(shapes, rng, questions_per_image):
+            yield image, image_id, question, answer
+
+
 def shapes_dataset(num_images: int, questions_per_image: int = 4, size: int = 112, seed: int = 0) -> Any:
     """A ``datasets.Dataset`` in TRL's vision format, one row per question: ``prompt`` (a user message with an image
     part and the question), ``image`` (the ``PIL.Image``), ``answer`` (text), ``image_id`` (rows of one image share
     it: group by it to build one tree per image)."""
     import datasets
 
-    rng = random.Random(seed)
     rows: dict[str, list] = {"prompt": [], "image": [], "answer": [], "image_id": []}
-    for image_id in range(num_images):
-        image, shapes = draw_shapes(rng, size)
-        for question, answer in questions(shapes, rng, questions_per_image):
-            content = [{"type": "image"}, {"type": "text", "text": question}]
-            rows["prompt"].append([{"role": "user", "content": content}])
-            rows["image"].append(image)
-            rows["answer"].append(answer)
-            rows["image_id"].append(image_id)
+    for image, image_id, question, answer in shape_questions(num_images, questions_per_image, size, seed):
+        rows["prompt"].append([user_turn(question)])
+        rows["image"].append(image)
+        rows["answer"].append(answer)
+        rows["image_id"].append(image_id)
     return datasets.Dataset.from_dict(rows)
+
+
+def shapes_sft_dataset(num_images: int, questions_per_image: int = 4, size: int = 112, seed: int = 0) -> Any:
+    """The same questions as supervised conversations, TRL's vision SFT format: ``messages`` (the user turn of
+    ``shapes_dataset`` and the answer as the assistant turn), ``images`` (``[image]``) and ``image_id``
+    (TreeSFTTrainer's ``group_by="image_id"`` merges the questions about one image into one tree, the image encoded
+    once)."""
+    import datasets
+
+    rows: dict[str, list] = {"messages": [], "images": [], "image_id": []}
+    for image, image_id, question, answer in shape_questions(num_images, questions_per_image, size, seed):
+        assistant = {"role": "assistant", "content": [{"type": "text", "text": answer}]}
+        rows["messages"].append([user_turn(question), assistant])
+        rows["images"].append([image])
+        rows["image_id"].append(image_id)
+    return datasets.Dataset.from_dict(rows)
+
+
+def user_turn(question: str) -> dict[str, Any]:
+    """A user message with the image part, then the question."""
+    return {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": question}]}

@@ -10,7 +10,9 @@ What lives here and nowhere else:
   detection, and ``normalize_messages`` for one Arrow schema), whose detector extends the builders' own
   (``hf_tree.builders.dataset.detect_format``) by the preference format only;
 - the built-in dataset names: ``builtin:champ``, ``builtin:bfcl``, ``builtin:synthetic-agent``
-  (``synthetic:agent``, the launcher's spelling before, is kept as an alias of ``builtin:synthetic-agent``);
+  (``synthetic:agent``, the launcher's spelling before, is kept as an alias of ``builtin:synthetic-agent``) and
+  ``builtin:shapes`` (image questions in TRL's vision SFT format, ``hf_tree.data.shapes_vlm``: their trees are built
+  by ``TreeSFTTrainer`` with the model's processor, not by the text builders);
 - the chat-template lookup (``chat_template_file``/``chat_template_text``; agent sources default to
   ``AGENT_TEMPLATE``).
 """
@@ -31,11 +33,12 @@ from transformers import PreTrainedTokenizerBase
 from hf_tree.builders import TREE_FEATURES, TreeBuildStats, build_tree_dataset, render_ids
 from hf_tree.data.packages import ConversionStats
 from hf_tree.tree import TREE_KEYS
+from hf_tree.vision.sft import is_vision_dataset
 
 logger = logging.getLogger("hf_tree")
 
 BUILTIN_PREFIX = "builtin:"
-BUILTIN_SOURCES = ("champ", "bfcl", "synthetic-agent")
+BUILTIN_SOURCES = ("champ", "bfcl", "synthetic-agent", "shapes")
 BUILTIN_DATASETS = tuple(BUILTIN_PREFIX + name for name in BUILTIN_SOURCES)
 # Older spellings that stay accepted (launch configs may hold them) -> the built-in name they mean.
 BUILTIN_ALIASES = {"synthetic:agent": "builtin:synthetic-agent"}
@@ -147,7 +150,8 @@ def builtin_rows(
 
     Args:
         subset: CHAMP prompt type (e.g. ``"0-Shot"``) or BFCL category.
-        limit: CHAMP problems, BFCL tasks or synthetic conversations (synthetic default: 64).
+        limit: CHAMP problems, BFCL tasks, synthetic conversations (default 64) or shapes images (default 16, four
+            questions each).
         seed, synthetic_options: ``synthetic-agent`` only: its seed and ``max_user_turns``/``max_tool_steps``.
     """
     if name != "synthetic-agent" and synthetic_options:
@@ -166,6 +170,13 @@ def builtin_rows(
         if subset is not None:
             raise ValueError("builtin:synthetic-agent has no subsets; leave subset unset.")
         rows = synthetic_agent_dataset(limit or 64, seed=seed, **(synthetic_options or {}))
+        return rows, ConversionStats(num_source_items=len(rows), num_rows=len(rows))
+    if name == "shapes":
+        from hf_tree.data.shapes_vlm import shapes_sft_dataset
+
+        if subset is not None:
+            raise ValueError("builtin:shapes has no subsets; leave subset unset.")
+        rows = shapes_sft_dataset(limit or 16, seed=seed)
         return rows, ConversionStats(num_source_items=len(rows), num_rows=len(rows))
     raise ValueError(f"unknown built-in source {name!r}; choose one of {BUILTIN_SOURCES}.")
 
@@ -251,6 +262,11 @@ def load_tree_rows(
     rows, conversion = read_rows(source, subset=subset, limit=limit)
     if is_tree_dataset(rows):
         return LoadedTrees(rows)
+    if is_vision_dataset(rows):  # the text builders would drop the images
+        raise ValueError(
+            f"{source} holds image rows (columns {rows.column_names}): their trees need the model's processor; train "
+            "them with TreeSFTTrainer (or launch/train.py) and a vision-language model."
+        )
     if tokenizer is None:
         raise ValueError(
             f"{source} holds columns {rows.column_names}, not Tree.to_dict() rows ({sorted(TREE_FEATURES)}): "

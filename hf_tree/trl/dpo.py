@@ -44,7 +44,6 @@ class TreeDPOTrainer(FSDPFullSaveMixin, TreePreferenceLogProbsMixin, DPOTrainer)
 
     tree_config_class = TreeDPOConfig
     trl_name = "DPO"
-    tree_vision = True
 
     def _tree_policy_outputs(self) -> tuple[str, ...]:
         return POLICY_OUTPUTS + (("log_sum_sq_probs",) if self.use_weighting else ())

@@ -34,9 +34,10 @@ class TreeKTOTrainer(FSDPFullSaveMixin, TreePreferenceLogProbsMixin, KTOTrainer)
     """``KTOTrainer`` whose policy, reference and KL log-probs come from packed prompt trees.
 
     Accepts exactly ``KTOTrainer``'s arguments with ``args`` a ``TreeKTOConfig``. Raises ``ValueError`` for what
-    the tree passes do not support: a model (or ``ref_model``) that cannot be switched to ``tree_flash``, vision
-    datasets and vision-language models, and configs that rescale logits. An MoE model's router loss is TRL's,
-    computed on the trees.
+    the tree passes do not support: a model (or ``ref_model``) that cannot be switched to ``tree_flash``,
+    vision-language families outside ``hf_tree.vision.rows.ROW_FAMILIES`` (image prompts of those go through the tree
+    head of GRPO and DPO), and configs that rescale logits. An MoE model's router loss is TRL's, computed on the
+    trees.
     """
 
     tree_config_class = TreeKTOConfig

@@ -22,7 +22,6 @@ class TreePreferenceLogProbsMixin:
 
     tree_config_class: type
     trl_name: str
-    tree_vision: bool = False  # image prompts through hf_tree.vision.rows (tested against TRL for DPO only)
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, **kwargs: Any) -> None:
         """TRL's arguments; ``args`` must be a ``tree_config_class``. The model (and a ``ref_model`` instance) is put
@@ -46,16 +45,8 @@ class TreePreferenceLogProbsMixin:
         be the reference precompute inside TRL's ``__init__``."""
         if self._tree_heads_ready or not self.args.tree_logprobs:
             return
-        config = self.model.config
-        vision = self._is_vision_dataset or config.get_text_config() is not config
-        if vision and not self.tree_vision:
-            raise ValueError(
-                f"Tree{self.trl_name}Trainer's tree log-probs support text-only causal LMs and text datasets; "
-                f"{type(self.model).__name__} / this dataset is vision-language (hf_tree.vision covers GRPO, SFT and "
-                "DPO). Set tree_logprobs=False."
-            )
-        # Vision (DPO): the fused head splits TRL's image inputs per image (hf_tree.vision.rows) and refuses families
-        # outside ROW_FAMILIES (check_tree_model) and image inputs it does not know, before any pass.
+        # Image prompts: the fused head splits TRL's image inputs per image (hf_tree.vision.rows) and refuses
+        # families outside ROW_FAMILIES (check_tree_model) and image inputs it does not know, before any pass.
         install_tree_heads(self, self._tree_policy_outputs())
         self._tree_heads_ready = True
 

@@ -5,7 +5,10 @@ handed to the model's own forward as ``mm_encoder_outputs`` (one entry per place
 row order, so the model's own placeholder merge puts them in place), and the language model runs with ``kv_end``.
 Positions are what each branch alone gets: Qwen2-VL/2.5-VL/3-VL/3.5's 3-D mRoPE positions from the model's own
 ``get_rope_index`` run on each root-to-leaf path of the packed rows (equal on shared prefixes, since a token's
-position depends on its ancestors only), depths for 1-D models. Models not listed in ``SUPPORTED`` are refused.
+position depends on its ancestors only), depths for 1-D models. Gemma 3's image tokens attend to each other
+bidirectionally (its ``token_type_ids`` overlay, one block per contiguous run of image tokens): the language model
+then also gets ``bidirectional_block``, each packed run's block id (``image_blocks``), which the tree attention adds
+to the tree mask. Models not listed in ``SUPPORTED`` are refused.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from hf_tree.loss import tree_causal_lm_loss
@@ -28,10 +32,13 @@ class VisionFamily:
     Attributes:
         mrope: positions are 3-D, from the model's ``get_rope_index`` per branch (else 1-D depths).
         image_inputs: the processor tensors ``get_image_features`` takes (others are refused).
+        bidirectional_images: each image's placeholder tokens attend to each other both ways (Gemma 3's
+            ``token_type_ids`` mask overlay), passed to the tree attention as ``bidirectional_block``.
     """
 
     mrope: bool
     image_inputs: tuple[str, ...]
+    bidirectional_images: bool = False
 
 
 # Families whose packed forward is tested equal to per-branch training (tests/test_vision_forward.py).
@@ -45,12 +52,15 @@ SUPPORTED = {
     # runs between tile-position tokens, which MediaTree and the packed forward refuse (runs != images).
     "idefics3": VisionFamily(mrope=False, image_inputs=("pixel_attention_mask", "pixel_values")),
     "smolvlm": VisionFamily(mrope=False, image_inputs=("pixel_attention_mask", "pixel_values")),
+    # Image tokens attend bidirectionally within their image (causal + token_type_ids block overlay; sliding layers:
+    # AND(window, OR(causal, block))): the tree mask plus the same overlay (image_blocks), exact as each block lies
+    # inside one tree node.
+    "gemma3": VisionFamily(mrope=False, image_inputs=("pixel_values",), bidirectional_images=True),
 }
 # Why other families are refused (a family not named here: it was not tested with tree batches).
 REFUSED = {
-    "gemma3": "its image tokens attend to each other bidirectionally (a token_type_ids mask overlay); the tree mask "
-    "is causal",
-    "paligemma": "its prefix (image and prompt) is attended bidirectionally; the tree mask is causal",
+    "paligemma": "its prefix (image and prompt) is attended bidirectionally, across the nodes where branches' prompts "
+    "fork; the tree mask is causal apart from image blocks inside one node",
 }
 
 
@@ -106,6 +116,44 @@ def occurrences(media_ids: torch.Tensor, feature_lengths: list[int]) -> tuple[li
     return shown, showing
 
 
+def image_blocks(media_ids: torch.Tensor, kv_end: torch.Tensor) -> torch.Tensor:
+    """``[B, N]`` int64 bidirectional block of each placeholder token, ``-1`` elsewhere: Gemma 3's
+    ``token_type_ids`` blocks (maximal runs of image tokens of a branch, numbered along each row).
+
+    A branch's run of image tokens is one packed run when it lies inside one tree node (a chain of tokens with one
+    child each: a segment of equal ``kv_end``); then every branch through it has the same block, and the tree mask
+    extended with "same block: visible" is each branch's own mask. A packed run that crosses a segment boundary is
+    split there (a sibling's run that happens to follow is another block of another branch).
+
+    Raises:
+        ValueError: naming the row and tokens, when an image run continues across a node boundary (a node starting
+            with image tokens whose parent node ends with image tokens): its tokens would see a different block in
+            each branch.
+    """
+    is_image = (media_ids >= 0).cpu()
+    ends = kv_end.detach().to("cpu", torch.int64)
+    blocks = torch.full(media_ids.shape, -1, dtype=torch.int64)
+    for row in range(media_ids.shape[0]):
+        image, end = is_image[row], ends[row]
+        node_start = torch.ones_like(image)
+        node_start[1:] = end[1:] != end[:-1]  # equal kv_end: the previous token's only child
+        for s in torch.nonzero(image & node_start).flatten().tolist():
+            ancestors = torch.nonzero(end[:s] > s).flatten()
+            if ancestors.numel() and bool(image[ancestors[-1]]):
+                parent = int(ancestors[-1])
+                raise ValueError(
+                    f"packed row {row}: the image tokens from token {s} on continue the image run of their parent "
+                    f"node (token {parent}, image {int(media_ids[row, parent])}): an image's placeholder run is split "
+                    "between tree nodes, so its bidirectional image attention would differ between branches. Build "
+                    "the trees with MediaTree.from_samples (each image run is one piece of one node)."
+                )
+        previous = torch.zeros_like(image)
+        previous[1:] = image[:-1]
+        starts = image & (~previous | node_start)
+        blocks[row] = torch.where(image, starts.cumsum(0) - 1, -1)
+    return blocks.to(media_ids.device)
+
+
 def mrope_positions(
     rope_model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -144,11 +192,13 @@ def mrope_positions(
 
 def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[str, Any]:
     """Forward keywords of ``model`` for a ``MediaTreeCollator`` batch: ``input_ids``, ``position_ids`` (3-D for
-    mRoPE models) and ``mm_encoder_outputs`` (each distinct image encoded once, one entry per showing).
+    mRoPE models), ``mm_encoder_outputs`` (each distinct image encoded once, one entry per showing) and, for
+    bidirectional image attention (Gemma 3), ``bidirectional_block`` (``image_blocks``).
 
     Raises:
-        ValueError: for a model not in ``SUPPORTED``, processor tensors its ``get_image_features`` does not take, or
-            placeholder runs that do not match the image features.
+        ValueError: for a model not in ``SUPPORTED``, a sharded model (FSDP2), processor tensors its
+            ``get_image_features`` does not take, placeholder runs that do not match the image features, or an image
+            run split between tree nodes.
     """
     family = vision_family(model)
     causal_lm: PreTrainedModel = causal_lm_of(model)
@@ -156,6 +206,14 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
     image_inputs = batch["image_inputs"]
     if not image_inputs:
         return inputs
+    if any(isinstance(p, DTensor) for p in causal_lm.parameters()):
+        # The images are encoded here, before the model's forward: FSDP2 gathers the root's parameters (projector,
+        # patch embeddings) only inside that forward, and reduces their gradients from its backward hooks.
+        raise ValueError(
+            f"{type(causal_lm).__name__} is sharded (FSDP2): image trees encode their images before the model's "
+            "forward, outside FSDP's parameter gathering, which is not supported yet. Train vision-language trees "
+            "without FSDP, or flat sequences under FSDP."
+        )
     unknown = sorted(set(image_inputs) - set(family.image_inputs))
     if unknown:
         raise ValueError(
@@ -167,10 +225,15 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
     if missing:
         raise ValueError(f"image_inputs lacks {missing}, which {type(causal_lm).__name__}'s image encoder needs.")
     device = batch["input_ids"].device
+    if family.bidirectional_images:  # checked before the encoder runs
+        inputs["bidirectional_block"] = image_blocks(batch["media_ids"], batch["kv_end"]).to(device)
     features = causal_lm.get_image_features(**{k: v.to(device) for k, v in image_inputs.items()}, return_dict=True)
     per_image = list(features.pooler_output)
     shown, showing = occurrences(batch["media_ids"], [len(f) for f in per_image])
-    features.pooler_output = tuple(per_image[m] for m in shown)  # the model scatters them in row-major order
+    # The model scatters them in row-major order; in the container its own encoder returns (Gemma 3: one tensor)
+    per_showing = [per_image[m] for m in shown]
+    stacked = isinstance(features.pooler_output, torch.Tensor)
+    features.pooler_output = torch.stack(per_showing) if stacked else tuple(per_showing)
     if getattr(features, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image, like pooler_output
         features.deepstack_features = [tuple(layer[m] for m in shown) for layer in features.deepstack_features]
     inputs["mm_encoder_outputs"] = {"image": features}

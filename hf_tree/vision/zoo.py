@@ -140,7 +140,8 @@ def per_branch_vlm_loss(
     masks: Sequence[Sequence[int]],
 ) -> torch.Tensor:
     """Token-normalized CE of every sample run alone: its own attention, its images passed as the processor passes
-    them (tensors concatenated; ``mm_token_type_ids`` for the mRoPE families)."""
+    them (tensors concatenated; ``mm_token_type_ids`` for the mRoPE families, ``token_type_ids`` for Gemma 3's
+    bidirectional image blocks)."""
     config = causal_lm_of(model).config
     total, count = 0.0, 0.0
     with own_attention(causal_lm_of(model)):
@@ -149,6 +150,8 @@ def per_branch_vlm_loss(
             inputs = {k: torch.cat([im[k] for im in sample_images]) for k in sample_images[0]} if sample_images else {}
             if SUPPORTED[config.model_type].mrope:
                 inputs["mm_token_type_ids"] = (ids == config.image_token_id).int()
+            if SUPPORTED[config.model_type].bidirectional_images:  # Gemma 3: as its processor writes them
+                inputs["token_type_ids"] = (ids == config.image_token_id).int()
             trained = torch.tensor(mask[1:], dtype=torch.float64)
             logits = model(input_ids=ids, **inputs, use_cache=False).logits[0, :-1]
             ce = F.cross_entropy(logits.double(), ids[0, 1:], reduction="none")
@@ -157,6 +160,10 @@ def per_branch_vlm_loss(
 
 
 def _check_exact(result: VisionZooResult, model: torch.nn.Module) -> None:
+    with torch.no_grad():  # projector weights that start at zero (Gemma 3) would blank every image: give them values
+        for name, parameter in model.named_parameters():
+            if name.endswith("projection_weight") and not parameter.any():
+                parameter.normal_(std=0.5, generator=torch.Generator().manual_seed(0))
     sequences, images, masks = probe_samples(model)
     trees = [
         MediaTree.from_samples(sequences[:3], images[:3], model.config.image_token_id, masks[:3]),

@@ -34,14 +34,16 @@ def tree_causal_conv1d(
         kwargs: the model's other keyword arguments, ignored (as the models' torch path does), except
             ``kv_prefix`` (depth-first execution, ``hf_tree.attention.prefix.PrefixCache``): the ancestors'
             convolution inputs precede the unit's (the row ``[prefix | unit]``), and the unit's inputs are recorded
-            for its descendants, keyed by the kernel's storage.
+            for its descendants, keyed by the kernel's storage (also the key of the state of the recurrence that
+            follows in the same mixer, ``PrefixCache.recurrent_state_key``).
 
     Returns:
         ``[B, C, N]`` in ``hidden_states.dtype`` (computed in ``weight.dtype``, like the models' torch path).
     """
     prefix = kwargs.get("kv_prefix")
     if prefix is not None:
-        cached = prefix.record(("conv", weight.untyped_storage().data_ptr()), hidden_states)
+        prefix.mixer = weight.untyped_storage().data_ptr()  # the key of the recurrence that may follow
+        cached = prefix.record(("conv", prefix.mixer), hidden_states)
         if cached is not None:
             row = torch.cat([cached.to(hidden_states.dtype), hidden_states], dim=2)
             out = tree_causal_conv1d(row, weight, bias, activation, topology=tree_topology(prefix.row_kv_end))

@@ -157,6 +157,9 @@ def tree_chunk_gated_delta_rule(
     Args:
         query, key: ``[B, N, Hk, K]``; value: ``[B, N, Hv, V]``; g (log decay, <= 0), beta: ``[B, N, Hv]``.
         topology: the batch's ``TreeTopology`` (``[B, N]``).
+        kwargs: the model's other keyword arguments, ignored, except ``kv_prefix`` (depth-first execution): the
+            rows' roots start from the ancestors' cached state, and the state after each row's last token is
+            recorded (``scan_levels``).
 
     Returns:
         ``([B, N, Hv, V]`` in ``query.dtype``, None); a tree batch has no single final state to cache.
@@ -197,5 +200,5 @@ def tree_chunk_gated_delta_rule(
         level_fn = functools.partial(_level_delta_rule_fla, query, key, value, g, beta, use_qk=use_qk_l2norm_in_kernel)
     else:
         level_fn = functools.partial(_level_delta_rule, query, key, value, g, beta)
-    out = scan_levels(topology, chunk_size, zeros, level_fn)
+    out = scan_levels(topology, chunk_size, zeros, level_fn, kwargs.get("kv_prefix"))
     return out.reshape(batch, length, num_v_heads, v_dim).to(input_dtype), None

@@ -78,6 +78,9 @@ def tree_mamba2_chunk_scan(
         hidden_states: ``[B, N, H, P]``; dt: ``[B, N, H]`` (before bias/softplus); A, D, dt_bias: ``[H]``;
         B, C: ``[B, N, G, N_state]`` (G groups, each serving ``H // G`` heads).
         topology: the batch's ``TreeTopology`` (``[B, N]``).
+        kwargs: the model's other keyword arguments, ignored, except ``kv_prefix`` (depth-first execution): the
+            rows' roots start from the ancestors' cached state, and the state after each row's last token is
+            recorded (``scan_levels``).
 
     Returns:
         ``[B, N, H, P]`` in float32 (float64 for float64 inputs), like the models' torch path.
@@ -112,6 +115,12 @@ def tree_mamba2_chunk_scan(
 
     x, a, b, c = (rows(t) for t in (x, a, b, c))
     zeros = x.new_zeros(num_heads, head_dim, b.shape[-1])
-    out = scan_levels(topology, chunk_size, zeros, lambda initial, layout: _level_scan(x, a, b, c, initial, layout))
+    out = scan_levels(
+        topology,
+        chunk_size,
+        zeros,
+        lambda initial, layout: _level_scan(x, a, b, c, initial, layout),
+        kwargs.get("kv_prefix"),
+    )
     out = out.reshape(batch, length, num_heads, head_dim)
     return out + residual if residual is not None else out

@@ -10,6 +10,11 @@ For recurrences the row is cut into *segments*: maximal runs of consecutive toke
 previous one (``pred(i) = i - 1``), also cut after every *fork* (a token with two or more successors). The state
 entering a segment is then the final state of its parent segment (zero at a root), and segments whose parents are
 done run together: level by level, ``num_levels`` = node depth of the deepest trie, never the number of branches.
+
+In depth-first execution (``hf_tree.depth_first``) a row is one unit of a larger tree: its roots continue the last
+token of the ancestors' cached prefix, so they start from that token's state (``kv_prefix``, a
+``hf_tree.attention.prefix.PrefixCache``), and the state after the unit's last token is recorded for its
+descendants.
 """
 
 from __future__ import annotations
@@ -17,9 +22,13 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from hf_tree.attention.prefix import PrefixCache
 
 
 def predecessors(kv_end: np.ndarray) -> np.ndarray:
@@ -62,6 +71,8 @@ class LevelLayout:
     """``[num_segments]`` int64 tokens per segment (this level's order)."""
     segment_start: torch.Tensor
     """``[num_segments]`` int64 flat index of each segment's first token (this level's order)."""
+    segments: np.ndarray
+    """``[num_segments]`` row-order index (``TreeTopology.segment_start``) of each segment (this level's order)."""
 
 
 @dataclass
@@ -147,14 +158,24 @@ class TreeTopology:
             parent=torch.from_numpy(parent_local).to(device),
             segment_length=torch.from_numpy(self.segment_length[order]).to(device),
             segment_start=torch.from_numpy(self.segment_start[order]).to(device),
+            segments=order,
         )
+
+    def last_segments(self) -> np.ndarray:
+        """``[B]`` row-order index of the segment holding each row's last token."""
+        last_tokens = np.arange(1, self.shape[0] + 1) * self.shape[1] - 1
+        return np.searchsorted(self.segment_start, last_tokens, side="right") - 1
 
 
 LevelFn = Callable[[torch.Tensor, LevelLayout], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
 
 
 def scan_levels(
-    topology: TreeTopology, chunk_size: int, initial_zeros: torch.Tensor, level_fn: LevelFn
+    topology: TreeTopology,
+    chunk_size: int,
+    initial_zeros: torch.Tensor,
+    level_fn: LevelFn,
+    prefix: PrefixCache | None = None,
 ) -> torch.Tensor:
     """Run a recurrence level by level; the state entering a segment is its parent's final state (zero at a root).
 
@@ -162,15 +183,26 @@ def scan_levels(
         initial_zeros: ``[*state]`` zeros in the state's dtype and device.
         level_fn: ``(initial_states [S, *state], layout) -> (outputs [M, *out], token index [M], final states
             [S, *state])`` for the segments of one bucket.
+        prefix: a depth-first unit's cache (the ``kv_prefix`` keyword), or None. Its ancestors' state entry of this
+            recurrence (``PrefixCache.recurrent_state_key``), ``[B, *state]``, is the state entering each row's roots
+            (they continue the prefix's last token) instead of zeros; the state after each row's last token,
+            ``[B, *state]`` with its autograd graph, is recorded under the same key for the unit's descendants.
 
     Returns:
         ``[B * N, *out]`` outputs scattered back to their tokens (every token is in exactly one segment).
     """
     pieces, indices, previous = [], [], None
+    key = prefix.recurrent_state_key() if prefix is not None else None
+    cached = prefix.cached.get(key) if prefix is not None else None
+    wanted = topology.last_segments() if prefix is not None else np.empty(0, dtype=np.int64)
+    kept: dict[int, torch.Tensor] = {}
     for level in topology.levels(chunk_size):
         finals = []
         for layout in level:
-            initial = initial_zeros.expand(layout.parent.shape[0], *initial_zeros.shape)
+            if cached is None:
+                initial = initial_zeros.expand(layout.parent.shape[0], *initial_zeros.shape)
+            else:  # every root of row b continues the prefix's last token
+                initial = cached.to(initial_zeros.dtype)[layout.segment_start // topology.shape[1]]
             if previous is not None:  # a differentiable gather: siblings' state gradients add up in backward
                 has_parent = (layout.parent >= 0).reshape(-1, *[1] * initial_zeros.dim())
                 initial = torch.where(has_parent, previous[layout.parent.clamp_min(0)], initial)
@@ -178,7 +210,11 @@ def scan_levels(
             pieces.append(out)
             indices.append(index)
             finals.append(final)
+            for position in np.nonzero(np.isin(layout.segments, wanted))[0].tolist():
+                kept[int(layout.segments[position])] = final[position]
         previous = torch.cat(finals)
+    if prefix is not None:
+        prefix.record(key, torch.stack([kept[int(s)] for s in wanted]))
     out = torch.cat(pieces)
     return out.new_zeros(topology.num_tokens, *out.shape[1:]).index_copy(0, torch.cat(indices), out)
 
