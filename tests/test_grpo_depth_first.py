@@ -20,9 +20,11 @@ from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer
 from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin
 from tests.helpers import (
     FIXED_COMPLETIONS,
+    FLOAT32_FLOOR,
     TRL_STEP_TOLERANCE,
     TRL_TOLERANCE,
     fixed_rollout,
+    float32_floor_grad_error,
     hybrid_model,
     one_step,
     relative_error,
@@ -181,6 +183,29 @@ def test_pieces_left_from_a_previous_step_are_refused(path, monkeypatch):
         one_step(TreeGRPOTrainer, TreeGRPOConfig, path, False, **CUT, **SHARED)
 
 
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+def test_recurrent_hybrids_match_trl(tmp_path, monkeypatch, family, peft):
+    """Hybrids with recurrent mixers (GatedDeltaNet, Mamba2): the piece also carries each recurrence's final state
+    (``hf_tree.depth_first``'s ``("state", id)`` entries) and each convolution's inputs. Their float32 internals
+    bound the comparison (``FLOAT32_FLOOR``, as tests/test_hybrid_trainers.py); the packed pass is as far from TRL."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    hybrid_model(family, attn="sdpa").save_pretrained(tmp_path)
+    path = str(tmp_path)
+    _, trl_updates = one_step(GRPOTrainer, GRPOConfig, path, peft, **CUT)
+    _, packed_updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, peft, **CUT)
+    tree, updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, peft, **CUT, **SHARED)
+    assert tree.shared_prompt_stats.pieces == 4
+    error, packed_error = (float32_floor_grad_error(u, trl_updates) for u in (updates, packed_updates))
+    print(f"\n{family} peft={peft}: update error vs TRL {error:.2e} (packed pass: {packed_error:.2e})")
+    assert error <= FLOAT32_FLOOR, error
+    assert error <= 2 * packed_error + 1e-12
+    with monkeypatch.context() as patch:  # must fail: the pieces' backward carries the recurrent states' gradient
+        patch.setattr(SharedPromptPolicyMixin, "backward_shared_prompts", lambda self: self._shared_pieces.clear())
+        _, skipped = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, peft, **CUT, **SHARED)
+    assert float32_floor_grad_error(skipped, trl_updates) > 1e-2
+
+
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
 def test_rloo_shared_prompts_match_trl(path, monkeypatch, peft):
     """RLOO shares the mixin; it samples its own completions (same seed, same logits: the same ones)."""
@@ -211,11 +236,6 @@ def test_refusals(path, tmp_path, monkeypatch):
     moe = tiny_model("mixtral", attn="tree_flash", router_aux_loss_coef=0.01)
     with pytest.raises(ValueError, match="tree_share_across_microbatches.*router"):
         TreeGRPOTrainer(moe, zero_reward, trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, **no_ref), **setup)
-    hybrid = hybrid_model("qwen3_5_text")
-    with pytest.raises(ValueError, match="tree_share_across_microbatches.*recurrent"):
-        TreeGRPOTrainer(
-            hybrid, zero_reward, trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, **no_ref), **setup
-        )
     tree = TreeGRPOTrainer(path, zero_reward, trainer_args(TreeGRPOConfig, path, torch.float64, **SHARED), **setup)
     with monkeypatch.context() as patch:  # what a 2-process launch or DeepSpeed would set
         patch.setattr(type(tree.accelerator), "num_processes", property(lambda self: 2))

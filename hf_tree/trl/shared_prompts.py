@@ -10,8 +10,9 @@ step and shared by the micro-batches, with the depth-first executor's machinery 
 - **Prompt pieces.** When a micro-batch's policy pass meets a prompt that a later micro-batch of the same optimizer
   step also holds (TRL's buffered micro-batches ``self._buffered_inputs[s % steps_per_generation]`` for the
   remaining steps ``s`` of the gradient-accumulation window), the prompt minus its last token is forwarded once,
-  with gradients, recording each layer's post-RoPE keys/values (``PrefixCache.own``). Its graph stays alive; its
-  keys/values are handed to later units as detached leaves with ``requires_grad``.
+  with gradients, recording each layer's post-RoPE keys/values (hybrids: also each convolution's inputs and each
+  recurrence's final state) in ``PrefixCache.own``. Its graph stays alive; these entries are handed to later units
+  as detached leaves with ``requires_grad``.
 - **Units.** Each micro-batch's rows of that prompt then run as one packed mini-tree over the cached prompt: the
   prompt's last token (it predicts each completion's first token) and the trie of the completions. Rows whose prompt
   is not shared run as an ordinary packed tree (prompt and completions). TRL's fused log-prob kernel scores every
@@ -20,7 +21,7 @@ step and shared by the micro-batches, with the depth-first executor's machinery 
   gradients in ``.grad``.
 - **Piece backward.** After the last micro-batch of the optimizer step (``training_step``, when accelerate's
   ``sync_gradients`` is set: before clipping and the optimizer step) every piece is backpropagated once with
-  ``torch.autograd.backward([*keys, *values], [*key_leaf.grad, *value_leaf.grad])``; the parameters' ``.grad`` are
+  ``torch.autograd.backward([*entries], [*entry_leaf.grad])``; the parameters' ``.grad`` are
   then what TRL's per-row passes accumulate. The next optimizer step forwards its prompts again (new weights).
 
 The old-policy and reference passes (no gradients) keep the packed pass: they are exact as they are.
@@ -63,7 +64,7 @@ class TreeRolloutArguments(TreeLogProbArguments):
             "help": "Policy pass: forward each prompt shared by several micro-batches of one optimizer step once "
             "(its keys/values are cached and backpropagated once after the step's last micro-batch) instead of once "
             "per micro-batch. Exact (tests/test_grpo_depth_first.py). Refused with several processes, DeepSpeed, "
-            "fp16, an MoE router loss, image inputs, recurrent hybrids and reentrant gradient checkpointing."
+            "fp16, an MoE router loss, image inputs and reentrant gradient checkpointing."
         },
     )
 
@@ -154,8 +155,7 @@ class SharedPromptPolicyMixin:
         return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
 
     def _refuse_model(self) -> None:
-        """``refuse_for_depth_first`` (recurrent hybrids, MoE router loss, reentrant checkpointing), naming this
-        option."""
+        """``refuse_for_depth_first`` (MoE router loss, reentrant checkpointing), naming this option."""
         try:
             refuse_for_depth_first(self._shared_causal_lm())
         except ValueError as error:
