@@ -1,4 +1,5 @@
-"""``tree_share_across_microbatches``: a GRPO group is one tree even when ``per_device_train_batch_size`` cuts it.
+"""``tree_share_across_microbatches``: a GRPO group is one tree even when ``per_device_train_batch_size`` cuts it
+(``True`` here; the default ``None`` turns it on where it can: ``test_default_shares_where_it_can``).
 
 Micro-batches of 2 rows from groups of 4 completions, 2 accumulated micro-batches per optimizer step, 2 iterations
 per generation (a new window recomputes its prompt pieces), beta > 0: TreeGRPOTrainer with the option moves every
@@ -38,6 +39,7 @@ from tests.helpers import (
 # Groups of 4 cut into micro-batches of 2; 4 optimizer steps: 2 generations (one prompt each) x 2 iterations.
 CUT = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_iterations=2, max_steps=4, beta=0.1)
 SHARED = dict(tree_share_across_microbatches=True)
+PACKED = dict(tree_share_across_microbatches=False)  # the per-micro-batch packed pass
 # Logged values that are not functions of the weights and batches.
 UNLOGGED = ("step_time", "tree/dedup_ratio", "epoch", "step")
 
@@ -141,7 +143,7 @@ def test_prompts_run_once_per_optimizer_step(path, monkeypatch):
     micro-batch: the packed pass forwards it in both micro-batches of a step."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     counts = {}
-    for name, shared in (("packed", {}), ("shared", SHARED)):
+    for name, shared in (("packed", PACKED), ("shared", SHARED)):
         args = trainer_args(TreeGRPOConfig, path, torch.float64, learning_rate=1.0, **CUT, **shared)
         trainer = TreeGRPOTrainer(
             path,
@@ -193,7 +195,7 @@ def test_recurrent_hybrids_match_trl(tmp_path, monkeypatch, family, peft):
     hybrid_model(family, attn="sdpa").save_pretrained(tmp_path)
     path = str(tmp_path)
     _, trl_updates = one_step(GRPOTrainer, GRPOConfig, path, peft, **CUT)
-    _, packed_updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, peft, **CUT)
+    _, packed_updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, peft, **CUT, **PACKED)
     tree, updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, peft, **CUT, **SHARED)
     assert tree.shared_prompt_stats.pieces == 4
     error, packed_error = (float32_floor_grad_error(u, trl_updates) for u in (updates, packed_updates))
@@ -217,6 +219,24 @@ def test_rloo_shared_prompts_match_trl(path, monkeypatch, peft):
     print(f"\nRLOO peft={peft}: update error vs TRL {error:.2e}")
     assert error <= TRL_STEP_TOLERANCE, error
     assert_same_logs(tree, trl)
+
+
+def test_default_shares_where_it_can(path, trl_runs, tmp_path, monkeypatch):
+    """The default (``None``): on for groups cut across micro-batches (TRL's gradient checkpointing default),
+    off without a shared prompt (a group per micro-batch), and off, without an error, where ``True`` is refused."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    _, trl_updates = trl_runs("grpo", False, True)
+    settings = dict(loss_type="grpo", gradient_checkpointing=True, **CUT)
+    tree, updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, False, **settings)
+    assert tree.args.tree_share_across_microbatches is None and tree.shared_prompt_stats.pieces == 4
+    assert largest_update_error(updates, trl_updates) <= TRL_STEP_TOLERANCE
+    whole = dict(CUT, per_device_train_batch_size=4, gradient_accumulation_steps=1)
+    tree, _ = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, False, **whole)
+    assert tree._shares_prompts() and tree.shared_prompt_stats.pieces == 0  # nothing to share: the packed pass ran
+    setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
+    moe = tiny_model("mixtral", attn="tree_flash", router_aux_loss_coef=0.01)
+    args = trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, beta=0.0)
+    assert not TreeGRPOTrainer(moe, zero_reward, args, **setup)._shares_prompts()
 
 
 def test_refusals(path, tmp_path, monkeypatch):

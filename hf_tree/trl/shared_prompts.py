@@ -29,6 +29,7 @@ The old-policy and reference passes (no gradients) keep the packed pass: they ar
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from collections.abc import Hashable
 from contextlib import nullcontext
@@ -51,6 +52,7 @@ from hf_tree.trl.glue import TreeLogProbArguments
 from hf_tree.trl.logprobs import FUSED_OUTPUTS, VOCAB_CHUNK_SIZE
 
 OPTION = "tree_share_across_microbatches=True"
+logger = logging.getLogger("hf_tree")
 
 
 @dataclass
@@ -58,33 +60,40 @@ class TreeRolloutArguments(TreeLogProbArguments):
     """``TreeLogProbArguments`` plus the option of the online RL trainers (``TreeGRPOConfig``, ``TreeRLOOConfig``);
     DPO/KTO have no micro-batches of one group, so their configs do not carry it."""
 
-    tree_share_across_microbatches: bool = field(
-        default=False,
+    tree_share_across_microbatches: bool | None = field(
+        default=None,
         metadata={
             "help": "Policy pass: forward each prompt shared by several micro-batches of one optimizer step once "
             "(its keys/values are cached and backpropagated once after the step's last micro-batch) instead of once "
-            "per micro-batch. Exact (tests/test_grpo_depth_first.py). Refused with several processes, DeepSpeed, "
-            "fp16, an MoE router loss, image inputs and reentrant gradient checkpointing."
+            "per micro-batch. Exact (tests/test_grpo_depth_first.py). None (default): on where supported and where a "
+            "micro-batch shares a prompt with another, else the per-micro-batch pass (exact too). True: on, and "
+            "refused (ValueError) with several processes, DeepSpeed, fp16, an MoE router loss, a vision-language "
+            "model, reentrant gradient checkpointing or tree_logprobs=False. False: off."
         },
     )
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if not self.tree_share_across_microbatches:
-            return
+        if self.tree_share_across_microbatches:  # explicitly on: refuse what it cannot do
+            causes = self.shared_prompt_config_causes()
+            if causes:
+                raise ValueError(
+                    f"{OPTION} does not support {'; '.join(causes)}. Set tree_share_across_microbatches=False."
+                )
+
+    def shared_prompt_config_causes(self) -> list[str]:
+        """What in this config rules the shared policy pass out (empty: nothing)."""
+        causes = []
         if not self.tree_logprobs:
-            raise ValueError(f"{OPTION} needs tree_logprobs=True (it is a tree log-prob pass).")
+            causes.append("tree_logprobs=False (it is a tree log-prob pass)")
         if self.gradient_checkpointing and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
-            raise ValueError(
-                f"{OPTION} with reentrant gradient checkpointing (gradient_checkpointing_kwargs={{'use_reentrant': "
-                "True}) would drop the gradient of the cached prompt keys/values. Set use_reentrant=False (TRL's "
-                "default), or tree_share_across_microbatches=False."
+            causes.append(
+                "reentrant gradient checkpointing (it would drop the gradient of the cached prompt keys/values; "
+                "use_reentrant=False is TRL's default)"
             )
         if self.fp16:
-            raise ValueError(
-                f"{OPTION} is not tested with fp16 loss scaling. Use bf16 or float32, or "
-                "tree_share_across_microbatches=False."
-            )
+            causes.append("fp16 loss scaling (not tested; use bf16 or float32)")
+        return causes
 
 
 @dataclass
@@ -119,17 +128,33 @@ class SharedPromptPolicyMixin:
 
     _shared_pieces: dict[tuple[int, ...], _Piece]
     shared_prompt_stats: SharedPromptStats
+    _share_prompts: bool = False
 
     def _shares_prompts(self) -> bool:
-        return bool(getattr(self.args, "tree_share_across_microbatches", False) and self.args.tree_logprobs)
+        return self._share_prompts
 
     def _check_shared_prompts(self) -> None:
-        """Refusals that TRL's ``__init__`` makes decidable (``ValueError`` naming the option)."""
+        """Decide whether the shared policy pass runs: ``tree_share_across_microbatches=True`` raises ``ValueError``
+        (naming the option) for what it cannot do, the default ``None`` turns it off there (logged), ``False`` off."""
         self._shared_pieces = {}
         self.shared_prompt_stats = SharedPromptStats()
-        if not self._shares_prompts():
+        setting = self.args.tree_share_across_microbatches
+        self._share_prompts = setting is not False
+        if setting is False:
             return
-        causes = []
+        try:
+            self._refuse_shared_prompts()
+        except ValueError as error:
+            if setting:
+                raise
+            self._share_prompts = False
+            logger.info(
+                "hf_tree: the shared-prompt policy pass is off (%s); each micro-batch packs its own rows.", error
+            )
+
+    def _refuse_shared_prompts(self) -> None:
+        """``ValueError`` naming the option for what the shared policy pass cannot do on this trainer."""
+        causes = self.args.shared_prompt_config_causes()
         if self.accelerator.num_processes > 1:
             causes.append(
                 f"{self.accelerator.num_processes} processes (DDP/FSDP: the pieces' own backward runs "
@@ -246,7 +271,8 @@ class SharedPromptPolicyMixin:
         self, model: torch.nn.Module, input_ids: torch.Tensor, attention_mask: torch.Tensor, logits_to_keep: int
     ) -> tuple[torch.Tensor, torch.Tensor, None] | None:
         """TRL's ``[B, logits_to_keep]`` log-probs and entropies; ``None`` when nothing is scored (the packed pass
-        then returns TRL's zero output connected to the model)."""
+        then returns TRL's zero output connected to the model) or, with the default (automatic) setting, when no
+        prompt of the micro-batch is shared or the model's first-use probe rules the pass out (the packed pass runs)."""
         ids = input_ids.detach().cpu().numpy()
         real = attention_mask.detach().cpu().numpy() != 0
         batch_size, width = ids.shape
@@ -275,6 +301,10 @@ class SharedPromptPolicyMixin:
                 "with accelerate's sync_gradients set on the last one, as transformers.Trainer does."
             )
 
+        later = self._later_prompts()
+        automatic = self.args.tree_share_across_microbatches is None
+        if automatic and not any(prompt in later or prompt in self._shared_pieces for prompt in groups):
+            return None  # nothing to share: the per-micro-batch packed pass
         unwrapped = self.accelerator.unwrap_model(model)
         causal_lm = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
         self_check = self_check_setting(self.args.tree_self_check)
@@ -282,10 +312,13 @@ class SharedPromptPolicyMixin:
         try:
             check_depth_first(unwrapped, causal_lm, logit_head, self_check)
         except ValueError as error:
-            raise ValueError(f"{OPTION}: {error} (or set tree_share_across_microbatches=False)") from error
+            if not automatic:
+                raise ValueError(f"{OPTION}: {error} (or set tree_share_across_microbatches=False)") from error
+            self._share_prompts = False  # no piece exists yet: the first shared pass probes the model
+            logger.warning("hf_tree: the shared-prompt policy pass is off: %s", error)
+            return None
         backbone = backbone_of(causal_lm)
         device = causal_lm.get_input_embeddings().weight.device
-        later = self._later_prompts()
         stats = self.shared_prompt_stats
         predicting, targets, output_index = [], [], []
         forwarded = 0
