@@ -15,7 +15,6 @@ engine (or, for a long prefix over a short unit, by the dense mask of ``hf_tree.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,13 +30,17 @@ from hf_tree.attention.segments import (
 )
 
 
-@dataclass(eq=False)
 class PrefixCache:
     """The ancestors' cache one depth-first unit reads, and the unit's own entries (a side output for its descendants).
 
     Entries are keyed by what records them: ``("key", layer_idx)`` and ``("value", layer_idx)`` for an attention layer's
     post-RoPE keys/values ``[B, Hkv, n, D]`` (as its attention function receives them), ``("conv", id)`` for a causal
     convolution's inputs ``[B, C, n]`` (``hf_tree.models.mixers.conv``); tokens are on dim 2 in every entry.
+
+    A plain class, not a dataclass, on purpose: wrappers that rebuild the dataclasses, dicts and lists of a module's
+    inputs (FSDP2 wraps every grad-requiring input tensor and rebuilds its container with ``dataclasses.replace``;
+    ``to(device)`` helpers copy containers) would hand each layer a copy whose ``own`` the executor never sees, and
+    the descendants would silently lose the cache. An opaque object reaches every layer as the same instance.
 
     Attributes:
         cached: the ancestors' entries (``n = P`` tokens, the prefix); empty for a unit without ancestors.
@@ -48,10 +51,19 @@ class PrefixCache:
         own: filled during the unit's forward: its own entries (``n = N`` tokens, with their autograd graph).
     """
 
-    cached: dict[Hashable, torch.Tensor]
-    row_kv_end: torch.Tensor
-    row_position_ids: torch.Tensor
-    own: dict[Hashable, torch.Tensor] = field(default_factory=dict)
+    __slots__ = ("cached", "own", "row_kv_end", "row_position_ids")
+
+    def __init__(
+        self,
+        cached: dict[Hashable, torch.Tensor],
+        row_kv_end: torch.Tensor,
+        row_position_ids: torch.Tensor,
+        own: dict[Hashable, torch.Tensor] | None = None,
+    ) -> None:
+        self.cached = cached
+        self.row_kv_end = row_kv_end
+        self.row_position_ids = row_position_ids
+        self.own = {} if own is None else own
 
     @classmethod
     def over(

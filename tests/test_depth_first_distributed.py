@@ -1,0 +1,203 @@
+"""Depth-first execution (``tree_execution="auto"`` and ``"depth_first"``) under ``accelerate launch`` with 2 CPU
+processes (gloo): FSDP2 (each ``fsdp_configs/*.json``: plain, FSDP activation checkpointing, LoRA) and plain DDP.
+
+The file is also the launched worker (``__main__``). The worker trains 3 SGD steps of ``TreeTrainer`` with 2
+accumulated micro-batches of 2 trees per rank, rows (and units) of 12 tokens and branches up to 21: "auto" runs the
+trees over 12 tokens depth-first beside packed rows (some micro-batches hold only depth-first trees on one rank),
+"depth_first" runs every tree depth-first (every micro-batch is the placeholder row plus units). Each rank runs as
+many units as its own trees need. It evaluates, saves the final model (``save_model``) and reports parameters,
+logged losses, the evaluation loss and the token count. Oracle: one process of packed ``TreeTrainer`` (rows of 64,
+nothing split) on the same global batch (2 processes x 2 trees = 1 process x 4 trees): same parameters, losses,
+evaluation loss and saved tensors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":  # launched as a script: make `hf_tree` and `tests` importable from the checkout
+    sys.path.insert(0, str(REPO))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from tests.helpers import launch_command, max_relative_error  # noqa: E402
+
+FSDP_CONFIGS = sorted((REPO / "fsdp_configs").glob("*.json"))
+DDP_CONFIG = {
+    "compute_environment": "LOCAL_MACHINE",
+    "distributed_type": "MULTI_CPU",
+    "mixed_precision": "no",
+    "num_machines": 1,
+    "num_processes": 2,
+    "machine_rank": 0,
+    "main_training_function": "main",
+    "rdzv_backend": "static",
+    "same_network": True,
+    "use_cpu": True,
+}
+EXECUTIONS = tuple(os.environ.get("DF_EXECUTIONS", "auto,depth_first").split(","))
+GLOBAL_BATCH = 4
+ACCUMULATION = 2
+STEPS = 3
+ROW_TOKENS = 12
+# float32 on gloo: reductions and units add up in a different order than one packed process
+TOLERANCE = 2e-5
+
+
+def make_model(lora: bool) -> torch.nn.Module:
+    """The tiny float32 Llama with tied embeddings (as test_fsdp.py), identical on every rank; LoRA adapters start
+    non-zero so both adapter matrices get gradients from step 1."""
+    from peft import LoraConfig, get_peft_model
+
+    from tests.helpers import VOCAB, tiny_model
+
+    model = tiny_model(vocab_size=VOCAB, dtype=torch.float32, tie_word_embeddings=True)
+    if lora:
+        config = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+        model = get_peft_model(model, config)
+    return model
+
+
+def datasets_():
+    from tests.workloads import branch_groups, tree_dataset
+
+    train = tree_dataset(branch_groups(seed=5, num_trees=GLOBAL_BATCH * ACCUMULATION * STEPS))
+    evaluation = tree_dataset(branch_groups(seed=6, num_trees=GLOBAL_BATCH * 2))
+    return train, evaluation
+
+
+def train(directory: str, lora: bool, per_device_batch: int, **tree_args) -> dict:
+    """Train, evaluate and ``save_model`` to ``directory/final``; parameters (full tensors), losses, evaluation loss
+    and the number of input tokens seen."""
+    from torch.distributed.tensor import DTensor
+
+    from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
+    from tests.helpers import exact_sgd_args
+
+    train_set, eval_set = datasets_()
+    model = make_model(lora)
+    args = exact_sgd_args(
+        directory,
+        per_device_train_batch_size=per_device_batch,
+        per_device_eval_batch_size=per_device_batch,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=STEPS,
+        learning_rate=0.2,
+        seed=3,
+        train_sampling_strategy="sequential",
+        include_num_input_tokens_seen="all",
+        **tree_args,
+    )
+    trainer = TreeTrainer(model=model, args=TreeTrainingArguments(**args), train_dataset=train_set)
+    trainer.train()
+    eval_loss = trainer.evaluate(eval_set)["eval_loss"]
+    trainer.save_model(str(Path(directory) / "final"))
+    named = [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in model.named_parameters()]
+    return {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "num_processes": trainer.accelerator.num_processes,
+        "sharded": all(isinstance(p, DTensor) for _, p in named),
+        "params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in named},
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "eval_loss": eval_loss,
+        "tokens_seen": trainer.state.num_input_tokens_seen,
+    }
+
+
+def depth_first_run(directory: str, lora: bool, per_device_batch: int, execution: str) -> dict:
+    if execution == "packed":  # debugging: the oracle's own setting under several processes
+        return train(directory, lora, per_device_batch, max_packed_tokens=64)
+    return train(
+        directory,
+        lora,
+        per_device_batch,
+        max_packed_tokens=ROW_TOKENS,
+        max_branch_tokens=2 * ROW_TOKENS,
+        tree_execution=execution,
+    )
+
+
+def saved_weights(directory: Path, lora: bool) -> dict[str, torch.Tensor]:
+    return load_file(directory / ("adapter_model.safetensors" if lora else "model.safetensors"))
+
+
+def test_the_workload_has_trees_on_both_sides_of_a_row():
+    """ "auto" packs some trees and runs others depth-first; some trees have several units."""
+    from hf_tree import Tree
+
+    train_set, _ = datasets_()
+    sizes = [Tree.from_dict(row).num_tokens for row in train_set]
+    assert min(sizes) <= ROW_TOKENS < 2 * ROW_TOKENS < max(sizes)
+
+
+def launch_config(tmp_path: Path, name: str) -> Path:
+    if name == "ddp":
+        config = tmp_path / "ddp.json"
+        config.write_text(json.dumps(DDP_CONFIG))
+        return config
+    return REPO / "fsdp_configs" / f"{name}.json"
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["ddp", *(c.stem for c in FSDP_CONFIGS)])
+def test_depth_first_on_two_cpu_processes_matches_one_packed_process(tmp_path, name):
+    lora = "lora" in name
+    report = tmp_path / "report.pt"
+    command = [*launch_command(launch_config(tmp_path, name)), __file__, "--report", str(report)]
+    command += ["--output_dir", str(tmp_path / "run"), *(["--lora"] if lora else [])]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    runs = torch.load(report)
+
+    single = train(str(tmp_path / "single"), lora, GLOBAL_BATCH, max_packed_tokens=64)
+    initial = {n: p.detach() for n, p in make_model(lora).named_parameters()}
+    trainable = {n for n, p in make_model(lora).named_parameters() if p.requires_grad}
+    for execution in EXECUTIONS:
+        run = runs[execution]
+        assert run["num_processes"] == 2
+        if name == "ddp":
+            assert run["distributed_type"] == "DistributedType.MULTI_CPU"
+        else:
+            assert run["distributed_type"] == "DistributedType.FSDP" and run["sharded"]
+        # training moved the trainable parameters well beyond the tolerance, and only those
+        assert max_relative_error({n: run["params"][n] for n in trainable}, {n: initial[n] for n in trainable}) > 1e-3
+        assert {n for n, p in run["params"].items() if not torch.equal(p, initial[n])} == trainable
+        assert max_relative_error(run["params"], single["params"]) <= TOLERANCE, execution
+        assert max(float((run["params"][n] - single["params"][n]).abs().max()) for n in trainable) <= 1e-5
+        assert run["losses"] == pytest.approx(single["losses"], rel=TOLERANCE)
+        assert run["eval_loss"] == pytest.approx(single["eval_loss"], rel=TOLERANCE)
+        # the final save holds the trained parameters, as one process writes them
+        saved = saved_weights(tmp_path / "run" / execution / "final", lora)
+        expected = saved_weights(tmp_path / "single" / "final", lora)
+        assert saved.keys() == expected.keys() and "lm_head.weight" not in saved
+        assert max_relative_error(saved, expected) <= TOLERANCE
+        if not lora:
+            assert max_relative_error(saved, {n: run["params"][n] for n in saved}) == 0.0
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--output_dir", required=True)
+    parser.add_argument("--report", required=True)
+    parser.add_argument("--lora", action="store_true")
+    options = parser.parse_args()
+    out = {
+        execution: depth_first_run(str(Path(options.output_dir) / execution), options.lora, 2, execution)
+        for execution in EXECUTIONS
+    }
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(out, options.report)
+    if torch.distributed.is_initialized():  # every rank leaves together (an early exit aborts gloo's threads)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
