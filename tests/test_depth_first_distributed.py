@@ -32,7 +32,7 @@ from tests.helpers import launch_command, max_relative_error  # noqa: E402
 FSDP_CONFIGS = sorted((REPO / "fsdp_configs").glob("*.json"))
 DDP_CONFIG = {
     "compute_environment": "LOCAL_MACHINE",
-    "distributed_type": "MULTI_CPU",
+    "distributed_type": "MULTI_GPU",
     "mixed_precision": "no",
     "num_machines": 1,
     "num_processes": 2,
@@ -40,7 +40,7 @@ DDP_CONFIG = {
     "main_training_function": "main",
     "rdzv_backend": "static",
     "same_network": True,
-    "use_cpu": True,
+    "use_cpu": False,
 }
 EXECUTIONS = tuple(os.environ.get("DF_EXECUTIONS", "auto,depth_first").split(","))
 GLOBAL_BATCH = 4
@@ -103,6 +103,7 @@ def train(directory: str, lora: bool, per_device_batch: int, **tree_args) -> dic
     return {
         "distributed_type": str(trainer.accelerator.distributed_type),
         "num_processes": trainer.accelerator.num_processes,
+        "wrapper": type(trainer.model_wrapped).__name__,
         "sharded": all(isinstance(p, DTensor) for _, p in named),
         "params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in named},
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -154,6 +155,8 @@ def test_depth_first_on_two_cpu_processes_matches_one_packed_process(tmp_path, n
     command = [*launch_command(launch_config(tmp_path, name)), __file__, "--report", str(report)]
     command += ["--output_dir", str(tmp_path / "run"), *(["--lora"] if lora else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    if name == "ddp":  # torchrun-launched processes without an accelerator: DDP on gloo (MULTI_CPU)
+        env["ACCELERATE_USE_CPU"] = "true"
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     runs = torch.load(report)
@@ -165,7 +168,7 @@ def test_depth_first_on_two_cpu_processes_matches_one_packed_process(tmp_path, n
         run = runs[execution]
         assert run["num_processes"] == 2
         if name == "ddp":
-            assert run["distributed_type"] == "DistributedType.MULTI_CPU"
+            assert run["distributed_type"] == "DistributedType.MULTI_CPU" and run["wrapper"] == "DistributedDataParallel"
         else:
             assert run["distributed_type"] == "DistributedType.FSDP" and run["sharded"]
         # training moved the trainable parameters well beyond the tolerance, and only those
