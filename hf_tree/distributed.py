@@ -11,6 +11,9 @@ DDP) and drops the FSDP plugin, since it enables FSDP only for GPU-like distribu
 ``ACCELERATE_USE_CPU`` (before ``TrainingArguments`` creates the process state: ``TreeArguments`` calls it
 first) and wraps ``AcceleratorState.__init__`` to finish the FSDP set-up accelerate does on GPUs (distributed
 type, plugin, mixed precision), with a warning. Nothing changes otherwise.
+
+``local_depth_first_model`` lets each rank run its depth-first units (``hf_tree.depth_first``) without collectives
+under DDP or FSDP2 (docs/depth_first.md, "Several processes").
 """
 
 from __future__ import annotations

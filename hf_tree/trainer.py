@@ -40,7 +40,7 @@ from hf_tree.config import TreeArguments
 from hf_tree.depth_first import DepthFirstConfig, depth_first_backward, refuse_for_depth_first
 from hf_tree.distributed import enable_fsdp2_on_cpu, local_depth_first_model
 from hf_tree.loss import TreeLosses, tree_losses
-from hf_tree.models.check import self_check_setting
+from hf_tree.models.check import check_model_for_trees, self_check_setting
 from hf_tree.models.head import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
@@ -414,6 +414,9 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         if self._depth_first_on_any_rank(trees):
             divisor = None if num_items_in_batch is None else num_items_in_batch / self.accelerator.num_processes
             with local_depth_first_model(model) as local:
+                # the first-use self-check forwards the model: inside, on every rank, or a rank without trees would
+                # run it in the packed step below, all-gathering alone
+                check_model_for_trees(local, self.tree_self_check)
                 if trees:
                     local.train()
                     with self.compute_loss_context_manager():
@@ -460,6 +463,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             if self._depth_first_on_several_processes:  # collectives in step on every rank (FSDP2's unshard)
                 if self._depth_first_on_any_rank(trees):
                     with local_depth_first_model(model) as local:
+                        check_model_for_trees(local, self.tree_self_check)  # every rank (see training)
                         if trees:
                             total = total + self._depth_first_loss(local, trees, 1.0).to(total)
             elif trees:

@@ -68,7 +68,11 @@ def make_model(lora: bool) -> torch.nn.Module:
 def datasets_():
     from tests.workloads import branch_groups, tree_dataset
 
-    train = tree_dataset(branch_groups(seed=5, num_trees=GLOBAL_BATCH * ACCUMULATION * STEPS))
+    groups = branch_groups(seed=5, num_trees=GLOBAL_BATCH * ACCUMULATION * STEPS)
+    # trees 19 and 22 (10 and 11 tokens) fit a row: rank 1's first micro-batch holds no depth-first tree under "auto"
+    # (it must still join rank 0's unsharding, and its first-use self-check must run where rank 0's does)
+    groups[2], groups[19], groups[3], groups[22] = groups[19], groups[2], groups[22], groups[3]
+    train = tree_dataset(groups)
     evaluation = tree_dataset(branch_groups(seed=6, num_trees=GLOBAL_BATCH * 2))
     return train, evaluation
 
@@ -136,6 +140,7 @@ def test_the_workload_has_trees_on_both_sides_of_a_row():
     train_set, _ = datasets_()
     sizes = [Tree.from_dict(row).num_tokens for row in train_set]
     assert min(sizes) <= ROW_TOKENS < 2 * ROW_TOKENS < max(sizes)
+    assert max(sizes[2:4]) <= ROW_TOKENS < min(sizes[:2])  # rank 1 packs its first micro-batch, rank 0 does not
 
 
 def launch_config(tmp_path: Path, name: str) -> Path:
@@ -168,14 +173,18 @@ def test_depth_first_on_two_cpu_processes_matches_one_packed_process(tmp_path, n
         run = runs[execution]
         assert run["num_processes"] == 2
         if name == "ddp":
-            assert run["distributed_type"] == "DistributedType.MULTI_CPU" and run["wrapper"] == "DistributedDataParallel"
+            assert (
+                run["distributed_type"] == "DistributedType.MULTI_CPU" and run["wrapper"] == "DistributedDataParallel"
+            )
         else:
             assert run["distributed_type"] == "DistributedType.FSDP" and run["sharded"]
         # training moved the trainable parameters well beyond the tolerance, and only those
         assert max_relative_error({n: run["params"][n] for n in trainable}, {n: initial[n] for n in trainable}) > 1e-3
         assert {n for n, p in run["params"].items() if not torch.equal(p, initial[n])} == trainable
-        assert max_relative_error(run["params"], single["params"]) <= TOLERANCE, execution
-        assert max(float((run["params"][n] - single["params"][n]).abs().max()) for n in trainable) <= 1e-5
+        relative = max_relative_error(run["params"], single["params"])
+        absolute = max(float((run["params"][n] - single["params"][n]).abs().max()) for n in run["params"])
+        print(f"{name} {execution}: parameters vs one packed process: relative {relative:.2e}, absolute {absolute:.2e}")
+        assert relative <= TOLERANCE and absolute <= 1e-5, execution
         assert run["losses"] == pytest.approx(single["losses"], rel=TOLERANCE)
         assert run["eval_loss"] == pytest.approx(single["eval_loss"], rel=TOLERANCE)
         # the final save holds the trained parameters, as one process writes them
