@@ -143,6 +143,44 @@ def test_the_workload_has_trees_on_both_sides_of_a_row():
     assert max(sizes[2:4]) <= ROW_TOKENS < min(sizes[:2])  # rank 1 packs its first micro-batch, rank 0 does not
 
 
+@pytest.mark.parametrize(
+    ("distributed_type", "fsdp2", "replicate", "refused"),
+    [
+        ("MULTI_GPU", False, 1, None),
+        ("MULTI_CPU", False, 1, None),
+        ("FSDP", True, 1, None),
+        ("FSDP", False, 1, "under DistributedType.FSDP"),  # FSDP1
+        ("FSDP", True, 2, "HSDP"),
+        ("XLA", False, 1, "under DistributedType.XLA"),
+    ],
+)
+def test_depth_first_refuses_only_what_it_cannot_run_on_several_processes(
+    tmp_path, distributed_type, fsdp2, replicate, refused
+):
+    """``_depth_first_config`` on 2 processes of each kind (a stand-in accelerator; the launched tests run them)."""
+    from types import SimpleNamespace
+
+    from accelerate.utils import DistributedType
+
+    from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
+    from tests.helpers import exact_sgd_args
+
+    train_set, _ = datasets_()
+    args = exact_sgd_args(str(tmp_path), max_packed_tokens=ROW_TOKENS, max_branch_tokens=24, tree_execution="auto")
+    trainer = TreeTrainer(model=make_model(False), args=TreeTrainingArguments(**args), train_dataset=train_set)
+    trainer.accelerator = SimpleNamespace(
+        num_processes=2,
+        distributed_type=getattr(DistributedType, distributed_type),
+        is_fsdp2=fsdp2,
+        parallelism_config=SimpleNamespace(dp_replicate_size=replicate, tp_size=1),
+    )
+    if refused is None:
+        assert trainer._depth_first_config().max_unit_tokens == ROW_TOKENS
+    else:
+        with pytest.raises(ValueError, match=rf"tree_execution='auto'.*{refused}.*tree_execution='packed'"):
+            trainer._depth_first_config()
+
+
 def launch_config(tmp_path: Path, name: str) -> Path:
     if name == "ddp":
         config = tmp_path / "ddp.json"
