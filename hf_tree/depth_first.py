@@ -354,7 +354,7 @@ def probe_depth_first(model: torch.nn.Module, causal_lm: PreTrainedModel, logit_
 
     def recorder(name: str) -> Callable[..., torch.Tensor]:
         def token_loss(head, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            recorded[name].append(hidden)
+            recorded[name].append(hidden.detach())
             return hidden.new_zeros(())
 
         return token_loss
