@@ -1,5 +1,6 @@
 """Depth-first execution (``tree_execution="auto"`` and ``"depth_first"``) under ``accelerate launch`` with 2 CPU
-processes (gloo): FSDP2 (each ``fsdp_configs/*.json``: plain, FSDP activation checkpointing, LoRA) and plain DDP.
+processes (gloo): FSDP2 (each ``fsdp_configs/*.json``: plain, FSDP activation checkpointing, LoRA with transformers'
+gradient checkpointing) and plain DDP.
 
 The file is also the launched worker (``__main__``). The worker trains 3 SGD steps of ``TreeTrainer`` with 2
 accumulated micro-batches of 2 trees per rank, rows (and units) of 12 tokens and branches up to 21: "auto" runs the
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -82,6 +84,7 @@ def train(directory: str, lora: bool, per_device_batch: int, **tree_args) -> dic
     and the number of input tokens seen."""
     from torch.distributed.tensor import DTensor
 
+    from hf_tree.models.head import causal_lm_of
     from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
     from tests.helpers import exact_sgd_args
 
@@ -108,6 +111,7 @@ def train(directory: str, lora: bool, per_device_batch: int, **tree_args) -> dic
         "distributed_type": str(trainer.accelerator.distributed_type),
         "num_processes": trainer.accelerator.num_processes,
         "wrapper": type(trainer.model_wrapped).__name__,
+        "gradient_checkpointing": causal_lm_of(model).is_gradient_checkpointing,
         "sharded": all(isinstance(p, DTensor) for _, p in named),
         "params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in named},
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -119,6 +123,8 @@ def train(directory: str, lora: bool, per_device_batch: int, **tree_args) -> dic
 def depth_first_run(directory: str, lora: bool, per_device_batch: int, execution: str) -> dict:
     if execution == "packed":  # debugging: the oracle's own setting under several processes
         return train(directory, lora, per_device_batch, max_packed_tokens=64)
+    # LoRA as docs/training.md recommends under FSDP2: transformers' gradient checkpointing (non-reentrant)
+    checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     return train(
         directory,
         lora,
@@ -126,6 +132,7 @@ def depth_first_run(directory: str, lora: bool, per_device_batch: int, execution
         max_packed_tokens=ROW_TOKENS,
         max_branch_tokens=2 * ROW_TOKENS,
         tree_execution=execution,
+        **(checkpointing if lora else {}),
     )
 
 
@@ -181,6 +188,12 @@ def test_depth_first_refuses_only_what_it_cannot_run_on_several_processes(
             trainer._depth_first_config()
 
 
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
 def launch_config(tmp_path: Path, name: str) -> Path:
     if name == "ddp":
         config = tmp_path / "ddp.json"
@@ -196,6 +209,7 @@ def test_depth_first_on_two_cpu_processes_matches_one_packed_process(tmp_path, n
     lora = "lora" in name
     report = tmp_path / "report.pt"
     command = [*launch_command(launch_config(tmp_path, name)), __file__, "--report", str(report)]
+    command[command.index("--main_process_port") + 1] = str(free_port())  # launches in a row never share one
     command += ["--output_dir", str(tmp_path / "run"), *(["--lora"] if lora else [])]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
     if name == "ddp":  # torchrun-launched processes without an accelerator: DDP on gloo (MULTI_CPU)
@@ -209,7 +223,7 @@ def test_depth_first_on_two_cpu_processes_matches_one_packed_process(tmp_path, n
     trainable = {n for n, p in make_model(lora).named_parameters() if p.requires_grad}
     for execution in EXECUTIONS:
         run = runs[execution]
-        assert run["num_processes"] == 2
+        assert run["num_processes"] == 2 and run["gradient_checkpointing"] == lora
         if name == "ddp":
             assert (
                 run["distributed_type"] == "DistributedType.MULTI_CPU" and run["wrapper"] == "DistributedDataParallel"
