@@ -44,7 +44,7 @@ DDP_CONFIG = {
     "same_network": True,
     "use_cpu": False,
 }
-EXECUTIONS = tuple(os.environ.get("DF_EXECUTIONS", "auto,depth_first").split(","))
+EXECUTIONS = ("auto", "depth_first")
 GLOBAL_BATCH = 4
 ACCUMULATION = 2
 STEPS = 3
@@ -111,7 +111,7 @@ def train(directory: str, lora: bool, per_device_batch: int, **tree_args) -> dic
         "distributed_type": str(trainer.accelerator.distributed_type),
         "num_processes": trainer.accelerator.num_processes,
         "wrapper": type(trainer.model_wrapped).__name__,
-        "gradient_checkpointing": causal_lm_of(model).is_gradient_checkpointing,
+        "gradient_checkpointing": causal_lm_of(model).is_activation_checkpointing,
         "sharded": all(isinstance(p, DTensor) for _, p in named),
         "params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in named},
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -121,8 +121,6 @@ def train(directory: str, lora: bool, per_device_batch: int, **tree_args) -> dic
 
 
 def depth_first_run(directory: str, lora: bool, per_device_batch: int, execution: str) -> dict:
-    if execution == "packed":  # debugging: the oracle's own setting under several processes
-        return train(directory, lora, per_device_batch, max_packed_tokens=64)
     # LoRA as docs/training.md recommends under FSDP2: transformers' gradient checkpointing (non-reentrant)
     checkpointing = dict(gradient_checkpointing=True, gradient_checkpointing_kwargs={"use_reentrant": False})
     return train(
