@@ -134,6 +134,69 @@ def depth_first_run(directory: str, lora: bool, per_device_batch: int, execution
     )
 
 
+def sft_run(directory: str, per_device_batch: int, **tree_args) -> dict:
+    """``TreeSFTTrainer`` (TRL) on 8 synthetic agent conversations (chat template, tools), 2 SGD steps of 2
+    accumulated micro-batches; parameters (full tensors) and logged losses."""
+    from torch.distributed.tensor import DTensor
+
+    from hf_tree import Tree
+    from hf_tree.assets import load_smollm2_tokenizer
+    from hf_tree.data.synthetic_agent import synthetic_agent_dataset
+    from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+    from tests.helpers import SMOLLM2_VOCAB, exact_sgd_args, tiny_model
+
+    dataset = synthetic_agent_dataset(8, seed=4, max_user_turns=2, max_tool_steps=1)
+    model = tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float32, attn="sdpa", tie_word_embeddings=True)
+    args = exact_sgd_args(
+        directory,
+        per_device_train_batch_size=per_device_batch,
+        gradient_accumulation_steps=ACCUMULATION,
+        max_steps=2,
+        learning_rate=0.2,
+        seed=3,
+        bf16=False,
+        train_sampling_strategy="sequential",
+        **tree_args,
+    )
+    trainer = TreeSFTTrainer(
+        model=model, args=TreeSFTConfig(**args), train_dataset=dataset, processing_class=load_smollm2_tokenizer()
+    )
+    trainer.train()
+    return {
+        "distributed_type": str(trainer.accelerator.distributed_type),
+        "params": {
+            n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in model.named_parameters()
+        },
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "tree_tokens": [Tree.from_dict(row).num_tokens for row in trainer.train_dataset],
+    }
+
+
+SFT_DEPTH_FIRST = dict(tree_execution="auto", max_packed_tokens=96, max_length=None, max_branch_tokens=4096)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_tree_sft_trainer_depth_first_under_fsdp2(tmp_path):
+    """TRL's path (``TreeSFTTrainer``): agent trajectories longer than rows of 96 tokens run depth-first under
+    FSDP2 on 2 processes; the parameters equal one packed process on the same global batch."""
+    report = tmp_path / "report.pt"
+    command = [*launch_command(REPO / "fsdp_configs" / "fsdp2_full.json"), __file__, "--report", str(report)]
+    command[command.index("--main_process_port") + 1] = str(free_port())
+    command += ["--output_dir", str(tmp_path / "run"), "--sft"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    run = torch.load(report)
+    single = sft_run(str(tmp_path / "single"), 2, max_packed_tokens=4096, max_length=None)
+    assert run["distributed_type"] == "DistributedType.FSDP" and len(run["tree_tokens"]) == 8
+    assert min(run["tree_tokens"]) > SFT_DEPTH_FIRST["max_packed_tokens"]  # every tree runs depth-first, in units
+    relative = max_relative_error(run["params"], single["params"])
+    print(f"TreeSFTTrainer FSDP2 auto: parameters vs one packed process: relative {relative:.2e}")
+    assert relative <= TOLERANCE
+    assert run["losses"] == pytest.approx(single["losses"], rel=TOLERANCE)
+
+
 def saved_weights(directory: Path, lora: bool) -> dict[str, torch.Tensor]:
     return load_file(directory / ("adapter_model.safetensors" if lora else "model.safetensors"))
 
@@ -253,11 +316,15 @@ if __name__ == "__main__":
     parser.add_argument("--output_dir", required=True)
     parser.add_argument("--report", required=True)
     parser.add_argument("--lora", action="store_true")
+    parser.add_argument("--sft", action="store_true", help="TreeSFTTrainer, 'auto'")
     options = parser.parse_args()
-    out = {
-        execution: depth_first_run(str(Path(options.output_dir) / execution), options.lora, 2, execution)
-        for execution in EXECUTIONS
-    }
+    if options.sft:
+        out = sft_run(options.output_dir, 1, **SFT_DEPTH_FIRST)
+    else:
+        out = {
+            execution: depth_first_run(str(Path(options.output_dir) / execution), options.lora, 2, execution)
+            for execution in EXECUTIONS
+        }
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(out, options.report)
     if torch.distributed.is_initialized():  # every rank leaves together (an early exit aborts gloo's threads)
