@@ -336,7 +336,7 @@ def probe_depth_first(model: torch.nn.Module, causal_lm: PreTrainedModel, logit_
 
     def recorder(name: str) -> Callable[..., torch.Tensor]:
         def token_loss(head, hidden: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            recorded[name].append(hidden)
+            recorded[name].append(hidden.detach())
             return hidden.new_zeros(())
 
         return token_loss
@@ -344,16 +344,20 @@ def probe_depth_first(model: torch.nn.Module, causal_lm: PreTrainedModel, logit_
     batch, _ = pack_trees([tree], tree.num_tokens)
     with eval_mode_no_grad(model):
         tree_causal_lm_loss(model, {k: v.to(device) for k, v in batch.items()}, token_loss=recorder("packed"))
-        _run_trees(
-            model,
-            causal_lm,
-            logit_head,
-            [tree],
-            DepthFirstConfig(PROBE_UNIT_TOKENS),
-            "token",
-            1.0,
-            recorder("depth_first"),
-        )
+        # With gradients on, as in training: a wrapper may handle grad-requiring inputs (the cache leaves) otherwise
+        # (FSDP2 rebuilt containers holding them, which lost the cache). No backward runs: the recorded loss is a
+        # constant, so no hidden state or cache leaf gets a gradient and no parameter's .grad changes.
+        with torch.enable_grad():
+            _run_trees(
+                model,
+                causal_lm,
+                logit_head,
+                [tree],
+                DepthFirstConfig(PROBE_UNIT_TOKENS),
+                "token",
+                1.0,
+                recorder("depth_first"),
+            )
     trained = np.nonzero(tree.token_weights)[0]
     order = torch.from_numpy(np.argsort(tree.predictor_index[trained], kind="stable")).to(device)
     packed = torch.cat(recorded["packed"]).index_select(0, order)  # the depth-first order: by predicting position

@@ -84,7 +84,7 @@ class PackingConfig:
             "run depth-first instead (docs/depth_first.md: every shared prefix computed once, activation memory of "
             "one root-to-leaf path, forwards of at most max_packed_tokens tokens); the others are packed. "
             "'depth_first': every tree runs depth-first. Depth-first runs in TreeTrainer/TreeSFTTrainer on one "
-            "process, without fp16 loss scaling.",
+            "process or under DDP/FSDP2, without fp16 loss scaling.",
             "choices": list(TREE_EXECUTIONS),
         },
     )

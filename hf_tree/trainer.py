@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from accelerate.utils import DistributedType
 from peft import PeftModel
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import EvalLoopOutput
@@ -37,9 +38,9 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
 from hf_tree.depth_first import DepthFirstConfig, depth_first_backward, refuse_for_depth_first
-from hf_tree.distributed import enable_fsdp2_on_cpu
+from hf_tree.distributed import enable_fsdp2_on_cpu, local_depth_first_model
 from hf_tree.loss import TreeLosses, tree_losses
-from hf_tree.models.check import self_check_setting
+from hf_tree.models.check import check_model_for_trees, self_check_setting
 from hf_tree.models.head import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
@@ -54,6 +55,21 @@ logger = logging.getLogger("hf_tree")
 
 # Per-step sums taken from each batch, all-reduced together with the loss divisor (index 0).
 STEP_SUM_KEYS = ("num_loss_items", "num_rows", *STATS_KEYS)
+# Multi-process accelerate types that wrap the model in DDP (depth-first execution supports them and FSDP2).
+DATA_PARALLEL_TYPES = frozenset(
+    getattr(DistributedType, name)
+    for name in (
+        "MULTI_CPU",
+        "MULTI_GPU",
+        "MULTI_NPU",
+        "MULTI_MLU",
+        "MULTI_SDAA",
+        "MULTI_MUSA",
+        "MULTI_XPU",
+        "MULTI_HPU",
+    )
+    if hasattr(DistributedType, name)
+)
 # Counts of branches packing changed or left out: reported as running totals, never silently lost.
 LOSS_OF_DATA_KEYS = ("num_truncated_branches", "num_dropped_branches", "num_dropped_trees")
 
@@ -236,15 +252,27 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         before the first step, what depth-first execution does not support.
 
         Raises:
-            ValueError: naming ``tree_execution`` and the fix, on several processes (DDP/FSDP), under context
-                parallel or DeepSpeed, with fp16 loss scaling, reentrant gradient checkpointing or an MoE router loss.
+            ValueError: naming ``tree_execution`` and the fix, on several processes other than DDP or FSDP2
+                (FSDP1, HSDP, tensor parallel, ...), under context parallel or DeepSpeed, with fp16 loss scaling,
+                reentrant gradient checkpointing or an MoE router loss.
         """
         packing = getattr(self.data_collator, "packing", None)
         if packing is None or packing.tree_execution == "packed":
             return None
         option = f"tree_execution={packing.tree_execution!r}"
+        accelerator = self.accelerator
+        distributed_type = accelerator.distributed_type
+        data_parallel = distributed_type in DATA_PARALLEL_TYPES or (
+            distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
+        )
+        parallelism = getattr(accelerator, "parallelism_config", None)
         unsupported = {
-            f"{self.accelerator.num_processes} processes (DDP/FSDP)": self.accelerator.num_processes > 1,
+            f"{accelerator.num_processes} processes under {distributed_type} (DDP and FSDP2 are supported)": (
+                accelerator.num_processes > 1 and not data_parallel and distributed_type != DistributedType.DEEPSPEED
+            ),
+            "FSDP2 with replicated shards (HSDP, dp_replicate_size > 1) or tensor parallel (untested)": (
+                parallelism is not None and (parallelism.dp_replicate_size > 1 or parallelism.tp_size > 1)
+            ),
             "context parallel": self.tree_context_parallel is not None,
             "DeepSpeed": self.is_deepspeed_enabled,
             "fp16 (loss scaling)": self.args.fp16,
@@ -252,9 +280,9 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         for what, present in unsupported.items():
             if present:
                 raise ValueError(
-                    f"{option} runs on one process without loss scaling; it does not support {what} yet. Set "
-                    "tree_execution='packed' (trees larger than max_packed_tokens are split by their branches), or "
-                    "train on one process (bf16 or float32)."
+                    f"{option} runs on one process or under DDP/FSDP2, without loss scaling; it does not support "
+                    f"{what}. Set tree_execution='packed' (trees larger than max_packed_tokens are split by their "
+                    "branches), or train with DDP/FSDP2 or on one process (bf16 or float32)."
                 )
         checkpointing = self.args.gradient_checkpointing_kwargs or {}
         if self.args.gradient_checkpointing and checkpointing.get("use_reentrant", False):
@@ -308,16 +336,21 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     def _track_num_input_tokens(self, inputs) -> None:
         """Trainer's count for ``include_num_input_tokens_seen="all"``: the tokens the model forwards, i.e. the packed
         rows (padding included) plus every token of the depth-first trees (each forwarded once, in units without
-        padding; an all-depth-first batch's placeholder row is not forwarded, so not counted). ``"non_padding"`` is
+        padding; on one process an all-depth-first batch's placeholder row is not forwarded, so not counted; on several
+        it is forwarded and counted). ``"non_padding"`` is
         counted in ``get_batch_samples`` as the branches' tokens (depth-first trees' included), since a tree batch has
         no attention_mask and its packed tokens hold each shared prefix once."""
         if self.args.include_num_input_tokens_seen in ("non_padding", "no"):
             return
         trees = inputs.get(DEPTH_FIRST_KEY) or ()
-        if not trees or len(inputs["loss_positions"]):  # the rows ran (training_step skips a placeholder row)
-            super()._track_num_input_tokens(inputs)
-        if trees:  # depth-first runs on one process (refused otherwise): no gather needed
-            self.state.num_input_tokens_seen += sum(tree.num_tokens for tree in trees)
+        several = self._depth_first_on_several_processes
+        # the rows ran (one process skips a placeholder row; several run it: it is the synchronizing backward)
+        if not trees or len(inputs["loss_positions"]) or several:
+            super()._track_num_input_tokens(inputs)  # gathers over ranks: every rank calls it
+        tokens = sum(tree.num_tokens for tree in trees)
+        if several:  # every rank, trees or not
+            tokens = int(self.accelerator.gather(torch.tensor(tokens, device=self.args.device)).sum())
+        self.state.num_input_tokens_seen += tokens
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         """``(context factory, this rank's inputs)``: the tree CP shard of the batch under context parallel, else
@@ -328,10 +361,13 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """Trainer's step on the packed rows, then depth-first execution of the trees the collator left whole
-        (``tree_execution``), which runs its own backward; the returned loss (detached) is their sum."""
+        (``tree_execution``), which runs its own backward; the returned loss (detached) is their sum. Under several
+        processes: ``_distributed_training_step``."""
         trees = inputs.get(DEPTH_FIRST_KEY)
         if DEPTH_FIRST_KEY in inputs:  # a copy without them: Trainer's token count (_track_num_input_tokens) sees them
             inputs = {key: value for key, value in inputs.items() if key != DEPTH_FIRST_KEY}
+        if self._depth_first_on_several_processes:
+            return self._distributed_training_step(model, inputs, trees or [], num_items_in_batch)
         if not trees:
             return super().training_step(model, inputs, num_items_in_batch)
         loss = None
@@ -339,16 +375,54 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             loss = super().training_step(model, inputs, num_items_in_batch)
         model.train()
         with self.compute_loss_context_manager():
-            depth_first = depth_first_backward(
-                model,
-                trees,
-                self.tree_depth_first,
-                self.data_collator.packing.normalization,
-                num_items_in_batch=num_items_in_batch,
-                token_loss=self.tree_token_loss,
-                self_check=self.tree_self_check,
-            )
+            depth_first = self._depth_first_loss(model, trees, num_items_in_batch)
         return depth_first if loss is None else loss + depth_first.to(loss)
+
+    @property
+    def _depth_first_on_several_processes(self) -> bool:
+        return self.tree_depth_first is not None and self.accelerator.num_processes > 1
+
+    def _depth_first_loss(self, model, trees, num_items_in_batch) -> torch.Tensor:
+        """``depth_first_backward`` of ``trees`` with the tree options (``num_items_in_batch``: the divisor)."""
+        return depth_first_backward(
+            model,
+            trees,
+            self.tree_depth_first,
+            self.data_collator.packing.normalization,
+            num_items_in_batch=num_items_in_batch,
+            token_loss=self.tree_token_loss,
+            self_check=self.tree_self_check,
+        )
+
+    def _depth_first_on_any_rank(self, trees) -> bool:
+        """Whether some rank runs depth-first trees in this micro-batch. Under FSDP2 every rank must then enter
+        ``local_depth_first_model`` (a collective unshard): one all-reduce of a flag; under DDP a rank's own trees."""
+        if not (self.is_fsdp_enabled and self.accelerator.is_fsdp2):
+            return bool(trees)
+        flag = torch.tensor(float(bool(trees)), device=self.args.device)
+        return bool(self.accelerator.reduce(flag, reduction="sum") > 0)
+
+    def _distributed_training_step(self, model, inputs, trees, num_items_in_batch):
+        """Depth-first under several processes (DDP or FSDP2). This rank's depth-first units run first, alone
+        (``hf_tree.distributed.local_depth_first_model``: no collective, however many units each rank has); their
+        gradients accumulate unreduced. Then Trainer's step on the packed rows runs on every rank, the placeholder row
+        of an all-depth-first micro-batch included (zero loss): the micro-batch's one synchronizing backward, which
+        under Trainer's gradient accumulation (``no_sync`` but for the step's last micro-batch) reduces everything the
+        step accumulated, as for packed rows alone. Both parts are divided by the step's global divisor times the
+        number of processes, since DDP and FSDP2 average gradients over ranks (``_tree_step_loss``)."""
+        depth_first = None
+        if self._depth_first_on_any_rank(trees):
+            divisor = None if num_items_in_batch is None else num_items_in_batch / self.accelerator.num_processes
+            with local_depth_first_model(model) as local:
+                # the first-use self-check forwards the model: inside, on every rank, or a rank without trees would
+                # run it in the packed step below, all-gathering alone
+                check_model_for_trees(local, self.tree_self_check)
+                if trees:
+                    local.train()
+                    with self.compute_loss_context_manager():
+                        depth_first = self._depth_first_loss(local, trees, divisor)
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        return loss if depth_first is None else loss + depth_first.to(loss)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``tree_causal_lm_loss``; with the step's global divisor, scaled by the number of processes because
@@ -386,16 +460,14 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
                 self_check=self.tree_self_check,
                 model_inputs=batch_model_inputs(model, inputs),  # images (evaluation is never context-parallel)
             ).token
-            if trees:
-                total = total + depth_first_backward(
-                    model,
-                    trees,
-                    self.tree_depth_first,
-                    self.data_collator.packing.normalization,
-                    num_items_in_batch=1.0,
-                    token_loss=self.tree_token_loss,
-                    self_check=self.tree_self_check,
-                ).to(total)
+            if self._depth_first_on_several_processes:  # collectives in step on every rank (FSDP2's unshard)
+                if self._depth_first_on_any_rank(trees):
+                    with local_depth_first_model(model) as local:
+                        check_model_for_trees(local, self.tree_self_check)  # every rank (see training)
+                        if trees:
+                            total = total + self._depth_first_loss(local, trees, 1.0).to(total)
+            elif trees:
+                total = total + self._depth_first_loss(model, trees, 1.0).to(total)
         items = inputs["num_loss_items"].to(total.device, torch.float64)
         if self._tree_eval_sums is not None:
             self._tree_eval_sums += torch.stack([total.detach().to(torch.float64), items])

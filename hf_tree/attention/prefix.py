@@ -15,7 +15,6 @@ engine (or, for a long prefix over a short unit, by the dense mask of ``hf_tree.
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +30,6 @@ from hf_tree.attention.segments import (
 )
 
 
-@dataclass(eq=False)
 class PrefixCache:
     """The ancestors' cache one depth-first unit reads, and the unit's own entries (a side output for its descendants).
 
@@ -41,6 +39,11 @@ class PrefixCache:
     ``("state", id)`` is a recurrence's state after the last token ``[B, *state]`` (gated delta rule, Mamba2 scan:
     ``hf_tree.models.mixers.topology.scan_levels``), keyed by the convolution its mixer runs first: a unit continues
     the state of its nearest cached ancestor piece, the last one on its path (``join``).
+
+    A plain class, not a dataclass, on purpose: wrappers that rebuild the dataclasses, dicts and lists of a module's
+    inputs (FSDP2 wraps every grad-requiring input tensor and rebuilds its container with ``dataclasses.replace``;
+    ``to(device)`` helpers copy containers) would hand each layer a copy whose ``own`` the executor never sees, and
+    the descendants would silently lose the cache. An opaque object reaches every layer as the same instance.
 
     Attributes:
         cached: the ancestors' entries (``n = P`` tokens, the prefix); empty for a unit without ancestors.
@@ -53,11 +56,21 @@ class PrefixCache:
             follows it in the same mixer: ``recurrent_state_key``).
     """
 
-    cached: dict[Hashable, torch.Tensor]
-    row_kv_end: torch.Tensor
-    row_position_ids: torch.Tensor
-    own: dict[Hashable, torch.Tensor] = field(default_factory=dict)
-    mixer: Hashable | None = None
+    __slots__ = ("cached", "mixer", "own", "row_kv_end", "row_position_ids")
+
+    def __init__(
+        self,
+        cached: dict[Hashable, torch.Tensor],
+        row_kv_end: torch.Tensor,
+        row_position_ids: torch.Tensor,
+        own: dict[Hashable, torch.Tensor] | None = None,
+        mixer: Hashable | None = None,
+    ) -> None:
+        self.cached = cached
+        self.row_kv_end = row_kv_end
+        self.row_position_ids = row_position_ids
+        self.own = {} if own is None else own
+        self.mixer = mixer
 
     @classmethod
     def over(
