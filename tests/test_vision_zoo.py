@@ -24,7 +24,7 @@ def test_supported_families_are_exact(model_type):
 
 @pytest.mark.parametrize(
     ("model_type", "reason"),
-    [("paligemma", "bidirectionally"), ("shieldgemma2", "not tested"), ("llava_next", "not tested")],
+    [("paligemma", "bidirectionally"), ("shieldgemma2", "not tested"), ("llava_next_video", "not tested")],
 )
 def test_unsupported_families_are_refused(model_type, reason):
     result = check_vision_architecture(model_type)

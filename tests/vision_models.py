@@ -93,6 +93,22 @@ CONFIGS = {
         image_token_id=IMAGE_TOKEN,
         vision_feature_layer=-1,
     ),
+    # Any-resolution tiles: 8x8 tiles of 4 patches; an image's grid is one of the pinpoints (tests/ tiny_image)
+    "llava_next": lambda: transformers.LlavaNextConfig(
+        text_config=dict(TEXT, model_type="llama"),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=8,
+            patch_size=4,
+        ),
+        image_token_id=IMAGE_TOKEN,
+        vision_feature_layer=-1,
+        image_grid_pinpoints=[[8, 16], [16, 8], [16, 16]],
+    ),
     # Local layers with a 3-token window, shorter than an image's 4 tokens: the window cuts the image blocks (the
     # bidirectional overlay is AND(window, OR(causal, block)) there), a global layer sees whole blocks.
     "gemma3": lambda: transformers.Gemma3Config(
@@ -149,8 +165,13 @@ def is_mrope(family: str) -> bool:
 
 def tiny_image(family: str, seed: int, height: int = 4, width: int = 4) -> dict[str, torch.Tensor]:
     """One image's processor tensors (random pixels). Qwen: a ``height x width`` patch grid (``height * width / 4``
-    placeholder tokens after the 2x2 merge); LLaVA: an 8x8 image (4 tokens); Idefics3/SmolVLM: one 8x8 tile."""
+    placeholder tokens after the 2x2 merge); LLaVA: an 8x8 image (4 tokens); Idefics3/SmolVLM: one 8x8 tile;
+    LLaVA-Next: 8x8 tiles of an 8x8 image for a square grid, of a 10x16 image otherwise (``image_sizes``)."""
     generator = torch.Generator().manual_seed(seed)
+    if family == "llava_next":  # a square grid: 8x8 (3 tiles, 10 tokens after unpadding), else 10x16 (5 tiles, 14)
+        image_sizes, tiles = ([8, 8], 3) if height == width else ([10, 16], 5)
+        pixels = torch.randn(1, tiles, 3, 8, 8, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([image_sizes])}
     if family in ("idefics3", "smolvlm"):
         pixels = torch.randn(1, 1, 3, 8, 8, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool)}
@@ -170,6 +191,8 @@ def placeholders(family: str, image: dict[str, torch.Tensor]) -> list[int]:
     begin/end-of-image tokens)."""
     if has_bidirectional_images(family):
         return [VISION_START] + [IMAGE_TOKEN] * 4 + [VISION_END]
+    if family == "llava_next":  # its processor's count: base tile + unpadded grid + one newline per grid row
+        return [IMAGE_TOKEN] * {(10, 16): 14, (8, 8): 10}[tuple(image["image_sizes"][0].tolist())]
     if not is_mrope(family):
         return [IMAGE_TOKEN] * 4
     count = int(image["image_grid_thw"].prod()) // 4
@@ -191,9 +214,7 @@ def per_branch_vlm_loss(
     try:
         for b, (seq, sample_images) in enumerate(zip(sequences, images)):
             ids = torch.tensor([list(seq)])
-            inputs = (
-                {k: torch.cat([image[k] for image in sample_images]) for k in sample_images[0]} if sample_images else {}
-            )
+            inputs = processor_batch(sample_images)
             if is_mrope(model.config.model_type):
                 inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
             if has_bidirectional_images(model.config.model_type) and not drop_image_blocks:
@@ -205,6 +226,25 @@ def per_branch_vlm_loss(
     finally:
         model.set_attn_implementation(previous)
     return total / divisor
+
+
+def processor_batch(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One sample's images as its processor batches them: tensors concatenated along dim 0, LLaVA-Next's tiles
+    ``[1, tiles, C, H, W]`` zero-padded to the sample's most tiles first."""
+    if not images:
+        return {}
+    if "image_sizes" in images[0]:
+        most = max(image["pixel_values"].shape[1] for image in images)
+        images = [
+            {
+                **image,
+                "pixel_values": F.pad(
+                    image["pixel_values"], (0, 0, 0, 0, 0, 0, 0, most - image["pixel_values"].shape[1])
+                ),
+            }
+            for image in images
+        ]
+    return {k: torch.cat([image[k] for image in images]) for k in images[0]}
 
 
 def llava_processor() -> transformers.LlavaProcessor:

@@ -71,11 +71,26 @@ def _concatenate(images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
                 f"image {m} of the batch has processor tensors {sorted(image)} but image 0 has {sorted(names)}: all "
                 "images of a batch must come from the same processor."
             )
+    images = _pad_tiles(images) if "image_sizes" in names else images
     for name in names:
         shapes = {tuple(image[name].shape[1:]) for image in images}
-        if len(shapes) > 1:  # e.g. LLaVA-Next's patches per image: padding would need the model's rule
+        if len(shapes) > 1:
             raise ValueError(
                 f"the batch's images have {name} of different shapes beyond dim 0 ({sorted(shapes)}): they cannot be "
-                "encoded together (models with a variable number of tiles per image are not supported)."
+                "encoded together (one processor, one image size; tiles only for models taking image_sizes)."
             )
     return {name: torch.cat([image[name] for image in images]) for name in sorted(names)}
+
+
+def _pad_tiles(images: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Any-resolution tiles (LLaVA-Next: ``pixel_values`` ``[1, tiles, C, H, W]`` with ``image_sizes``): zero-pad
+    every image to the batch's most tiles, as the processor pads a batch; the model keeps each image's own tiles
+    (their count follows from ``image_sizes``), so the padding is never encoded."""
+    pixels = [image["pixel_values"] for image in images]
+    if any(p.dim() != 5 for p in pixels):
+        return images
+    most = max(p.shape[1] for p in pixels)
+    return [
+        {**image, "pixel_values": torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1]))}
+        for image, p in zip(images, pixels)
+    ]

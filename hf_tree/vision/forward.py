@@ -56,6 +56,10 @@ SUPPORTED = {
     # AND(window, OR(causal, block))): the tree mask plus the same overlay (image_blocks), exact as each block lies
     # inside one tree node.
     "gemma3": VisionFamily(mrope=False, image_inputs=("pixel_values",), bidirectional_images=True),
+    # Any-resolution tiles: pixel_values [images, tiles, C, H, W] (zero-padded to the batch's most tiles; the model
+    # keeps each image's own count, from image_sizes) and image_sizes [images, 2]; each image's features are its
+    # base tile, then its unpadded tile grid with an image_newline per row: a different length per image.
+    "llava_next": VisionFamily(mrope=False, image_inputs=("image_sizes", "pixel_values")),
 }
 # Why other families are refused (a family not named here: it was not tested with tree batches).
 REFUSED = {
@@ -220,7 +224,7 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
             f"image_inputs holds {unknown}, which the tree forward of {type(causal_lm).__name__} does not pass to "
             f"get_image_features (it takes {list(family.image_inputs)}); drop them or train on flat sequences."
         )
-    required = ("pixel_values", "image_grid_thw") if family.mrope else ("pixel_values",)
+    required = [k for k in ("pixel_values", "image_grid_thw", "image_sizes") if k in family.image_inputs]
     missing = [k for k in required if k not in image_inputs]
     if missing:
         raise ValueError(f"image_inputs lacks {missing}, which {type(causal_lm).__name__}'s image encoder needs.")

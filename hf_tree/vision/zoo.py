@@ -94,7 +94,9 @@ def build_tiny_vlm(model_type: str, factory: ConfigFactory | None = None) -> tor
 def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """One image's processor tensors for a ``SUPPORTED`` family, sized from its vision config. Qwen (mRoPE): a
     ``2m x 2m`` patch grid (``m`` the spatial merge), ``pixel_values`` ``[4m^2, C*T*P*P]`` and ``image_grid_thw``;
-    Idefics3/SmolVLM: one unsplit tile ``[1, 1, 3, S, S]`` and its pixel mask; LLaVA: ``[1, 3, S, S]``."""
+    Idefics3/SmolVLM: one unsplit tile ``[1, 1, 3, S, S]`` and its pixel mask; LLaVA-Next: the tiles
+    ``[1, tiles, 3, S, S]`` of an image a bit shorter than one of its grid pinpoints, and ``image_sizes``; LLaVA:
+    ``[1, 3, S, S]``."""
     config = causal_lm_of(model).config
     family, vision = SUPPORTED[config.model_type], config.vision_config
     generator = torch.Generator().manual_seed(seed)
@@ -104,6 +106,15 @@ def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
         pixels = torch.randn(side * side, width, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
     size = vision.image_size
+    if "image_sizes" in family.image_inputs:  # any-resolution tiles: the base tile plus the grid of a pinpoint
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        pinpoints = config.image_grid_pinpoints
+        height, width = pinpoints[seed % len(pinpoints)]
+        image_sizes = [height - size // 4, width]  # not a pinpoint's shape: unpadding cuts its feature rows
+        tiles = image_size_to_num_patches(image_sizes, pinpoints, size)
+        pixels = torch.randn(1, tiles, 3, size, size, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([image_sizes])}
     if "pixel_attention_mask" in family.image_inputs:
         pixels = torch.randn(1, 1, 3, size, size, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, size, size, dtype=torch.bool)}
