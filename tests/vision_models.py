@@ -8,6 +8,7 @@ mRoPE families, ``token_type_ids`` for Gemma 3), combined with token normalizati
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Iterator, Sequence
 
@@ -129,6 +130,47 @@ CONFIGS = {
     ),
 }
 FAMILIES = tuple(CONFIGS)
+
+
+def shrunk(model_type: str, patches: int = 4) -> transformers.PretrainedConfig:
+    """``model_type``'s default config shrunk by the zoo's generic shrink, with images of ``patches x patches``
+    patches and the image placeholder moved inside the shrunk vocabulary (the zoo's probe tokens are below 100)."""
+    from hf_tree.vision.zoo import tiny_vision_config
+
+    config = tiny_vision_config(model_type)
+    vision, patch = config.vision_config, config.vision_config.patch_size
+    vision.image_size = [patch[0] * patches, patch[1] * patches] if isinstance(patch, list) else patch * patches
+    for key in ("image_token_id", "image_token_index"):
+        if getattr(config, key, None) is not None:
+            setattr(config, key, config.text_config.vocab_size - 1)
+    if getattr(config, "image_grid_pinpoints", None):  # LLaVA-Next: grids of 1x2, 2x1 and 2x2 tiles
+        side = vision.image_size
+        config.image_grid_pinpoints = [[side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
+    if hasattr(config, "mm_tokens_per_image"):  # Gemma 3's pooling: 2x2 of the 4x4 patches
+        config.mm_tokens_per_image = 4
+    if isinstance(getattr(config, "vision_feature_layers", None), list):  # VipLLaVA: layers of the shrunk tower
+        config.vision_feature_layers = [-2, -1]
+    return config
+
+
+# The zoo's tiny configs (benchmarks/vision_zoo.py, tests/test_vision_zoo.py): the families above, and the ones tested
+# by the zoo's probe only (hf_tree.vision.zoo: two trees, loss and every gradient against each sample alone).
+ZOO_CONFIGS = {
+    **CONFIGS,
+    **{
+        t: functools.partial(shrunk, t)
+        for t in (
+            "aya_vision",
+            "cohere2_vision",
+            "internvl",
+            "llava_next_video",
+            "qianfan_ocr",
+            "shieldgemma2",
+            "video_llava",
+            "vipllava",
+        )
+    },
+}
 # Families whose own float32 internals (GatedDeltaNet's decay parameters) bound the float64 comparison.
 FLOAT32_INTERNALS = ("qwen3_5",)
 

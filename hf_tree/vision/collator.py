@@ -20,7 +20,9 @@ class MediaTreeCollator:
     - ``media_ids`` ``[B, N]`` int64: the image each placeholder token shows (index into the batch's images), ``-1``
       for text and padding;
     - ``image_inputs``: the processor tensors of the batch's distinct images (dropped trees' images left out),
-      concatenated along dim 0 in image order (e.g. ``pixel_values``, ``image_grid_thw``); empty without images.
+      concatenated along dim 0 in image order (e.g. ``pixel_values``, ``image_grid_thw``; LLaVA-Next's tiles
+      ``[1, tiles, C, H, W]`` zero-padded to the batch's most tiles, as its processor pads them); empty without images;
+    - ``image_rows`` ``[images]`` int64: the rows of each image's ``pixel_values`` (crops, patches or 1).
 
     An image shared by several branches or trees of the batch is stored once. ``overlong="truncate"`` is refused: a
     cut could split an image's placeholder run.
@@ -58,6 +60,8 @@ def attach_media(batch: dict[str, Any], images: list[dict[str, torch.Tensor]], i
     renumber[used] = torch.arange(len(used), device=media_ids.device)
     batch["media_ids"] = renumber[media_ids]  # -1 maps through the last entry
     batch["image_inputs"] = _concatenate([images[m] for m in used])
+    # Rows of each image's pixel_values (InternVL: its crops), to give each image its entries of the encoder's output
+    batch["image_rows"] = torch.tensor([len(images[m]["pixel_values"]) for m in used], dtype=torch.int64)
     return batch
 
 

@@ -13,6 +13,7 @@ to the tree mask. Models not listed in ``SUPPORTED`` are refused.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,11 +35,14 @@ class VisionFamily:
         image_inputs: the processor tensors ``get_image_features`` takes (others are refused).
         bidirectional_images: each image's placeholder tokens attend to each other both ways (Gemma 3's
             ``token_type_ids`` mask overlay), passed to the tree attention as ``bidirectional_block``.
+        crops: an image may be several crops (``pixel_values`` ``[crops, C, H, W]``) written as one placeholder run
+            (InternVL); its features are its crops' in order (``image_features``).
     """
 
     mrope: bool
     image_inputs: tuple[str, ...]
     bidirectional_images: bool = False
+    crops: bool = False
 
 
 # Families whose packed forward is tested equal to per-branch training (tests/test_vision_forward.py).
@@ -60,6 +64,15 @@ SUPPORTED = {
     # keeps each image's own count, from image_sizes) and image_sizes [images, 2]; each image's features are its
     # base tile, then its unpadded tile grid with an image_newline per row: a different length per image.
     "llava_next": VisionFamily(mrope=False, image_inputs=("image_sizes", "pixel_values")),
+    "llava_next_video": VisionFamily(mrope=False, image_inputs=("image_sizes", "pixel_values")),  # its images
+    # One feature entry per image (or per crop, written as the image's one run: InternVL), scattered in order
+    "aya_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
+    "cohere2_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
+    "internvl": VisionFamily(mrope=False, image_inputs=("pixel_values",), crops=True),
+    "qianfan_ocr": VisionFamily(mrope=False, image_inputs=("pixel_values",), crops=True),
+    "shieldgemma2": VisionFamily(mrope=False, image_inputs=("pixel_values",), bidirectional_images=True),
+    "video_llava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
+    "vipllava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
 }
 # Why other families are refused (a family not named here: it was not tested with tree batches).
 REFUSED = {
@@ -118,6 +131,31 @@ def occurrences(media_ids: torch.Tensor, feature_lengths: list[int]) -> tuple[li
         showing[row, start:end] = torch.arange(len(shown), len(shown) + count).repeat_interleave(length)
         shown.extend([image] * count)
     return shown, showing
+
+
+def image_features(
+    pooler_output: torch.Tensor | Sequence[torch.Tensor], batch: dict[str, Any], name: str = "model"
+) -> list[torch.Tensor]:
+    """Each image's features ``[tokens, D]`` from ``get_image_features``' ``pooler_output``, whose entries follow the
+    rows of the images' ``pixel_values`` (``batch["image_rows"]``: rows per image): one per image for grids
+    (``image_grid_thw``: its rows are patches, Qwen) and for tiles (5-D ``pixel_values``: LLaVA-Next, Idefics3), one
+    per crop for 4-D ``pixel_values`` (InternVL's crops of one image: its features are its crops' in order, as the
+    model scatters them into the image's one placeholder run).
+
+    Raises:
+        ValueError: when the entries do not add up to the images' rows.
+    """
+    image_inputs = batch["image_inputs"]
+    if "image_grid_thw" in image_inputs:
+        counts = [1] * len(image_inputs["image_grid_thw"])
+    else:
+        counts = [int(c) for c in batch.get("image_rows", [1] * len(image_inputs["pixel_values"]))]
+    if len(pooler_output) != sum(counts):
+        raise ValueError(
+            f"{name}.get_image_features returned {len(pooler_output)} feature entries for images with {sum(counts)} "
+            "crops/images: hf_tree cannot tell which features belong to which image."
+        )
+    return [torch.cat(list(pooler_output[i - c : i])) for i, c in zip(np.cumsum(counts).tolist(), counts)]
 
 
 def image_blocks(media_ids: torch.Tensor, kv_end: torch.Tensor) -> torch.Tensor:
@@ -232,12 +270,16 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
     if family.bidirectional_images:  # checked before the encoder runs
         inputs["bidirectional_block"] = image_blocks(batch["media_ids"], batch["kv_end"]).to(device)
     features = causal_lm.get_image_features(**{k: v.to(device) for k, v in image_inputs.items()}, return_dict=True)
-    per_image = list(features.pooler_output)
+    per_image = image_features(features.pooler_output, batch, type(causal_lm).__name__)
     shown, showing = occurrences(batch["media_ids"], [len(f) for f in per_image])
     # The model scatters them in row-major order; in the container its own encoder returns (Gemma 3: one tensor)
     per_showing = [per_image[m] for m in shown]
-    stacked = isinstance(features.pooler_output, torch.Tensor)
-    features.pooler_output = torch.stack(per_showing) if stacked else tuple(per_showing)
+    if not isinstance(features.pooler_output, torch.Tensor):
+        features.pooler_output = tuple(per_showing)
+    elif len({f.shape for f in per_showing}) == 1:
+        features.pooler_output = torch.stack(per_showing)
+    else:  # crops of several sizes (InternVL: crops per image): one row, scattered in order all the same
+        features.pooler_output = torch.cat(per_showing)[None]
     if getattr(features, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image, like pooler_output
         features.deepstack_features = [tuple(layer[m] for m in shown) for layer in features.deepstack_features]
     inputs["mm_encoder_outputs"] = {"image": features}

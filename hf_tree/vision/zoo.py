@@ -95,8 +95,8 @@ def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """One image's processor tensors for a ``SUPPORTED`` family, sized from its vision config. Qwen (mRoPE): a
     ``2m x 2m`` patch grid (``m`` the spatial merge), ``pixel_values`` ``[4m^2, C*T*P*P]`` and ``image_grid_thw``;
     Idefics3/SmolVLM: one unsplit tile ``[1, 1, 3, S, S]`` and its pixel mask; LLaVA-Next: the tiles
-    ``[1, tiles, 3, S, S]`` of an image a bit shorter than one of its grid pinpoints, and ``image_sizes``; LLaVA:
-    ``[1, 3, S, S]``."""
+    ``[1, tiles, 3, S, S]`` of an image a bit shorter than one of its grid pinpoints, and ``image_sizes``; others
+    (LLaVA): ``[1, 3, S, S]``, two crops ``[2, 3, S, S]`` for an odd seed where an image may be several crops."""
     config = causal_lm_of(model).config
     family, vision = SUPPORTED[config.model_type], config.vision_config
     generator = torch.Generator().manual_seed(seed)
@@ -105,7 +105,7 @@ def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
         side, width = 2 * merge, getattr(vision, "in_channels", 3) * vision.temporal_patch_size * patch * patch
         pixels = torch.randn(side * side, width, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
-    size = vision.image_size
+    size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]  # square images
     if "image_sizes" in family.image_inputs:  # any-resolution tiles: the base tile plus the grid of a pinpoint
         from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
 
@@ -118,7 +118,8 @@ def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     if "pixel_attention_mask" in family.image_inputs:
         pixels = torch.randn(1, 1, 3, size, size, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, size, size, dtype=torch.bool)}
-    return {"pixel_values": torch.randn(1, 3, size, size, generator=generator, dtype=torch.float64)}
+    crops = 1 + seed % 2 if family.crops else 1  # InternVL: one image as two crops, written as one run
+    return {"pixel_values": torch.randn(crops, 3, size, size, generator=generator, dtype=torch.float64)}
 
 
 def placeholder_tokens(model: torch.nn.Module, image: dict[str, torch.Tensor]) -> list[int]:
@@ -126,8 +127,8 @@ def placeholder_tokens(model: torch.nn.Module, image: dict[str, torch.Tensor]) -
     (Qwen: wrapped in the vision start/end tokens)."""
     causal_lm = causal_lm_of(model)
     config = causal_lm.config
-    with torch.no_grad():
-        count = len(causal_lm.get_image_features(**image, return_dict=True).pooler_output[0])
+    with torch.no_grad():  # every entry of the encoder's output (InternVL: one per crop)
+        count = sum(len(f) for f in causal_lm.get_image_features(**image, return_dict=True).pooler_output)
     run = [int(config.image_token_id)] * count
     if SUPPORTED[config.model_type].mrope:
         return [config.vision_start_token_id, *run, config.vision_end_token_id]
