@@ -146,6 +146,8 @@ def shrunk(model_type: str, patches: int = 4) -> transformers.PretrainedConfig:
     if getattr(config, "image_grid_pinpoints", None):  # LLaVA-Next: grids of 1x2, 2x1 and 2x2 tiles
         side = vision.image_size
         config.image_grid_pinpoints = [[side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
+    if hasattr(config, "vision_aspect_ratio"):  # LLaVA-OneVision: grids over 1 tile's worth are interpolated down
+        config.vision_aspect_ratio = "anyres_max_1"
     if hasattr(config, "mm_tokens_per_image"):  # Gemma 3's pooling: 2x2 of the 4x4 patches
         config.mm_tokens_per_image = 4
     if isinstance(getattr(config, "vision_feature_layers", None), list):  # VipLLaVA: layers of the shrunk tower
@@ -164,6 +166,7 @@ ZOO_CONFIGS = {
             "cohere2_vision",
             "internvl",
             "llava_next_video",
+            "llava_onevision",
             "qianfan_ocr",
             "shieldgemma2",
             "video_llava",

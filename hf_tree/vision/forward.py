@@ -37,12 +37,16 @@ class VisionFamily:
             ``token_type_ids`` mask overlay), passed to the tree attention as ``bidirectional_block``.
         crops: an image may be several crops (``pixel_values`` ``[crops, C, H, W]``) written as one placeholder run
             (InternVL); its features are its crops' in order (``image_features``).
+        one_image_per_branch: an image's features depend on how many images its sample shows (LLaVA-OneVision:
+            the processor's ``batch_num_images``; a multi-image sample's images lose their anyres tiles), so a branch
+            showing several images is refused (``images_per_branch``) and each image is encoded as a sample's only one.
     """
 
     mrope: bool
     image_inputs: tuple[str, ...]
     bidirectional_images: bool = False
     crops: bool = False
+    one_image_per_branch: bool = False
 
 
 # Families whose packed forward is tested equal to per-branch training (tests/test_vision_forward.py).
@@ -65,6 +69,10 @@ SUPPORTED = {
     # base tile, then its unpadded tile grid with an image_newline per row: a different length per image.
     "llava_next": VisionFamily(mrope=False, image_inputs=("image_sizes", "pixel_values")),
     "llava_next_video": VisionFamily(mrope=False, image_inputs=("image_sizes", "pixel_values")),  # its images
+    # LLaVA-Next's tiles, unpadding reduced to at most anyres_max_N tiles' worth; only one-image branches
+    "llava_onevision": VisionFamily(
+        mrope=False, image_inputs=("image_sizes", "pixel_values"), one_image_per_branch=True
+    ),
     # One feature entry per image (or per crop, written as the image's one run: InternVL), scattered in order
     "aya_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
     "cohere2_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
@@ -196,6 +204,19 @@ def image_blocks(media_ids: torch.Tensor, kv_end: torch.Tensor) -> torch.Tensor:
     return blocks.to(media_ids.device)
 
 
+def images_per_branch(media_ids: torch.Tensor, kv_end: torch.Tensor, depths: torch.Tensor) -> tuple[int, int, int]:
+    """``(images, row, leaf)``: the most placeholder runs any root-to-leaf path of the packed rows shows, and where."""
+    most = (0, 0, 0)
+    index = np.arange(media_ids.shape[1])
+    for row in range(media_ids.shape[0]):
+        ends, ids = kv_end[row].cpu().numpy(), media_ids[row].cpu().numpy()
+        for leaf in np.nonzero((ends == index + 1) & (depths[row].cpu().numpy() > 0))[0]:
+            path_ids = ids[np.nonzero(ends[: leaf + 1] > leaf)[0]]
+            runs = int(np.count_nonzero((path_ids >= 0) & (np.diff(np.concatenate([[-1], path_ids])) != 0)))
+            most = max(most, (runs, row, int(leaf)))
+    return most
+
+
 def mrope_positions(
     rope_model: torch.nn.Module,
     input_ids: torch.Tensor,
@@ -267,6 +288,15 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
     if missing:
         raise ValueError(f"image_inputs lacks {missing}, which {type(causal_lm).__name__}'s image encoder needs.")
     device = batch["input_ids"].device
+    if family.one_image_per_branch:
+        images, row, leaf = images_per_branch(batch["media_ids"], batch["kv_end"], batch["position_ids"])
+        if images > 1:
+            raise ValueError(
+                f"packed row {row}: the branch ending at token {leaf} shows {images} images, but "
+                f"{type(causal_lm).__name__} encodes the images of a multi-image sample differently (without their "
+                "anyres tiles: the processor's batch_num_images), which the tree forward does not do: train it on "
+                "samples with one image each."
+            )
     if family.bidirectional_images:  # checked before the encoder runs
         inputs["bidirectional_block"] = image_blocks(batch["media_ids"], batch["kv_end"]).to(device)
     features = causal_lm.get_image_features(**{k: v.to(device) for k, v in image_inputs.items()}, return_dict=True)
