@@ -155,6 +155,26 @@ def shrunk(model_type: str, patches: int = 4) -> transformers.PretrainedConfig:
     return config
 
 
+def eager_experts(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """MoE experts as a loop (the grouped_mm kernels refuse float64)."""
+    config._experts_implementation = config.text_config._experts_implementation = "eager"
+    return config
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+GLM_VISION = dict(QWEN_VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32, image_size=8)
+GLM_TOKENS = dict(image_token_id=IMAGE_TOKEN, video_token_id=101, image_start_token_id=VISION_START)
+GLM_TEXT = dict(TEXT, head_dim=16, rope_parameters=dict(MROPE, partial_rotary_factor=0.5))  # 8 rotary dims
+
+
+def glm_config(name: str, **text) -> transformers.PretrainedConfig:
+    """GLM-4V's architecture (Qwen-style patches and mRoPE; its image run between image start/end tokens)."""
+    config = getattr(transformers, name)(
+        text_config=dict(GLM_TEXT, **text), vision_config=dict(GLM_VISION), image_end_token_id=VISION_END, **GLM_TOKENS
+    )
+    return eager_experts(config)
+
+
 # The zoo's tiny configs (benchmarks/vision_zoo.py, tests/test_vision_zoo.py): the families above, and the ones tested
 # by the zoo's probe only (hf_tree.vision.zoo: two trees, loss and every gradient against each sample alone).
 ZOO_CONFIGS = {
@@ -173,6 +193,42 @@ ZOO_CONFIGS = {
             "vipllava",
         )
     },
+    "qwen3_vl_moe": lambda: eager_experts(
+        transformers.Qwen3VLMoeConfig(
+            text_config=dict(CONFIGS["qwen3_vl"]().text_config.to_dict(), **MOE, decoder_sparse_step=1),
+            vision_config=CONFIGS["qwen3_vl"]().vision_config.to_dict(),
+            vision_end_token_id=VISION_END,
+            **QWEN_TOKENS,
+        )
+    ),
+    "qwen3_5_moe": lambda: eager_experts(
+        transformers.Qwen3_5MoeConfig(
+            text_config=TEXT
+            | HYBRIDS["qwen3_5_text"]
+            | MOE
+            | {"shared_expert_intermediate_size": 16, "rope_parameters": dict(MROPE, mrope_interleaved=True)},
+            vision_config=dict(
+                QWEN_VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32, num_position_embeddings=16
+            ),
+            vision_end_token_id=VISION_END,
+            **QWEN_TOKENS,
+        )
+    ),
+    "glm4v": functools.partial(glm_config, "Glm4vConfig"),
+    "glm46v": functools.partial(glm_config, "Glm46VConfig", model_type="glm4v_text"),
+    "glmga": functools.partial(glm_config, "GlmgaConfig"),
+    "glm_ocr": functools.partial(glm_config, "GlmOcrConfig"),
+    "glm4v_moe": functools.partial(
+        glm_config,
+        "Glm4vMoeConfig",
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=0,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+    ),
 }
 # Families whose own float32 internals (GatedDeltaNet's decay parameters) bound the float64 comparison.
 FLOAT32_INTERNALS = ("qwen3_5",)

@@ -55,6 +55,14 @@ SUPPORTED = {
     "qwen2_5_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "qwen3_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "qwen3_5": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "qwen3_vl_moe": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "qwen3_5_moe": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    # GLM-4V's architecture: Qwen-style patches and get_rope_index (an image run between image start/end tokens)
+    "glm4v": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "glm4v_moe": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "glm46v": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "glmga": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "glm_ocr": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "llava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
     # Unsplit images only (one tile each, do_image_splitting=False): a split image's tiles are separate placeholder
     # runs between tile-position tokens, which MediaTree and the packed forward refuse (runs != images).

@@ -130,8 +130,9 @@ def placeholder_tokens(model: torch.nn.Module, image: dict[str, torch.Tensor]) -
     with torch.no_grad():  # every entry of the encoder's output (InternVL: one per crop)
         count = sum(len(f) for f in causal_lm.get_image_features(**image, return_dict=True).pooler_output)
     run = [int(config.image_token_id)] * count
-    if SUPPORTED[config.model_type].mrope:
-        return [config.vision_start_token_id, *run, config.vision_end_token_id]
+    if SUPPORTED[config.model_type].mrope:  # GLM-4V names them image_start/end
+        start = getattr(config, "vision_start_token_id", None) or config.image_start_token_id
+        return [start, *run, getattr(config, "vision_end_token_id", None) or config.image_end_token_id]
     return run
 
 
