@@ -132,9 +132,16 @@ CONFIGS = {
 FAMILIES = tuple(CONFIGS)
 
 
+def eager_experts(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """MoE experts as a loop (the grouped_mm kernels refuse float64)."""
+    config._experts_implementation = config.text_config._experts_implementation = "eager"
+    return config
+
+
 def shrunk(model_type: str, patches: int = 4) -> transformers.PretrainedConfig:
     """``model_type``'s default config shrunk by the zoo's generic shrink, with images of ``patches x patches``
-    patches and the image placeholder moved inside the shrunk vocabulary (the zoo's probe tokens are below 100)."""
+    patches, the image placeholder moved inside the shrunk vocabulary (the zoo's probe tokens are below 100), MoE
+    experts as a loop."""
     from hf_tree.vision.zoo import tiny_vision_config
 
     config = tiny_vision_config(model_type)
@@ -143,6 +150,10 @@ def shrunk(model_type: str, patches: int = 4) -> transformers.PretrainedConfig:
     for key in ("image_token_id", "image_token_index"):
         if getattr(config, key, None) is not None:
             setattr(config, key, config.text_config.vocab_size - 1)
+    if getattr(vision, "window_size", None) and getattr(vision, "spatial_merge_size", None):  # Qwen2.5-VL's windows
+        vision.window_size = patch * vision.spatial_merge_size * 2  # of 2x2 merged patches (in pixels)
+    if getattr(vision, "out_hidden_size", None):  # Qwen-style merger: into the text model's width
+        vision.out_hidden_size = config.text_config.hidden_size
     if getattr(config, "image_grid_pinpoints", None):  # LLaVA-Next: grids of 1x2, 2x1 and 2x2 tiles
         side = vision.image_size
         config.image_grid_pinpoints = [[side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
@@ -152,13 +163,7 @@ def shrunk(model_type: str, patches: int = 4) -> transformers.PretrainedConfig:
         config.mm_tokens_per_image = 4
     if isinstance(getattr(config, "vision_feature_layers", None), list):  # VipLLaVA: layers of the shrunk tower
         config.vision_feature_layers = [-2, -1]
-    return config
-
-
-def eager_experts(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
-    """MoE experts as a loop (the grouped_mm kernels refuse float64)."""
-    config._experts_implementation = config.text_config._experts_implementation = "eager"
-    return config
+    return eager_experts(config)
 
 
 MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
@@ -184,6 +189,11 @@ ZOO_CONFIGS = {
         for t in (
             "aya_vision",
             "cohere2_vision",
+            "exaone4_5",
+            "hyperclovax_vision_v2",
+            "idefics2",
+            "lfm3_vl",
+            "minimax_m3_vl",
             "internvl",
             "llava_next_video",
             "llava_onevision",

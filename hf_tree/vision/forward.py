@@ -81,6 +81,13 @@ SUPPORTED = {
     "llava_onevision": VisionFamily(
         mrope=False, image_inputs=("image_sizes", "pixel_values"), one_image_per_branch=True
     ),
+    # Qwen-style patch grids with 1-D positions
+    "exaone4_5": VisionFamily(mrope=False, image_inputs=("image_grid_thw", "pixel_values")),
+    "hyperclovax_vision_v2": VisionFamily(mrope=False, image_inputs=("image_grid_thw", "pixel_values")),
+    "lfm3_vl": VisionFamily(mrope=False, image_inputs=("image_grid_thw", "pixel_values")),
+    "minimax_m3_vl": VisionFamily(mrope=False, image_inputs=("image_grid_thw", "pixel_values")),
+    # Idefics3's predecessor (perceiver resampler): unsplit images, one run each
+    "idefics2": VisionFamily(mrope=False, image_inputs=("pixel_attention_mask", "pixel_values")),
     # One feature entry per image (or per crop, written as the image's one run: InternVL), scattered in order
     "aya_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
     "cohere2_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),

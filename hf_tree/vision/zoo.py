@@ -100,9 +100,13 @@ def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     config = causal_lm_of(model).config
     family, vision = SUPPORTED[config.model_type], config.vision_config
     generator = torch.Generator().manual_seed(seed)
-    if family.mrope:
+    if "image_grid_thw" in family.image_inputs:  # patches of a grid (Qwen)
         merge, patch = vision.spatial_merge_size, vision.patch_size
-        side, width = 2 * merge, getattr(vision, "in_channels", 3) * vision.temporal_patch_size * patch * patch
+        temporal = getattr(vision, "temporal_patch_size", 1)
+        side, width = (
+            2 * merge,
+            getattr(vision, "in_channels", getattr(vision, "num_channels", 3)) * temporal * patch * patch,
+        )
         pixels = torch.randn(side * side, width, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
     size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]  # square images
