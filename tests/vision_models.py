@@ -159,6 +159,8 @@ def shrunk(model_type: str, patches: int = 4) -> transformers.PretrainedConfig:
         config.image_grid_pinpoints = [[side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
     if hasattr(config, "vision_aspect_ratio"):  # LLaVA-OneVision: grids over 1 tile's worth are interpolated down
         config.vision_aspect_ratio = "anyres_max_1"
+    if hasattr(config, "projector_patch_to_query_dict"):  # Aria: the 16 patches pooled into 4 queries
+        config.projector_patch_to_query_dict = {patches * patches: 4}
     if hasattr(config, "mm_tokens_per_image"):  # Gemma 3's pooling: 2x2 of the 4x4 patches
         config.mm_tokens_per_image = 4
     if isinstance(getattr(config, "vision_feature_layers", None), list):  # VipLLaVA: layers of the shrunk tower
@@ -187,6 +189,7 @@ ZOO_CONFIGS = {
     **{
         t: functools.partial(shrunk, t)
         for t in (
+            "aria",
             "aya_vision",
             "cohere2_vision",
             "exaone4_5",

@@ -88,6 +88,8 @@ SUPPORTED = {
     "minimax_m3_vl": VisionFamily(mrope=False, image_inputs=("image_grid_thw", "pixel_values")),
     # Idefics3's predecessor (perceiver resampler): unsplit images, one run each
     "idefics2": VisionFamily(mrope=False, image_inputs=("pixel_attention_mask", "pixel_values")),
+    # Pixels with a padding mask (Aria: its patch attention and projector queries), one run per image
+    "aria": VisionFamily(mrope=False, image_inputs=("pixel_mask", "pixel_values")),
     # One feature entry per image (or per crop, written as the image's one run: InternVL), scattered in order
     "aya_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
     "cohere2_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),

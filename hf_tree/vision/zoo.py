@@ -122,6 +122,11 @@ def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     if "pixel_attention_mask" in family.image_inputs:
         pixels = torch.randn(1, 1, 3, size, size, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, size, size, dtype=torch.bool)}
+    if "pixel_mask" in family.image_inputs:  # Aria: the even seeds' right quarter is padding
+        mask = torch.ones(1, size, size, dtype=torch.bool)
+        mask[:, :, size - size // 4 :] = seed % 2 == 1
+        pixels = torch.randn(1, 3, size, size, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixels, "pixel_mask": mask}
     crops = 1 + seed % 2 if family.crops else 1  # InternVL: one image as two crops, written as one run
     return {"pixel_values": torch.randn(crops, 3, size, size, generator=generator, dtype=torch.float64)}
 
