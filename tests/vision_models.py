@@ -192,6 +192,7 @@ ZOO_CONFIGS = {
             "aria",
             "aya_vision",
             "cohere2_vision",
+            "deepseek_vl",
             "exaone4_5",
             "hyperclovax_vision_v2",
             "idefics2",

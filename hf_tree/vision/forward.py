@@ -93,6 +93,7 @@ SUPPORTED = {
     # One feature entry per image (or per crop, written as the image's one run: InternVL), scattered in order
     "aya_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
     "cohere2_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
+    "deepseek_vl": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
     "internvl": VisionFamily(mrope=False, image_inputs=("pixel_values",), crops=True),
     "qianfan_ocr": VisionFamily(mrope=False, image_inputs=("pixel_values",), crops=True),
     "shieldgemma2": VisionFamily(mrope=False, image_inputs=("pixel_values",), bidirectional_images=True),
@@ -156,6 +157,11 @@ def occurrences(media_ids: torch.Tensor, feature_lengths: list[int]) -> tuple[li
         showing[row, start:end] = torch.arange(len(shown), len(shown) + count).repeat_interleave(length)
         shown.extend([image] * count)
     return shown, showing
+
+
+def image_encoder(causal_lm: PreTrainedModel) -> Any:
+    """The model's own ``get_image_features`` (DeepSeek-VL, Janus: its base model's)."""
+    return getattr(causal_lm, "get_image_features", None) or causal_lm.model.get_image_features
 
 
 def image_features(
@@ -316,7 +322,7 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
             )
     if family.bidirectional_images:  # checked before the encoder runs
         inputs["bidirectional_block"] = image_blocks(batch["media_ids"], batch["kv_end"]).to(device)
-    features = causal_lm.get_image_features(**{k: v.to(device) for k, v in image_inputs.items()}, return_dict=True)
+    features = image_encoder(causal_lm)(**{k: v.to(device) for k, v in image_inputs.items()}, return_dict=True)
     per_image = image_features(features.pooler_output, batch, type(causal_lm).__name__)
     shown, showing = occurrences(batch["media_ids"], [len(f) for f in per_image])
     # The model scatters them in row-major order; in the container its own encoder returns (Gemma 3: one tensor)

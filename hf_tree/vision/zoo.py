@@ -28,7 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 from hf_tree.models.head import causal_lm_of, own_attention, raised_by_hf_tree
 from hf_tree.vision.collator import MediaTreeCollator
-from hf_tree.vision.forward import SUPPORTED, tree_vision_lm_loss
+from hf_tree.vision.forward import SUPPORTED, image_encoder, tree_vision_lm_loss
 from hf_tree.vision.media_tree import MediaTree
 from hf_tree.zoo import (
     TOLERANCE,
@@ -137,7 +137,7 @@ def placeholder_tokens(model: torch.nn.Module, image: dict[str, torch.Tensor]) -
     causal_lm = causal_lm_of(model)
     config = causal_lm.config
     with torch.no_grad():  # every entry of the encoder's output (InternVL: one per crop)
-        count = sum(len(f) for f in causal_lm.get_image_features(**image, return_dict=True).pooler_output)
+        count = sum(len(f) for f in image_encoder(causal_lm)(**image, return_dict=True).pooler_output)
     run = [int(config.image_token_id)] * count
     if SUPPORTED[config.model_type].mrope:  # GLM-4V names them image_start/end
         start = getattr(config, "vision_start_token_id", None) or config.image_start_token_id
