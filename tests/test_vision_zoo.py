@@ -24,7 +24,12 @@ def test_supported_families_are_exact(model_type):
 
 @pytest.mark.parametrize(
     ("model_type", "reason"),
-    [("paligemma", "bidirectionally"), ("fuyu", "not tested"), ("mistral3", "not tested")],
+    [
+        ("paligemma", "bidirectionally"),
+        ("fuyu", "image_patches_indices"),
+        ("mistral3", "IMG_BREAK"),
+        ("janus", "not tested"),
+    ],
 )
 def test_unsupported_families_are_refused(model_type, reason):
     result = check_vision_architecture(model_type)

@@ -101,9 +101,26 @@ SUPPORTED = {
     "vipllava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
 }
 # Why other families are refused (a family not named here: it was not tested with tree batches).
+PIXTRAL_ROWS = (
+    "its processor writes an image as one placeholder run per row of patches, each ended by [IMG_BREAK] ([IMG_END] "
+    "after the last): several runs per image, while MediaTree and the packed forward give each image one run"
+)
 REFUSED = {
     "paligemma": "its prefix (image and prompt) is attended bidirectionally, across the nodes where branches' prompts "
     "fork; the tree mask is causal apart from image blocks inside one node",
+    "mistral3": PIXTRAL_ROWS,
+    "lighton_ocr": PIXTRAL_ROWS,
+    "mistral_large4": PIXTRAL_ROWS,
+    "got_ocr2": "its SAM-style vision encoder takes no attention implementation, so the model cannot be switched to "
+    "tree_flash as a whole (transformers refuses set_attn_implementation and the config stays 'eager')",
+    "pp_chart2table": "GOT-OCR2's architecture: its vision encoder takes no attention implementation, so the model "
+    "cannot be switched to tree_flash as a whole",
+    "fuyu": "its image patches are projected inside its forward and scattered by image_patches_indices from the "
+    "encoder's last_hidden_state, not passed as per-image features (pooler_output) that can be encoded once and "
+    "reordered per showing",
+    "ovis2": "its visual-indicator tokens (image start/grid/end) get the vision tokenizer's indicator embeddings in "
+    "every forward that has an image, so a branch without images packed beside one with images would differ from "
+    "that branch alone (the zoo's probe, without indicator tokens, is exact)",
 }
 
 

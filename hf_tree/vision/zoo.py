@@ -101,8 +101,12 @@ def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     family, vision = SUPPORTED[config.model_type], config.vision_config
     generator = torch.Generator().manual_seed(seed)
     if "image_grid_thw" in family.image_inputs:  # patches of a grid (Qwen)
-        merge, patch = vision.spatial_merge_size, vision.patch_size
-        temporal = getattr(vision, "temporal_patch_size", 1)
+        merge, patch = (
+            _first(vision, "spatial_merge_size", "merge_size", "merge_kernel_size", default=1),
+            vision.patch_size,
+        )
+        merge = merge[0] if isinstance(merge, (list, tuple)) else merge
+        temporal = _first(vision, "temporal_patch_size", "patch_temporal", default=1)
         side, width = (
             2 * merge,
             getattr(vision, "in_channels", getattr(vision, "num_channels", 3)) * temporal * patch * patch,
@@ -129,6 +133,10 @@ def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
         return {"pixel_values": pixels, "pixel_mask": mask}
     crops = 1 + seed % 2 if family.crops else 1  # InternVL: one image as two crops, written as one run
     return {"pixel_values": torch.randn(crops, 3, size, size, generator=generator, dtype=torch.float64)}
+
+
+def _first(config: transformers.PretrainedConfig, *names: str, default: int) -> int:
+    return next((getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
 
 
 def placeholder_tokens(model: torch.nn.Module, image: dict[str, torch.Tensor]) -> list[int]:
