@@ -2,9 +2,10 @@
 
 Loss and every gradient (vision tower, projector, language model; LoRA on both) against the same model run on each
 sample alone with its own attention (tests/vision_models.py), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL (mRoPE positions
-from the model's ``get_rope_index`` per branch, deepstack features), Qwen3.5 (GatedDeltaNet hybrid), LLaVA and
-Idefics3/SmolVLM (1-D positions) and Gemma 3 (its image tokens attend to each other both ways: the tree mask plus
-the ``bidirectional_block`` overlay, also under its sliding-window layers).
+from the model's ``get_rope_index`` per branch, deepstack features), Qwen3.5 (GatedDeltaNet hybrid), LLaVA,
+LLaVA-Next (any-resolution tiles, per-image feature lengths) and Idefics3/SmolVLM (1-D positions) and Gemma 3 (its
+image tokens attend to each other both ways: the tree mask plus the ``bidirectional_block`` overlay, also under its
+sliding-window layers).
 """
 
 from __future__ import annotations

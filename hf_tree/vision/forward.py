@@ -3,7 +3,7 @@
 Each distinct image of the batch goes through the model's own ``get_image_features`` once; its features are
 handed to the model's own forward as ``mm_encoder_outputs`` (one entry per placeholder run of the packed rows, in
 row order, so the model's own placeholder merge puts them in place), and the language model runs with ``kv_end``.
-Positions are what each branch alone gets: Qwen2-VL/2.5-VL/3-VL/3.5's 3-D mRoPE positions from the model's own
+Positions are what each branch alone gets: the Qwen-VL and GLM-4V families' 3-D mRoPE positions from the model's own
 ``get_rope_index`` run on each root-to-leaf path of the packed rows (equal on shared prefixes, since a token's
 position depends on its ancestors only), depths for 1-D models. Gemma 3's image tokens attend to each other
 bidirectionally (its ``token_type_ids`` overlay, one block per contiguous run of image tokens): the language model
@@ -49,7 +49,8 @@ class VisionFamily:
     one_image_per_branch: bool = False
 
 
-# Families whose packed forward is tested equal to per-branch training (tests/test_vision_forward.py).
+# Families whose packed forward is tested equal to per-branch training (tests/test_vision_forward.py, and the zoo's
+# probe for every entry: tests/test_vision_zoo.py::test_supported_families_are_exact).
 SUPPORTED = {
     "qwen2_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "qwen2_5_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
