@@ -257,3 +257,19 @@ def test_image_run_split_between_nodes_is_refused():
     batch = MediaTreeCollator(max_packed_tokens=16)([MediaTree(cut, IMAGE_TOKEN, [tiny_image("gemma3", 1)])])
     with pytest.raises(ValueError, match=r"packed row 0: the image tokens from token 4 on continue .*split between"):
         tree_vision_lm_loss(model, batch)
+
+
+def test_image_features_follow_the_rows_of_each_image():
+    """An image's features are its entries of the encoder's output in order (InternVL: one entry per crop, the image's
+    crops written as one run); entries that do not add up to the images' rows are refused."""
+    from hf_tree.vision.forward import image_features
+
+    entries = torch.arange(5 * 2 * 3, dtype=torch.float64).reshape(5, 2, 3)  # 5 crops of 2 tokens
+    batch = {"image_inputs": {"pixel_values": torch.zeros(5, 3, 8, 8)}, "image_rows": torch.tensor([2, 1, 2])}
+    per_image = image_features(entries, batch)
+    assert [len(f) for f in per_image] == [4, 2, 4]
+    assert torch.equal(torch.cat(per_image), entries.reshape(10, 3))
+    with pytest.raises(ValueError, match="returned 5 feature entries for images with 4"):
+        image_features(entries, {**batch, "image_rows": torch.tensor([2, 2])})
+    grids = {"image_inputs": {"image_grid_thw": torch.tensor([[1, 2, 2]] * 5)}, "image_rows": torch.tensor([4] * 5)}
+    assert len(image_features(entries, grids)) == 5  # Qwen: rows are patches, one entry per image
