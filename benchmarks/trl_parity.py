@@ -105,7 +105,9 @@ class Row:
     steps_only: bool = False  # batches cannot hold TRL's rows (random row order, groups larger than a batch): only
     # the optimizer step counts are compared ("same steps", or "rounded" when whole groups make fewer steps)
     dataset: str | None = None  # a dataset of write_setup other than the script's own (e.g. "sft_messages")
-    model: str = "model"  # a model of write_setup: "model" (tiny Llama) or "moe_model" (tiny Qwen3-MoE)
+    model: str = (
+        "model"  # a model of write_setup: "model" (tiny Llama), "moe_model" (tiny Qwen3-MoE), "llava", "gemma3"
+    )
     padding_noise: bool = False  # a difference above EXACT_TOLERANCE is "float32 noise" when it is at most twice
     # TRL's own difference under PADDING_NOISE_FLAGS (ill-conditioned updates, see _reward)
 
@@ -256,6 +258,12 @@ ROWS: tuple[Row, ...] = (
     _reward("--use_peft --lora_task_type SEQ_CLS", "--use_peft", "true", "--lora_task_type", "SEQ_CLS"),
     _reward("--gradient_checkpointing true", "--gradient_checkpointing", "true"),
     _reward("--neftune_noise_alpha 5", "--neftune_noise_alpha", "5"),
+    # Vision-language (issue 27): a tiny LLaVA / Gemma 3 saved with a real processor; images decoded by datasets
+    Row("sft vision LLaVA (messages + images)", "sft", dataset="sft_vision", model="llava"),
+    Row("sft vision Gemma 3 (messages + images)", "sft", dataset="sft_vision", model="gemma3"),
+    Row("grpo vision LLaVA (prompt + image)", "grpo", dataset="grpo_vision", model="llava"),
+    Row("grpo vision Gemma 3 (prompt + image)", "grpo", dataset="grpo_vision", model="gemma3"),
+    Row("dpo vision LLaVA (prompt + image)", "dpo", dataset="dpo_vision", model="llava"),
 )
 
 COMMON = (
@@ -381,6 +389,49 @@ def write_setup(folder: pathlib.Path) -> dict[str, str]:
         (folder / script).mkdir()
         (folder / script / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         paths[script] = str(folder / script)
+    return paths | write_vision_setup(folder)
+
+
+def write_vision_setup(folder: pathlib.Path) -> dict[str, str]:
+    """Tiny vision-language models saved with their real processors (word-level tokenizers: ``w{i}`` is token ``i``)
+    and image datasets (parquet, images decoded by ``datasets``): the same question about two pictures forks at the
+    image, two questions about one picture share it."""
+    import datasets
+    from PIL import Image
+
+    from tests.vision_models import PROCESSORS, tiny_vlm
+
+    paths = {}
+    for family, processor in PROCESSORS.items():
+        tiny_vlm(family, dtype=torch.float32, attn="sdpa").save_pretrained(folder / family)
+        processor().save_pretrained(folder / family)
+        paths[family] = str(folder / family)
+    red, blue = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
+    asked = [(red, "w5 w6", "w7 w8"), (blue, "w5 w6", "w9"), (red, "w10 w11", "w12 w13 w14"), (blue, "w10 w11", "w15")]
+
+    def question(text: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+
+    def answer(text: str) -> list[dict]:
+        return [{"role": "assistant", "content": [{"type": "text", "text": text}]}]
+
+    tables = {
+        "sft_vision": {
+            "messages": [question(q) + answer(a) for _, q, a in asked],
+            "images": [[i] for i, _, _ in asked],
+        },
+        "grpo_vision": {"prompt": [question(q) for _, q, _ in asked[:2]], "image": [i for i, _, _ in asked[:2]]},
+        "dpo_vision": {
+            "prompt": [question(q) for _, q, _ in asked],
+            "chosen": [answer(a) for _, _, a in asked],
+            "rejected": [answer("w16 " + a) for _, _, a in asked],
+            "image": [i for i, _, _ in asked],
+        },
+    }
+    for name, columns in tables.items():
+        (folder / name).mkdir()
+        datasets.Dataset.from_dict(columns).to_parquet(str(folder / name / "train.parquet"))
+        paths[name] = str(folder / name)
     return paths
 
 

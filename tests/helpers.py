@@ -622,3 +622,21 @@ def launch_command(config: Path) -> list[str]:
     if "parallelism_config" in json.loads(config.read_text()):
         command += ["--parallelism_config_dp_shard_size", "2", "--parallelism_config_cp_size", "1"]
     return command
+
+
+# --------------------------------------------------------------------- attention engine oracles
+def run(engine, q, k, v, kv_end, position_ids, grad_seed: int = 1, backward: bool = True, **options):
+    """Output and, with ``backward``, (dq, dk, dv[, d sinks]) for a fixed random output gradient."""
+    if not backward:
+        with torch.no_grad():
+            return engine(q, k, v, kv_end, position_ids=position_ids, **options), None
+    out = engine(q, k, v, kv_end, position_ids=position_ids, **options)
+    generator = torch.Generator().manual_seed(grad_seed)
+    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out)
+    sinks = () if options.get("sinks") is None else (options["sinks"],)
+    grads = torch.autograd.grad(out, (q, k, v, *sinks), grad)
+    return out.detach(), grads
+
+
+def detached64(tensors):
+    return [t.detach().to(torch.float64).requires_grad_() for t in tensors]

@@ -32,51 +32,12 @@ from hf_tree.attention.segments import (
     plan_segments,
     segment_tree_attention,
 )
-from tests.helpers import relative_error
-from tests.workloads import random_tree_branches
+from tests.helpers import detached64, relative_error, run
+from tests.workloads import HEAD_DIM, packed_rows, qkv
 
 TOLERANCE = 1e-9
-HEAD_DIM = 8
 HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
-
-
-def packed_rows(seed: int, num_trees: int = 8, max_packed_tokens: int = 96, pad_to_multiple_of: int = 32):
-    """``kv_end``/``position_ids`` ``[B, N]`` of random forests packed by the real collator."""
-    rng = random.Random(seed)
-    trees = [Tree.from_sequences(*random_tree_branches(rng, rng.randint(1, 6))) for _ in range(num_trees)]
-    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=pad_to_multiple_of)
-    batch = collator([t.to_dict() for t in trees])
-    return batch["kv_end"], batch["position_ids"]
-
-
-def qkv(kv_end: torch.Tensor, heads: tuple[int, int], dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
-    """Leaf query/key/value in transformers' layout (``[B, N, H, D]`` projections viewed as ``[B, H, N, D]``)."""
-    generator = torch.Generator().manual_seed(seed)
-    batch, n = kv_end.shape
-
-    def leaf(h: int) -> torch.Tensor:
-        x = torch.randn(batch, n, h, HEAD_DIM, generator=generator, dtype=torch.float64)
-        return x.to(device=device, dtype=dtype).transpose(1, 2).requires_grad_()
-
-    return leaf(heads[0]), leaf(heads[1]), leaf(heads[1])
-
-
-def run(engine, q, k, v, kv_end, position_ids, grad_seed: int = 1, backward: bool = True, **options):
-    """Output and, with ``backward``, (dq, dk, dv[, d sinks]) for a fixed random output gradient."""
-    if not backward:
-        with torch.no_grad():
-            return engine(q, k, v, kv_end, position_ids=position_ids, **options), None
-    out = engine(q, k, v, kv_end, position_ids=position_ids, **options)
-    generator = torch.Generator().manual_seed(grad_seed)
-    grad = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out)
-    sinks = () if options.get("sinks") is None else (options["sinks"],)
-    grads = torch.autograd.grad(out, (q, k, v, *sinks), grad)
-    return out.detach(), grads
-
-
-def detached64(tensors):
-    return [t.detach().to(torch.float64).requires_grad_() for t in tensors]
 
 
 def in64(options: dict) -> dict:

@@ -30,11 +30,12 @@ from hf_tree.attention import (
 )
 from hf_tree.attention.flex import tree_block_mask
 from hf_tree.attention.segments import cpu_tree_attention, segment_tree_attention
-from tests.helpers import relative_error
-from tests.test_attention_engines import TOLERANCE, detached64, packed_rows, qkv, run
+from tests.helpers import detached64, relative_error, run
+from tests.workloads import packed_rows, qkv
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 WINDOWS = [pytest.param(None, id="global"), pytest.param(3, id="window3")]
+TOLERANCE = 1e-9
 
 
 def blocks_in_nodes(kv_end: torch.Tensor, seed: int) -> torch.Tensor:

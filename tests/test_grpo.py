@@ -140,6 +140,9 @@ def test_unsupported_setups_raise(trainers, tmp_path):
     ids, mask, keep = padded_batch(*scenario("full_group"))
     with pytest.raises(ValueError, match="pixel_values"):
         tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, pixel_values=torch.zeros(1, 3, 4, 4))
+    # a text model's token_type_ids (GPT-2 adds their embeddings) are not image markers: refused, not dropped
+    with pytest.raises(ValueError, match="token_type_ids"):
+        tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, token_type_ids=torch.zeros_like(ids))
     holed = mask.clone()
     holed[0, -keep] = 0  # a hole between prompt and completion
     holed[0, -keep + 1] = 1

@@ -138,7 +138,8 @@ def unknown_image_input(inputs: dict, rows: int) -> tuple[str, dict]:
     return "image_sizes", {"image_sizes": torch.tensor([[8, 8]] * rows)}
 
 
-def test_vision_sft_step_matches_trl(tmp_path):
+@pytest.mark.parametrize("family", ["llava", "gemma3"])
+def test_vision_sft_step_matches_trl(tmp_path, family):
     """TreeSFTTrainer on TRL's vision rows (``messages`` + ``images``, grouped into one tree by a column: the same
     question about two images forks at the image) = TRL's SFTTrainer (which tokenizes in its vision collator): one SGD
     step, same loss and updates, on a LLaVA with a real processor."""
@@ -147,7 +148,7 @@ def test_vision_sft_step_matches_trl(tmp_path):
 
     from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
     from tests.helpers import exact_sgd_args, train_and_measure_updates
-    from tests.vision_models import llava_processor
+    from tests.vision_models import PROCESSORS
 
     red, blue = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
 
@@ -157,15 +158,15 @@ def test_vision_sft_step_matches_trl(tmp_path):
     rows = [(red, chat("w5 w6", "w7 w8")), (red, chat("w5 w6", "w9")), (blue, chat("w5 w6", "w7 w8"))]
     rows.append((red, chat("w10", "w11 w12 w13")))
     dataset = Dataset.from_dict({"messages": [r[1] for r in rows], "images": [[r[0]] for r in rows], "group": [0] * 4})
-    path = str(tmp_path / "llava")
-    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    path = str(tmp_path / family)
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
     settings = dict(max_steps=1, learning_rate=1.0, per_device_train_batch_size=4, use_cpu=True, bf16=False)
     settings |= dict(model_init_kwargs={"dtype": torch.float64}, max_length=None, shuffle_dataset=False)
     trl = SFTTrainer(
         path,
         args=SFTConfig(**exact_sgd_args(str(tmp_path / "trl"), **settings)),
         train_dataset=dataset,
-        processing_class=llava_processor(),
+        processing_class=PROCESSORS[family](),
     )
     tree = TreeSFTTrainer(
         path,
@@ -173,7 +174,7 @@ def test_vision_sft_step_matches_trl(tmp_path):
             **exact_sgd_args(str(tmp_path / "tree"), **settings), max_packed_tokens=64, group_by="group"
         ),
         train_dataset=dataset,
-        processing_class=llava_processor(),
+        processing_class=PROCESSORS[family](),
     )
     assert len(tree.train_dataset) == 1 and len(tree.train_dataset[0]["media"]) == 2  # one tree, each image once
     trl_updates, tree_updates = train_and_measure_updates(trl), train_and_measure_updates(tree)
@@ -256,13 +257,16 @@ def image_rollout(prompts: list, trainer) -> dict:
 
 
 @pytest.mark.parametrize(
-    "trainer, peft", [("grpo", False), ("grpo", True), ("rloo", False)], ids=["grpo", "grpo-lora", "rloo"]
+    "trainer, peft, family",
+    [("grpo", False, "llava"), ("grpo", True, "llava"), ("rloo", False, "llava"), ("grpo", False, "gemma3")],
+    ids=["grpo", "grpo-lora", "rloo", "grpo-gemma3"],
 )
-def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, peft):
-    """One optimizer step of TreeGRPOTrainer (TreeRLOOTrainer) = TRL's GRPOTrainer (RLOOTrainer) on a LLaVA with a real
-    processor: two prompts with the same text and different images (they must not merge), old-policy, reference and
-    policy passes (2 micro-batches, 2 iterations per generation), SGD without clipping. GRPO's completions are fixed
-    (``rollout_func``); RLOO has no such hook and samples (the same seed and weights give both the same)."""
+def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, peft, family):
+    """One optimizer step of TreeGRPOTrainer (TreeRLOOTrainer) = TRL's GRPOTrainer (RLOOTrainer) on a LLaVA (Gemma 3:
+    bidirectional image blocks, ``token_type_ids``) with a real processor: two prompts with the same text and
+    different images (they must not merge), old-policy, reference and policy passes (2 micro-batches, 2 iterations
+    per generation), SGD without clipping. GRPO's completions are fixed (``rollout_func``); RLOO has no such hook and
+    samples (the same seed and weights give both the same)."""
     from peft import LoraConfig
     from trl import RLOOConfig, RLOOTrainer
 
@@ -271,11 +275,11 @@ def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, p
     Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
 
     from tests.helpers import train_and_measure_updates, varied_reward
-    from tests.vision_models import llava_processor
+    from tests.vision_models import PROCESSORS
 
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    path = str(tmp_path / "llava")
-    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    path = str(tmp_path / family)
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
     question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w5 w6 w7"}]}]
     images = [Image.new("RGB", (8, 8), colour) for colour in ((200, 30, 30), (30, 30, 200))]
     dataset = Dataset.from_dict({"prompt": [question, question], "image": images})
@@ -293,7 +297,7 @@ def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, p
             varied_reward,
             args,
             train_dataset=dataset,
-            processing_class=llava_processor(),
+            processing_class=PROCESSORS[family](),
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
             **({"rollout_func": image_rollout} if trainer == "grpo" else {}),
         )
@@ -309,9 +313,11 @@ def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, p
 
 
 @pytest.mark.parametrize(
-    "trainer, peft", [("dpo", False), ("dpo", True), ("kto", False)], ids=["dpo-full-ref_model", "dpo-lora", "kto"]
+    "trainer, peft, family",
+    [("dpo", False, "llava"), ("dpo", True, "llava"), ("kto", False, "llava"), ("dpo", False, "gemma3")],
+    ids=["dpo-full-ref_model", "dpo-lora", "kto", "dpo-gemma3"],
 )
-def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, peft):
+def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, peft, family):
     """One SGD step of TreeDPOTrainer (TreeKTOTrainer) = TRL's DPOTrainer (KTOTrainer) on a LLaVA with a real
     processor: chosen and rejected (KTO: completions of one prompt and image) share their image prompt, the same
     question about another image must not merge with it. KTO's KL pass (mismatched pairs) runs on trees too."""
@@ -321,7 +327,7 @@ def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, pef
     from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
     from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
     from tests.helpers import tiny_trl_config, train_and_measure_updates
-    from tests.vision_models import llava_processor
+    from tests.vision_models import PROCESSORS
 
     Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
     red, blue = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
@@ -342,15 +348,15 @@ def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, pef
         rows = [r for r in rows for _ in range(2)]
         classes = ((KTOTrainer, KTOConfig), (TreeKTOTrainer, TreeKTOConfig))
     dataset = Dataset.from_dict({"prompt": [question(r[1]) for r in rows], "image": [r[0] for r in rows], **columns})
-    path = str(tmp_path / "llava")
-    tiny_vlm("llava", attn="sdpa").save_pretrained(path)
+    path = str(tmp_path / family)
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
     results = []
     for cls, config in classes:
         run = cls(
             path,
             args=tiny_trl_config(config, path, torch.float64, max_steps=1, learning_rate=1.0, max_length=None),
             train_dataset=dataset,
-            processing_class=llava_processor(),
+            processing_class=PROCESSORS[family](),
             peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
         )
         with float64_norms():

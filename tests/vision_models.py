@@ -362,32 +362,63 @@ def processor_batch(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torc
     return {k: torch.cat([image[k] for image in images]) for k in images[0]}
 
 
-def llava_processor() -> transformers.LlavaProcessor:
-    """A real ``LlavaProcessor`` for the tiny LLaVA: a word-level tokenizer (``w{i}`` -> id ``i``, ``<image>`` ->
-    ``IMAGE_TOKEN``), CLIP's PIL image processor at 8x8 (4 placeholder tokens per image), a one-line chat template."""
+def word_level_tokenizer(special: dict[int, tuple[str, str]]) -> transformers.PreTrainedTokenizerFast:
+    """A word-level tokenizer over the tiny vocabulary (``w{i}`` -> id ``i``) with ``special``: ``{id: (attribute,
+    token)}``, e.g. ``{IMAGE_TOKEN: ("image_token", "<image>")}``, registered as extra special tokens."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
     vocab = {"[PAD]": 0, "[EOS]": 1, "[UNK]": 2, **{f"w{i}": i for i in range(3, TEXT["vocab_size"])}}
-    vocab["<image>"] = IMAGE_TOKEN
-    del vocab[f"w{IMAGE_TOKEN}"]
+    for token_id, (_, token) in special.items():
+        del vocab[f"w{token_id}"]
+        vocab[token] = token_id
     words = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     words.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    tokenizer = transformers.PreTrainedTokenizerFast(
+    return transformers.PreTrainedTokenizerFast(
         tokenizer_object=words,
         pad_token="[PAD]",
         eos_token="[EOS]",
         unk_token="[UNK]",
-        extra_special_tokens={"image_token": "<image>"},
+        extra_special_tokens=dict(special.values()),
     )
-    template = (
-        "{% for m in messages %}{% for c in m['content'] %}{% if c['type'] == 'image' %}<image> {% else %}"
-        "{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
+
+
+def chat_template(image_part: str) -> str:
+    """A one-line chat template: each content part in order, an image part written as ``image_part``."""
+    return (
+        f"{{% for m in messages %}}{{% for c in m['content'] %}}{{% if c['type'] == 'image' %}}{image_part} "
+        "{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
     )
+
+
+def llava_processor() -> transformers.LlavaProcessor:
+    """A real ``LlavaProcessor`` for the tiny LLaVA: a word-level tokenizer (``w{i}`` -> id ``i``, ``<image>`` ->
+    ``IMAGE_TOKEN``), CLIP's PIL image processor at 8x8 (4 placeholder tokens per image), a one-line chat template."""
     return transformers.LlavaProcessor(
         image_processor=transformers.CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}),
-        tokenizer=tokenizer,
+        tokenizer=word_level_tokenizer({IMAGE_TOKEN: ("image_token", "<image>")}),
         patch_size=4,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=template,
+        chat_template=chat_template("<image>"),
     )
+
+
+def gemma3_processor() -> transformers.Gemma3Processor:
+    """A real ``Gemma3Processor`` for the tiny Gemma 3: the word-level tokenizer with its begin/end-of-image and soft
+    image tokens, its PIL image processor at 8x8 (4 soft tokens per image, ``token_type_ids`` marking them), a
+    one-line chat template."""
+    special = {
+        IMAGE_TOKEN: ("image_token", "<image_soft_token>"),
+        VISION_START: ("boi_token", "<start_of_image>"),
+        VISION_END: ("eoi_token", "<end_of_image>"),
+    }
+    return transformers.Gemma3Processor(
+        image_processor=transformers.Gemma3ImageProcessorPil(size={"height": 8, "width": 8}),
+        tokenizer=word_level_tokenizer(special),
+        chat_template=chat_template("<start_of_image>"),
+        image_seq_length=4,
+    )
+
+
+# The families tested through TRL's trainers with a real processor, and their processors.
+PROCESSORS = {"llava": llava_processor, "gemma3": gemma3_processor}

@@ -163,3 +163,28 @@ def prompt_completion_dataset() -> datasets.Dataset:
                 }
             )
     return datasets.Dataset.from_list(rows)
+
+
+# --------------------------------------------------------------------- attention engine inputs
+HEAD_DIM = 8
+
+
+def packed_rows(seed: int, num_trees: int = 8, max_packed_tokens: int = 96, pad_to_multiple_of: int = 32):
+    """``kv_end``/``position_ids`` ``[B, N]`` of random forests packed by the real collator."""
+    rng = random.Random(seed)
+    trees = [Tree.from_sequences(*random_tree_branches(rng, rng.randint(1, 6))) for _ in range(num_trees)]
+    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    batch = collator([t.to_dict() for t in trees])
+    return batch["kv_end"], batch["position_ids"]
+
+
+def qkv(kv_end: torch.Tensor, heads: tuple[int, int], dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+    """Leaf query/key/value in transformers' layout (``[B, N, H, D]`` projections viewed as ``[B, H, N, D]``)."""
+    generator = torch.Generator().manual_seed(seed)
+    batch, n = kv_end.shape
+
+    def leaf(h: int) -> torch.Tensor:
+        x = torch.randn(batch, n, h, HEAD_DIM, generator=generator, dtype=torch.float64)
+        return x.to(device=device, dtype=dtype).transpose(1, 2).requires_grad_()
+
+    return leaf(heads[0]), leaf(heads[1]), leaf(heads[1])

@@ -20,16 +20,18 @@ from typing import Any
 from trl import GRPOConfig, GRPOTrainer
 
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.trl.glue import TreeLogProbArguments, prepare_trl_args
+from hf_tree.trl.glue import prepare_trl_args
 from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
+from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin, TreeRolloutArguments
 
 
 @dataclass
-class TreeGRPOConfig(TreeLogProbArguments, GRPOConfig):
-    """``GRPOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
+class TreeGRPOConfig(TreeRolloutArguments, GRPOConfig):
+    """``GRPOConfig`` plus ``tree_logprobs``, ``max_packed_tokens`` (see ``TreeLogProbArguments``) and
+    ``tree_share_across_microbatches`` (``TreeRolloutArguments``)."""
 
 
-class TreeGRPOTrainer(FSDPFullSaveMixin, TreeRolloutLogProbsMixin, GRPOTrainer):
+class TreeGRPOTrainer(FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, GRPOTrainer):
     """``GRPOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is
@@ -43,3 +45,4 @@ class TreeGRPOTrainer(FSDPFullSaveMixin, TreeRolloutLogProbsMixin, GRPOTrainer):
         args = prepare_trl_args(args, TreeGRPOConfig, model, "GRPO")
         super().__init__(model, reward_funcs, args, **kwargs)
         self._install_rollout_tree_heads(cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)
+        self._check_shared_prompts()  # tree_share_across_microbatches (hf_tree.trl.shared_prompts)

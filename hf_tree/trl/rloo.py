@@ -18,16 +18,18 @@ from typing import Any
 from trl import RLOOConfig, RLOOTrainer
 
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.trl.glue import TreeLogProbArguments, prepare_trl_args
+from hf_tree.trl.glue import prepare_trl_args
 from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
+from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin, TreeRolloutArguments
 
 
 @dataclass
-class TreeRLOOConfig(TreeLogProbArguments, RLOOConfig):
-    """``RLOOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
+class TreeRLOOConfig(TreeRolloutArguments, RLOOConfig):
+    """``RLOOConfig`` plus ``tree_logprobs``, ``max_packed_tokens`` (see ``TreeLogProbArguments``) and
+    ``tree_share_across_microbatches`` (``TreeRolloutArguments``)."""
 
 
-class TreeRLOOTrainer(FSDPFullSaveMixin, TreeRolloutLogProbsMixin, RLOOTrainer):
+class TreeRLOOTrainer(FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, RLOOTrainer):
     """``RLOOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``RLOOTrainer``'s arguments with ``args`` a ``TreeRLOOConfig``; the model is put on
@@ -40,3 +42,4 @@ class TreeRLOOTrainer(FSDPFullSaveMixin, TreeRolloutLogProbsMixin, RLOOTrainer):
         args = prepare_trl_args(args, TreeRLOOConfig, model, "RLOO")
         super().__init__(model, reward_funcs, args, **kwargs)
         self._install_rollout_tree_heads()  # RLOO's fused head has no cast_lm_head_to_fp32
+        self._check_shared_prompts()  # tree_share_across_microbatches (hf_tree.trl.shared_prompts)

@@ -22,7 +22,7 @@ from typing import Any
 import datasets
 import torch
 from torch.utils.data import DataLoader
-from transformers import ProcessorMixin, TrainingArguments
+from transformers import AutoProcessor, ProcessorMixin, TrainingArguments
 from transformers.trainer_utils import seed_worker
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import maybe_convert_to_chatml
@@ -173,6 +173,12 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
         vision = is_vision_dataset(train_dataset) or is_vision_dataset(eval_dataset)
         if vision:  # TRL would skip its dataset preparation: build image trees here (hf_tree.vision.sft)
             args = self._tree_training_arguments(model, args, data_collator, kwargs)
+            if processing_class is None:  # as TRL's __init__ loads it (the trees need it before TRL runs)
+                model_id = model if isinstance(model, str) else model.config._name_or_path
+                revision = (args.model_init_kwargs or {}).get("revision") if isinstance(model, str) else None
+                processing_class = AutoProcessor.from_pretrained(
+                    model_id, revision=revision, trust_remote_code=args.trust_remote_code
+                )
             named = {"train": train_dataset, "eval": eval_dataset}
             built, data_collator = prepare_vision_sft(args, processing_class, data_collator, named)
             train_dataset, eval_dataset = built["train"], built["eval"]

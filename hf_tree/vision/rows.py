@@ -20,11 +20,21 @@ from hf_tree.vision.collator import attach_media
 from hf_tree.vision.forward import vision_family, vision_model_inputs
 from hf_tree.vision.media_tree import MEDIA_TOKEN_BASE, MediaStore, placeholder_runs
 
-# Row inputs TRL's GRPO passes for the supported families; ``from_rows`` consumes them.
-ROW_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "num_images", "mm_token_type_ids")
+# Row inputs TRL's GRPO passes for the supported families; ``from_rows`` consumes them. ``token_type_ids`` is Gemma 3's
+# name for ``mm_token_type_ids`` (its processor renames them); the packed forward rebuilds its image blocks from the
+# placeholders (``hf_tree.vision.forward.image_blocks``).
+ROW_IMAGE_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "image_sizes",
+    "num_images",
+    "mm_token_type_ids",
+    "token_type_ids",
+)
+TOKEN_TYPE_INPUTS = ("mm_token_type_ids", "token_type_ids")
 # Families whose TRL row inputs are exactly those (tests/test_vision_trl.py compares them with TRL's GRPO passes);
 # Idefics3/SmolVLM also pass pixel_attention_mask and are refused by the tree log-prob head.
-ROW_FAMILIES = ("llava", "llava_next", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_vl")
+ROW_FAMILIES = ("gemma3", "llava", "llava_next", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_vl")
 
 
 def split_images(
@@ -87,17 +97,20 @@ class RowMedia:
             model: the vision-language model.
             input_ids: ``[B, T]`` padded rows.
             inputs: the other forward inputs; ``pixel_values`` (Qwen: ``[patches, D]`` with ``image_grid_thw``
-                ``[images, 3]``; LLaVA: ``[images, C, H, W]``; LLaVA-Next: ``[images, tiles, C, H, W]`` with
-                ``image_sizes`` ``[images, 2]``), ``num_images`` (list, per row) and
-                ``mm_token_type_ids`` ``[B, T]`` are removed from it.
+                ``[images, 3]``; LLaVA, Gemma 3: ``[images, C, H, W]``; LLaVA-Next: ``[images, tiles, C, H, W]`` with
+                ``image_sizes`` ``[images, 2]``), ``num_images`` (list, per row) and ``mm_token_type_ids`` (Gemma 3:
+                ``token_type_ids``) ``[B, T]`` are removed from it.
             name: how errors refer to the model.
 
         Raises:
             ValueError: for a model ``hf_tree.vision`` does not support, rows whose placeholder runs do not match
-                ``num_images`` or the images, or ``mm_token_type_ids`` marking other tokens than the image
+                ``num_images`` or the images, or (mm_)``token_type_ids`` marking other tokens than the image
                 placeholders (videos).
         """
-        given = {k: inputs.pop(k, None) for k in ROW_IMAGE_INPUTS}
+        # token_type_ids mark image tokens only in the vision families; a text model's (GPT-2 adds their embeddings)
+        # stay in ``inputs``, where the tree head refuses them
+        vision_rows = causal_lm_of(model).config.model_type in ROW_FAMILIES
+        given = {k: inputs.pop(k, None) if vision_rows or k != "token_type_ids" else None for k in ROW_IMAGE_INPUTS}
         pixel_values, grid = given["pixel_values"], given["image_grid_thw"]
         if pixel_values is None:
             return None
@@ -115,12 +128,13 @@ class RowMedia:
                 f"num_images={list(num_images)}: each image's placeholders must be one run."
             )
         images = split_images(pixel_values, grid, sum(num_images), name, image_sizes=given["image_sizes"])
-        mm_types = given["mm_token_type_ids"]
-        if mm_types is not None and not torch.equal(mm_types.cpu() != 0, rows == image_token_id):
-            raise ValueError(
-                f"{name}: mm_token_type_ids marks other tokens than the image placeholders (videos?); hf_tree's tree "
-                "log-probs support images only. Set tree_logprobs=False."
-            )
+        for key in TOKEN_TYPE_INPUTS:
+            types = given[key]
+            if types is not None and not torch.equal(types.cpu() != 0, rows == image_token_id):
+                raise ValueError(
+                    f"{name}: {key} marks other tokens than the image placeholders (videos?); hf_tree's tree "
+                    "log-probs support images only. Set tree_logprobs=False."
+                )
         store = MediaStore()
         encoded = rows.clone()
         flat_runs = [(row, start, end) for row, row_runs in enumerate(runs) for start, end in row_runs]

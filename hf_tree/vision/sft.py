@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 import datasets
+import torch
 from transformers import ProcessorMixin
 from trl.data_utils import prepare_multimodal_messages
 
@@ -22,7 +23,16 @@ from hf_tree.vision.rows import split_images
 
 IMAGE_COLUMNS = ("image", "images")
 # What a processor's rendering of a row may hold: tokens, the mask (all ones, one row) and the images' tensors.
-RENDERED_KEYS = {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids"}
+RENDERED_KEYS = {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids"}
+TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")  # Gemma 3's processor renames the first to the second
+
+
+def placeholder_token_id(processor: ProcessorMixin) -> int | None:
+    """The token each image's features replace: the tokenizer's image token where it names one (Gemma 3's processor
+    calls its begin-of-image token ``image_token_id``), else the processor's ``image_token_id``."""
+    tokenizer = getattr(processor, "tokenizer", None)
+    token = getattr(tokenizer, "image_token", None)
+    return tokenizer.convert_tokens_to_ids(token) if token else getattr(processor, "image_token_id", None)
 
 
 def is_vision_dataset(dataset: Any) -> bool:
@@ -49,6 +59,14 @@ def render_row(row: dict[str, Any], processor: ProcessorMixin) -> tuple[list[int
             f"{type(processor).__name__} returns {other} besides the image tensors hf_tree.vision's SFT rows keep "
             f"({sorted(RENDERED_KEYS)}); such inputs (tiles, image sizes, masks) are not supported for vision SFT."
         )
+    for key in TOKEN_TYPE_KEYS:  # the trees rebuild them (image blocks) from the placeholders: they must agree
+        if key in output and not torch.equal(
+            output[key][0] != 0, output["input_ids"][0] == placeholder_token_id(processor)
+        ):
+            raise ValueError(
+                f"{type(processor).__name__} returns {key} marking other tokens than the image placeholders (videos?); "
+                "vision SFT trees support images only."
+            )
     tensors = split_images(output["pixel_values"], output.get("image_grid_thw"), len(images)) if images else []
     return output["input_ids"][0].tolist(), tensors
 
@@ -78,7 +96,7 @@ def build_media_tree_dataset(
             f"group_by={group_by!r} is not a column of the {name} dataset ({dataset.column_names}); vision rows merge "
             "by a column (e.g. an image id) or not at all (None or '<row>')."
         )
-    image_token_id = getattr(processor, "image_token_id", None)
+    image_token_id = placeholder_token_id(processor)
     if image_token_id is None:
         raise ValueError(f"{type(processor).__name__} has no image_token_id; pass the model's processor.")
     groups: dict[Any, list[int]] = defaultdict(list)
