@@ -101,16 +101,11 @@ def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     family, vision = SUPPORTED[config.model_type], config.vision_config
     generator = torch.Generator().manual_seed(seed)
     if "image_grid_thw" in family.image_inputs:  # patches of a grid (Qwen)
-        merge, patch = (
-            _first(vision, "spatial_merge_size", "merge_size", "merge_kernel_size", default=1),
-            vision.patch_size,
-        )
+        merge = _first(vision, "spatial_merge_size", "merge_size", "merge_kernel_size", default=1)
         merge = merge[0] if isinstance(merge, (list, tuple)) else merge
         temporal = _first(vision, "temporal_patch_size", "patch_temporal", default=1)
-        side, width = (
-            2 * merge,
-            getattr(vision, "in_channels", getattr(vision, "num_channels", 3)) * temporal * patch * patch,
-        )
+        channels = _first(vision, "in_channels", "num_channels", default=3)
+        side, width = 2 * merge, channels * temporal * vision.patch_size**2
         pixels = torch.randn(side * side, width, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
     size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]  # square images
