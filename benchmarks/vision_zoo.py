@@ -17,7 +17,7 @@ import sys
 
 from hf_tree.vision.zoo import check_vision_architecture, markdown_table, vision_model_types
 from hf_tree.zoo import run_zoo
-from tests.vision_models import CONFIGS
+from tests.vision_models import ZOO_CONFIGS as CONFIGS
 
 
 def main(argv: list[str] | None = None) -> int:

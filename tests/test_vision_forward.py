@@ -2,9 +2,10 @@
 
 Loss and every gradient (vision tower, projector, language model; LoRA on both) against the same model run on each
 sample alone with its own attention (tests/vision_models.py), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL (mRoPE positions
-from the model's ``get_rope_index`` per branch, deepstack features), Qwen3.5 (GatedDeltaNet hybrid), LLaVA and
-Idefics3/SmolVLM (1-D positions) and Gemma 3 (its image tokens attend to each other both ways: the tree mask plus
-the ``bidirectional_block`` overlay, also under its sliding-window layers).
+from the model's ``get_rope_index`` per branch, deepstack features), Qwen3.5 (GatedDeltaNet hybrid), LLaVA,
+LLaVA-Next (any-resolution tiles, per-image feature lengths) and Idefics3/SmolVLM (1-D positions) and Gemma 3 (its
+image tokens attend to each other both ways: the tree mask plus the ``bidirectional_block`` overlay, also under its
+sliding-window layers).
 """
 
 from __future__ import annotations
@@ -80,7 +81,8 @@ def loss_and_grads(model, loss_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor
 @pytest.mark.parametrize("family", FAMILIES)
 def test_packed_forward_equals_per_branch(family):
     model = tiny_vlm(family)
-    batch, (sequences, images, masks) = tree_batch(family, max_packed_tokens=32)  # two rows
+    row_tokens = 48 if family == "llava_next" else 32  # two rows (LLaVA-Next's images: 10 and 14 tokens)
+    batch, (sequences, images, masks) = tree_batch(family, max_packed_tokens=row_tokens)
     assert batch["input_ids"].shape[0] == 2
     loss, grads = loss_and_grads(model, lambda: tree_vision_lm_loss(model, batch))
     ref, ref_grads = loss_and_grads(model, lambda: per_branch_vlm_loss(model, sequences, images, masks))
@@ -255,3 +257,19 @@ def test_image_run_split_between_nodes_is_refused():
     batch = MediaTreeCollator(max_packed_tokens=16)([MediaTree(cut, IMAGE_TOKEN, [tiny_image("gemma3", 1)])])
     with pytest.raises(ValueError, match=r"packed row 0: the image tokens from token 4 on continue .*split between"):
         tree_vision_lm_loss(model, batch)
+
+
+def test_image_features_follow_the_rows_of_each_image():
+    """An image's features are its entries of the encoder's output in order (InternVL: one entry per crop, the image's
+    crops written as one run); entries that do not add up to the images' rows are refused."""
+    from hf_tree.vision.forward import image_features
+
+    entries = torch.arange(5 * 2 * 3, dtype=torch.float64).reshape(5, 2, 3)  # 5 crops of 2 tokens
+    batch = {"image_inputs": {"pixel_values": torch.zeros(5, 3, 8, 8)}, "image_rows": torch.tensor([2, 1, 2])}
+    per_image = image_features(entries, batch)
+    assert [len(f) for f in per_image] == [4, 2, 4]
+    assert torch.equal(torch.cat(per_image), entries.reshape(10, 3))
+    with pytest.raises(ValueError, match="returned 5 feature entries for images with 4"):
+        image_features(entries, {**batch, "image_rows": torch.tensor([2, 2])})
+    grids = {"image_inputs": {"image_grid_thw": torch.tensor([[1, 2, 2]] * 5)}, "image_rows": torch.tensor([4] * 5)}
+    assert len(image_features(entries, grids)) == 5  # Qwen: rows are patches, one entry per image

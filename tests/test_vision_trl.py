@@ -32,6 +32,7 @@ from tests.vision_models import (
     float64_vision_rotary,
     is_mrope,
     placeholders,
+    processor_batch,
     tiny_image,
     tiny_vlm,
 )
@@ -41,7 +42,7 @@ COMPLETIONS = [[20, 21, 22], [20, 21, 1], [23, 24, 25, 26], [20, 21, 22]]  # a d
 ROLLOUTS = [[20, 21, 22], [20, 21, 2], [23, 24, 25], [20, 26, 1]]  # varied_reward (id sum mod 7): 0, 1, 2, 4
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava"])
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5", "llava", "llava_next"])
 def trainers(request, tmp_path_factory):
     family = request.param
     path = str(tmp_path_factory.mktemp(family))
@@ -69,12 +70,12 @@ def image_groups(family: str) -> tuple[torch.Tensor, torch.Tensor, int, dict, in
     for r, (prompt, _, completion) in enumerate(rows):  # left-padded prompts, right-padded completions
         ids[r, prompt_width - len(prompt) : prompt_width + len(completion)] = torch.tensor(prompt + completion)
         mask[r, prompt_width - len(prompt) : prompt_width + len(completion)] = 1
-    images = [image for _, image, _ in rows]
-    inputs = {k: torch.cat([image[k] for image in images]) for k in images[0]}
+    inputs = processor_batch([image for _, image, _ in rows])  # LLaVA-Next: tiles padded to the most (5)
     inputs["num_images"] = [1] * len(rows)
     if is_mrope(family):
         inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
-    distinct = sum(image["pixel_values"].shape[0] for _, image in prompts)
+    pixels = [image["pixel_values"] for _, image in prompts]  # encoder rows: LLaVA-Next's tiles (3, 3 and 5)
+    distinct = sum(p.shape[1] if p.dim() == 5 else p.shape[0] for p in pixels)
     return ids, mask, width, inputs, distinct
 
 
@@ -121,14 +122,20 @@ def test_reference_pass_matches_trl(trainers):
 def test_unsupported_image_inputs_raise(trainers):
     family, _, tree = trainers
     ids, mask, keep, inputs, _ = image_groups(family)
-    with pytest.raises(ValueError, match=r"\['image_sizes'\]"):
-        tree._get_per_token_logps_and_entropies(
-            tree.model, ids, mask, keep, image_sizes=torch.tensor([[8, 8]] * ids.shape[0]), **inputs
-        )
+    name, unknown = unknown_image_input(inputs, ids.shape[0])
+    with pytest.raises(ValueError, match=rf"\['{name}'\]"):
+        tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, **inputs, **unknown)
     with pytest.raises(ValueError, match=r"num_images=\[2, 0"):
         tree._get_per_token_logps_and_entropies(
             tree.model, ids, mask, keep, **{**inputs, "num_images": [2, 0] + [1] * (ids.shape[0] - 2)}
         )
+
+
+def unknown_image_input(inputs: dict, rows: int) -> tuple[str, dict]:
+    """An image input the family does not take: ``image_sizes`` (LLaVA-Next: ``pixel_attention_mask``)."""
+    if "image_sizes" in inputs:
+        return "pixel_attention_mask", {"pixel_attention_mask": torch.ones(rows, 8, 8, dtype=torch.bool)}
+    return "image_sizes", {"image_sizes": torch.tensor([[8, 8]] * rows)}
 
 
 @pytest.mark.parametrize("family", ["llava", "gemma3"])

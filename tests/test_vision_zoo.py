@@ -10,7 +10,7 @@ import torch
 
 from hf_tree.vision import SUPPORTED, vision_family
 from hf_tree.vision.zoo import check_vision_architecture, markdown_table, vision_model_types
-from tests.vision_models import CONFIGS
+from tests.vision_models import ZOO_CONFIGS as CONFIGS
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -24,7 +24,12 @@ def test_supported_families_are_exact(model_type):
 
 @pytest.mark.parametrize(
     ("model_type", "reason"),
-    [("paligemma", "bidirectionally"), ("shieldgemma2", "not tested"), ("llava_next", "not tested")],
+    [
+        ("paligemma", "bidirectionally"),
+        ("fuyu", "image_patches_indices"),
+        ("mistral3", "IMG_BREAK"),
+        ("janus", "not tested"),
+    ],
 )
 def test_unsupported_families_are_refused(model_type, reason):
     result = check_vision_architecture(model_type)
@@ -52,3 +57,21 @@ def test_whole_image_text_to_text_mapping_has_no_silent_mismatch():
     results = [check_vision_architecture(t, CONFIGS, time_limit=120) for t in vision_model_types()]
     assert not [r.model_type for r in results if r.state == "MISMATCH"]
     assert {r.model_type for r in results if r.state == "exact"} == set(SUPPORTED)
+
+
+def test_llava_onevision_refuses_a_branch_with_two_images():
+    """LLaVA-OneVision encodes a multi-image sample's images without their anyres tiles (batch_num_images): the tree
+    forward encodes every image as a sample's only one, so a branch showing two images is refused before encoding."""
+    from hf_tree.vision import MediaTree, MediaTreeCollator, tree_vision_lm_loss
+    from hf_tree.vision.zoo import build_tiny_vlm, placeholder_tokens, tiny_image
+
+    model = build_tiny_vlm("llava_onevision", CONFIGS["llava_onevision"])
+    first, second = tiny_image(model, 1), tiny_image(model, 2)
+    a, b = placeholder_tokens(model, first), placeholder_tokens(model, second)
+    sequences = [[1, 2, *a, 5, 6], [1, 2, *a, 5, *b, 7], [3, *b, 4]]
+    tree = MediaTree.from_samples(sequences, [[first], [first, second], [second]], model.config.image_token_id)
+    batch = MediaTreeCollator(max_packed_tokens=512)([tree])
+    with pytest.raises(ValueError, match="shows 2 images.*one image each"):
+        tree_vision_lm_loss(model, batch)
+    one_each = MediaTree.from_samples([sequences[0], sequences[2]], [[first], [second]], model.config.image_token_id)
+    tree_vision_lm_loss(model, MediaTreeCollator(max_packed_tokens=512)([one_each])).backward()

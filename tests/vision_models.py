@@ -8,6 +8,7 @@ mRoPE families, ``token_type_ids`` for Gemma 3), combined with token normalizati
 from __future__ import annotations
 
 import contextlib
+import functools
 import importlib
 from collections.abc import Iterator, Sequence
 
@@ -93,6 +94,22 @@ CONFIGS = {
         image_token_id=IMAGE_TOKEN,
         vision_feature_layer=-1,
     ),
+    # Any-resolution tiles: 8x8 tiles of 4 patches; an image's grid is one of the pinpoints (tests/ tiny_image)
+    "llava_next": lambda: transformers.LlavaNextConfig(
+        text_config=dict(TEXT, model_type="llama"),
+        vision_config=dict(
+            model_type="clip_vision_model",
+            hidden_size=16,
+            intermediate_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            image_size=8,
+            patch_size=4,
+        ),
+        image_token_id=IMAGE_TOKEN,
+        vision_feature_layer=-1,
+        image_grid_pinpoints=[[8, 16], [16, 8], [16, 16]],
+    ),
     # Local layers with a 3-token window, shorter than an image's 4 tokens: the window cuts the image blocks (the
     # bidirectional overlay is AND(window, OR(causal, block)) there), a global layer sees whole blocks.
     "gemma3": lambda: transformers.Gemma3Config(
@@ -113,6 +130,120 @@ CONFIGS = {
     ),
 }
 FAMILIES = tuple(CONFIGS)
+
+
+def eager_experts(config: transformers.PretrainedConfig) -> transformers.PretrainedConfig:
+    """MoE experts as a loop (the grouped_mm kernels refuse float64)."""
+    config._experts_implementation = config.text_config._experts_implementation = "eager"
+    return config
+
+
+def shrunk(model_type: str, patches: int = 4) -> transformers.PretrainedConfig:
+    """``model_type``'s default config shrunk by the zoo's generic shrink, with images of ``patches x patches``
+    patches, the image placeholder moved inside the shrunk vocabulary (the zoo's probe tokens are below 100), MoE
+    experts as a loop."""
+    from hf_tree.vision.zoo import tiny_vision_config
+
+    config = tiny_vision_config(model_type)
+    vision, patch = config.vision_config, config.vision_config.patch_size
+    vision.image_size = [patch[0] * patches, patch[1] * patches] if isinstance(patch, list) else patch * patches
+    for key in ("image_token_id", "image_token_index"):
+        if getattr(config, key, None) is not None:
+            setattr(config, key, config.text_config.vocab_size - 1)
+    if getattr(vision, "window_size", None) and getattr(vision, "spatial_merge_size", None):  # Qwen2.5-VL's windows
+        vision.window_size = patch * vision.spatial_merge_size * 2  # of 2x2 merged patches (in pixels)
+    if getattr(vision, "out_hidden_size", None):  # Qwen-style merger: into the text model's width
+        vision.out_hidden_size = config.text_config.hidden_size
+    if getattr(config, "image_grid_pinpoints", None):  # LLaVA-Next: grids of 1x2, 2x1 and 2x2 tiles
+        side = vision.image_size
+        config.image_grid_pinpoints = [[side, 2 * side], [2 * side, side], [2 * side, 2 * side]]
+    if hasattr(config, "vision_aspect_ratio"):  # LLaVA-OneVision: grids over 1 tile's worth are interpolated down
+        config.vision_aspect_ratio = "anyres_max_1"
+    if hasattr(config, "projector_patch_to_query_dict"):  # Aria: the 16 patches pooled into 4 queries
+        config.projector_patch_to_query_dict = {patches * patches: 4}
+    if hasattr(config, "mm_tokens_per_image"):  # Gemma 3's pooling: 2x2 of the 4x4 patches
+        config.mm_tokens_per_image = 4
+    if isinstance(getattr(config, "vision_feature_layers", None), list):  # VipLLaVA: layers of the shrunk tower
+        config.vision_feature_layers = [-2, -1]
+    return eager_experts(config)
+
+
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16)
+GLM_VISION = dict(QWEN_VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32, image_size=8)
+GLM_TOKENS = dict(image_token_id=IMAGE_TOKEN, video_token_id=101, image_start_token_id=VISION_START)
+GLM_TEXT = dict(TEXT, head_dim=16, rope_parameters=dict(MROPE, partial_rotary_factor=0.5))  # 8 rotary dims
+
+
+def glm_config(name: str, **text) -> transformers.PretrainedConfig:
+    """GLM-4V's architecture (Qwen-style patches and mRoPE; its image run between image start/end tokens)."""
+    config = getattr(transformers, name)(
+        text_config=dict(GLM_TEXT, **text), vision_config=dict(GLM_VISION), image_end_token_id=VISION_END, **GLM_TOKENS
+    )
+    return eager_experts(config)
+
+
+# The zoo's tiny configs (benchmarks/vision_zoo.py, tests/test_vision_zoo.py): the families above, and the ones tested
+# by the zoo's probe only (hf_tree.vision.zoo: two trees, loss and every gradient against each sample alone).
+ZOO_CONFIGS = {
+    **CONFIGS,
+    **{
+        t: functools.partial(shrunk, t)
+        for t in (
+            "aria",
+            "aya_vision",
+            "cohere2_vision",
+            "deepseek_vl",
+            "exaone4_5",
+            "hyperclovax_vision_v2",
+            "idefics2",
+            "lfm3_vl",
+            "minimax_m3_vl",
+            "internvl",
+            "llava_next_video",
+            "llava_onevision",
+            "qianfan_ocr",
+            "shieldgemma2",
+            "video_llava",
+            "vipllava",
+        )
+    },
+    "qwen3_vl_moe": lambda: eager_experts(
+        transformers.Qwen3VLMoeConfig(
+            text_config=dict(CONFIGS["qwen3_vl"]().text_config.to_dict(), **MOE, decoder_sparse_step=1),
+            vision_config=CONFIGS["qwen3_vl"]().vision_config.to_dict(),
+            vision_end_token_id=VISION_END,
+            **QWEN_TOKENS,
+        )
+    ),
+    "qwen3_5_moe": lambda: eager_experts(
+        transformers.Qwen3_5MoeConfig(
+            text_config=TEXT
+            | HYBRIDS["qwen3_5_text"]
+            | MOE
+            | {"shared_expert_intermediate_size": 16, "rope_parameters": dict(MROPE, mrope_interleaved=True)},
+            vision_config=dict(
+                QWEN_VISION, hidden_size=16, intermediate_size=32, out_hidden_size=32, num_position_embeddings=16
+            ),
+            vision_end_token_id=VISION_END,
+            **QWEN_TOKENS,
+        )
+    ),
+    "glm4v": functools.partial(glm_config, "Glm4vConfig"),
+    "glm46v": functools.partial(glm_config, "Glm46VConfig", model_type="glm4v_text"),
+    "glmga": functools.partial(glm_config, "GlmgaConfig"),
+    "glm_ocr": functools.partial(glm_config, "GlmOcrConfig"),
+    "glm4v_moe": functools.partial(
+        glm_config,
+        "Glm4vMoeConfig",
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=16,
+        first_k_dense_replace=0,
+        n_shared_experts=1,
+        n_group=1,
+        topk_group=1,
+    ),
+}
 # Families whose own float32 internals (GatedDeltaNet's decay parameters) bound the float64 comparison.
 FLOAT32_INTERNALS = ("qwen3_5",)
 
@@ -149,8 +280,13 @@ def is_mrope(family: str) -> bool:
 
 def tiny_image(family: str, seed: int, height: int = 4, width: int = 4) -> dict[str, torch.Tensor]:
     """One image's processor tensors (random pixels). Qwen: a ``height x width`` patch grid (``height * width / 4``
-    placeholder tokens after the 2x2 merge); LLaVA: an 8x8 image (4 tokens); Idefics3/SmolVLM: one 8x8 tile."""
+    placeholder tokens after the 2x2 merge); LLaVA: an 8x8 image (4 tokens); Idefics3/SmolVLM: one 8x8 tile;
+    LLaVA-Next: 8x8 tiles of an 8x8 image for a square grid, of a 10x16 image otherwise (``image_sizes``)."""
     generator = torch.Generator().manual_seed(seed)
+    if family == "llava_next":  # a square grid: 8x8 (3 tiles, 10 tokens after unpadding), else 10x16 (5 tiles, 14)
+        image_sizes, tiles = ([8, 8], 3) if height == width else ([10, 16], 5)
+        pixels = torch.randn(1, tiles, 3, 8, 8, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([image_sizes])}
     if family in ("idefics3", "smolvlm"):
         pixels = torch.randn(1, 1, 3, 8, 8, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, 8, 8, dtype=torch.bool)}
@@ -170,6 +306,8 @@ def placeholders(family: str, image: dict[str, torch.Tensor]) -> list[int]:
     begin/end-of-image tokens)."""
     if has_bidirectional_images(family):
         return [VISION_START] + [IMAGE_TOKEN] * 4 + [VISION_END]
+    if family == "llava_next":  # its processor's count: base tile + unpadded grid + one newline per grid row
+        return [IMAGE_TOKEN] * {(10, 16): 14, (8, 8): 10}[tuple(image["image_sizes"][0].tolist())]
     if not is_mrope(family):
         return [IMAGE_TOKEN] * 4
     count = int(image["image_grid_thw"].prod()) // 4
@@ -191,9 +329,7 @@ def per_branch_vlm_loss(
     try:
         for b, (seq, sample_images) in enumerate(zip(sequences, images)):
             ids = torch.tensor([list(seq)])
-            inputs = (
-                {k: torch.cat([image[k] for image in sample_images]) for k in sample_images[0]} if sample_images else {}
-            )
+            inputs = processor_batch(sample_images)
             if is_mrope(model.config.model_type):
                 inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
             if has_bidirectional_images(model.config.model_type) and not drop_image_blocks:
@@ -205,6 +341,25 @@ def per_branch_vlm_loss(
     finally:
         model.set_attn_implementation(previous)
     return total / divisor
+
+
+def processor_batch(images: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """One sample's images as its processor batches them: tensors concatenated along dim 0, LLaVA-Next's tiles
+    ``[1, tiles, C, H, W]`` zero-padded to the sample's most tiles first."""
+    if not images:
+        return {}
+    if "image_sizes" in images[0]:
+        most = max(image["pixel_values"].shape[1] for image in images)
+        images = [
+            {
+                **image,
+                "pixel_values": F.pad(
+                    image["pixel_values"], (0, 0, 0, 0, 0, 0, 0, most - image["pixel_values"].shape[1])
+                ),
+            }
+            for image in images
+        ]
+    return {k: torch.cat([image[k] for image in images]) for k in images[0]}
 
 
 def word_level_tokenizer(special: dict[int, tuple[str, str]]) -> transformers.PreTrainedTokenizerFast:

@@ -20,7 +20,9 @@ class MediaTreeCollator:
     - ``media_ids`` ``[B, N]`` int64: the image each placeholder token shows (index into the batch's images), ``-1``
       for text and padding;
     - ``image_inputs``: the processor tensors of the batch's distinct images (dropped trees' images left out),
-      concatenated along dim 0 in image order (e.g. ``pixel_values``, ``image_grid_thw``); empty without images.
+      concatenated along dim 0 in image order (e.g. ``pixel_values``, ``image_grid_thw``; LLaVA-Next's tiles
+      ``[1, tiles, C, H, W]`` zero-padded to the batch's most tiles, as its processor pads them); empty without images;
+    - ``image_rows`` ``[images]`` int64: the rows of each image's ``pixel_values`` (crops, patches or 1).
 
     An image shared by several branches or trees of the batch is stored once. ``overlong="truncate"`` is refused: a
     cut could split an image's placeholder run.
@@ -58,6 +60,8 @@ def attach_media(batch: dict[str, Any], images: list[dict[str, torch.Tensor]], i
     renumber[used] = torch.arange(len(used), device=media_ids.device)
     batch["media_ids"] = renumber[media_ids]  # -1 maps through the last entry
     batch["image_inputs"] = _concatenate([images[m] for m in used])
+    # Rows of each image's pixel_values (InternVL: its crops), to give each image its entries of the encoder's output
+    batch["image_rows"] = torch.tensor([len(images[m]["pixel_values"]) for m in used], dtype=torch.int64)
     return batch
 
 
@@ -71,11 +75,26 @@ def _concatenate(images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tenso
                 f"image {m} of the batch has processor tensors {sorted(image)} but image 0 has {sorted(names)}: all "
                 "images of a batch must come from the same processor."
             )
+    images = _pad_tiles(images) if "image_sizes" in names else images
     for name in names:
         shapes = {tuple(image[name].shape[1:]) for image in images}
-        if len(shapes) > 1:  # e.g. LLaVA-Next's patches per image: padding would need the model's rule
+        if len(shapes) > 1:
             raise ValueError(
                 f"the batch's images have {name} of different shapes beyond dim 0 ({sorted(shapes)}): they cannot be "
-                "encoded together (models with a variable number of tiles per image are not supported)."
+                "encoded together (one processor, one image size; tiles only for models taking image_sizes)."
             )
     return {name: torch.cat([image[name] for image in images]) for name in sorted(names)}
+
+
+def _pad_tiles(images: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Any-resolution tiles (LLaVA-Next: ``pixel_values`` ``[1, tiles, C, H, W]`` with ``image_sizes``): zero-pad
+    every image to the batch's most tiles, as the processor pads a batch; the model keeps each image's own tiles
+    (their count follows from ``image_sizes``), so the padding is never encoded."""
+    pixels = [image["pixel_values"] for image in images]
+    if any(p.dim() != 5 for p in pixels):
+        return images
+    most = max(p.shape[1] for p in pixels)
+    return [
+        {**image, "pixel_values": torch.nn.functional.pad(p, (0, 0, 0, 0, 0, 0, 0, most - p.shape[1]))}
+        for image, p in zip(images, pixels)
+    ]

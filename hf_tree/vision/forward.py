@@ -3,7 +3,7 @@
 Each distinct image of the batch goes through the model's own ``get_image_features`` once; its features are
 handed to the model's own forward as ``mm_encoder_outputs`` (one entry per placeholder run of the packed rows, in
 row order, so the model's own placeholder merge puts them in place), and the language model runs with ``kv_end``.
-Positions are what each branch alone gets: Qwen2-VL/2.5-VL/3-VL/3.5's 3-D mRoPE positions from the model's own
+Positions are what each branch alone gets: the Qwen-VL and GLM-4V families' 3-D mRoPE positions from the model's own
 ``get_rope_index`` run on each root-to-leaf path of the packed rows (equal on shared prefixes, since a token's
 position depends on its ancestors only), depths for 1-D models. Gemma 3's image tokens attend to each other
 bidirectionally (its ``token_type_ids`` overlay, one block per contiguous run of image tokens): the language model
@@ -13,6 +13,7 @@ to the tree mask. Models not listed in ``SUPPORTED`` are refused.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,19 +35,35 @@ class VisionFamily:
         image_inputs: the processor tensors ``get_image_features`` takes (others are refused).
         bidirectional_images: each image's placeholder tokens attend to each other both ways (Gemma 3's
             ``token_type_ids`` mask overlay), passed to the tree attention as ``bidirectional_block``.
+        crops: an image may be several crops (``pixel_values`` ``[crops, C, H, W]``) written as one placeholder run
+            (InternVL); its features are its crops' in order (``image_features``).
+        one_image_per_branch: an image's features depend on how many images its sample shows (LLaVA-OneVision:
+            the processor's ``batch_num_images``; a multi-image sample's images lose their anyres tiles), so a branch
+            showing several images is refused (``images_per_branch``) and each image is encoded as a sample's only one.
     """
 
     mrope: bool
     image_inputs: tuple[str, ...]
     bidirectional_images: bool = False
+    crops: bool = False
+    one_image_per_branch: bool = False
 
 
-# Families whose packed forward is tested equal to per-branch training (tests/test_vision_forward.py).
+# Families whose packed forward is tested equal to per-branch training (tests/test_vision_forward.py, and the zoo's
+# probe for every entry: tests/test_vision_zoo.py::test_supported_families_are_exact).
 SUPPORTED = {
     "qwen2_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "qwen2_5_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "qwen3_vl": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "qwen3_5": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "qwen3_vl_moe": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "qwen3_5_moe": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    # GLM-4V's architecture: Qwen-style patches and get_rope_index (an image run between image start/end tokens)
+    "glm4v": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "glm4v_moe": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "glm46v": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "glmga": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
+    "glm_ocr": VisionFamily(mrope=True, image_inputs=("image_grid_thw", "pixel_values")),
     "llava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
     # Unsplit images only (one tile each, do_image_splitting=False): a split image's tiles are separate placeholder
     # runs between tile-position tokens, which MediaTree and the packed forward refuse (runs != images).
@@ -56,11 +73,55 @@ SUPPORTED = {
     # AND(window, OR(causal, block))): the tree mask plus the same overlay (image_blocks), exact as each block lies
     # inside one tree node.
     "gemma3": VisionFamily(mrope=False, image_inputs=("pixel_values",), bidirectional_images=True),
+    # Any-resolution tiles: pixel_values [images, tiles, C, H, W] (zero-padded to the batch's most tiles; the model
+    # keeps each image's own count, from image_sizes) and image_sizes [images, 2]; each image's features are its
+    # base tile, then its unpadded tile grid with an image_newline per row: a different length per image.
+    "llava_next": VisionFamily(mrope=False, image_inputs=("image_sizes", "pixel_values")),
+    "llava_next_video": VisionFamily(mrope=False, image_inputs=("image_sizes", "pixel_values")),  # its images
+    # LLaVA-Next's tiles, unpadding reduced to at most anyres_max_N tiles' worth; only one-image branches
+    "llava_onevision": VisionFamily(
+        mrope=False, image_inputs=("image_sizes", "pixel_values"), one_image_per_branch=True
+    ),
+    # Qwen-style patch grids with 1-D positions
+    "exaone4_5": VisionFamily(mrope=False, image_inputs=("image_grid_thw", "pixel_values")),
+    "hyperclovax_vision_v2": VisionFamily(mrope=False, image_inputs=("image_grid_thw", "pixel_values")),
+    "lfm3_vl": VisionFamily(mrope=False, image_inputs=("image_grid_thw", "pixel_values")),
+    "minimax_m3_vl": VisionFamily(mrope=False, image_inputs=("image_grid_thw", "pixel_values")),
+    # Idefics3's predecessor (perceiver resampler): unsplit images, one run each
+    "idefics2": VisionFamily(mrope=False, image_inputs=("pixel_attention_mask", "pixel_values")),
+    # Pixels with a padding mask (Aria: its patch attention and projector queries), one run per image
+    "aria": VisionFamily(mrope=False, image_inputs=("pixel_mask", "pixel_values")),
+    # One feature entry per image (or per crop, written as the image's one run: InternVL), scattered in order
+    "aya_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
+    "cohere2_vision": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
+    "deepseek_vl": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
+    "internvl": VisionFamily(mrope=False, image_inputs=("pixel_values",), crops=True),
+    "qianfan_ocr": VisionFamily(mrope=False, image_inputs=("pixel_values",), crops=True),
+    "shieldgemma2": VisionFamily(mrope=False, image_inputs=("pixel_values",), bidirectional_images=True),
+    "video_llava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
+    "vipllava": VisionFamily(mrope=False, image_inputs=("pixel_values",)),
 }
 # Why other families are refused (a family not named here: it was not tested with tree batches).
+PIXTRAL_ROWS = (
+    "its processor writes an image as one placeholder run per row of patches, each ended by [IMG_BREAK] ([IMG_END] "
+    "after the last): several runs per image, while MediaTree and the packed forward give each image one run"
+)
 REFUSED = {
     "paligemma": "its prefix (image and prompt) is attended bidirectionally, across the nodes where branches' prompts "
     "fork; the tree mask is causal apart from image blocks inside one node",
+    "mistral3": PIXTRAL_ROWS,
+    "lighton_ocr": PIXTRAL_ROWS,
+    "mistral_large4": PIXTRAL_ROWS,
+    "got_ocr2": "its SAM-style vision encoder takes no attention implementation, so the model cannot be switched to "
+    "tree_flash as a whole (transformers refuses set_attn_implementation and the config stays 'eager')",
+    "pp_chart2table": "GOT-OCR2's architecture: its vision encoder takes no attention implementation, so the model "
+    "cannot be switched to tree_flash as a whole",
+    "fuyu": "its image patches are projected inside its forward and scattered by image_patches_indices from the "
+    "encoder's last_hidden_state, not passed as per-image features (pooler_output) that can be encoded once and "
+    "reordered per showing",
+    "ovis2": "its visual-indicator tokens (image start/grid/end) get the vision tokenizer's indicator embeddings in "
+    "every forward that has an image, so a branch without images packed beside one with images would differ from "
+    "that branch alone (the zoo's probe, without indicator tokens, is exact)",
 }
 
 
@@ -116,6 +177,36 @@ def occurrences(media_ids: torch.Tensor, feature_lengths: list[int]) -> tuple[li
     return shown, showing
 
 
+def image_encoder(causal_lm: PreTrainedModel) -> Any:
+    """The model's own ``get_image_features`` (DeepSeek-VL, Janus: its base model's)."""
+    return getattr(causal_lm, "get_image_features", None) or causal_lm.model.get_image_features
+
+
+def image_features(
+    pooler_output: torch.Tensor | Sequence[torch.Tensor], batch: dict[str, Any], name: str = "model"
+) -> list[torch.Tensor]:
+    """Each image's features ``[tokens, D]`` from ``get_image_features``' ``pooler_output``, whose entries follow the
+    rows of the images' ``pixel_values`` (``batch["image_rows"]``: rows per image): one per image for grids
+    (``image_grid_thw``: its rows are patches, Qwen) and for tiles (5-D ``pixel_values``: LLaVA-Next, Idefics3), one
+    per crop for 4-D ``pixel_values`` (InternVL's crops of one image: its features are its crops' in order, as the
+    model scatters them into the image's one placeholder run).
+
+    Raises:
+        ValueError: when the entries do not add up to the images' rows.
+    """
+    image_inputs = batch["image_inputs"]
+    if "image_grid_thw" in image_inputs:
+        counts = [1] * len(image_inputs["image_grid_thw"])
+    else:
+        counts = [int(c) for c in batch.get("image_rows", [1] * len(image_inputs["pixel_values"]))]
+    if len(pooler_output) != sum(counts):
+        raise ValueError(
+            f"{name}.get_image_features returned {len(pooler_output)} feature entries for images with {sum(counts)} "
+            "crops/images: hf_tree cannot tell which features belong to which image."
+        )
+    return [torch.cat(list(pooler_output[i - c : i])) for i, c in zip(np.cumsum(counts).tolist(), counts)]
+
+
 def image_blocks(media_ids: torch.Tensor, kv_end: torch.Tensor) -> torch.Tensor:
     """``[B, N]`` int64 bidirectional block of each placeholder token, ``-1`` elsewhere: Gemma 3's
     ``token_type_ids`` blocks (maximal runs of image tokens of a branch, numbered along each row).
@@ -152,6 +243,19 @@ def image_blocks(media_ids: torch.Tensor, kv_end: torch.Tensor) -> torch.Tensor:
         starts = image & (~previous | node_start)
         blocks[row] = torch.where(image, starts.cumsum(0) - 1, -1)
     return blocks.to(media_ids.device)
+
+
+def images_per_branch(media_ids: torch.Tensor, kv_end: torch.Tensor, depths: torch.Tensor) -> tuple[int, int, int]:
+    """``(images, row, leaf)``: the most placeholder runs any root-to-leaf path of the packed rows shows, and where."""
+    most = (0, 0, 0)
+    index = np.arange(media_ids.shape[1])
+    for row in range(media_ids.shape[0]):
+        ends, ids = kv_end[row].cpu().numpy(), media_ids[row].cpu().numpy()
+        for leaf in np.nonzero((ends == index + 1) & (depths[row].cpu().numpy() > 0))[0]:
+            path_ids = ids[np.nonzero(ends[: leaf + 1] > leaf)[0]]
+            runs = int(np.count_nonzero((path_ids >= 0) & (np.diff(np.concatenate([[-1], path_ids])) != 0)))
+            most = max(most, (runs, row, int(leaf)))
+    return most
 
 
 def mrope_positions(
@@ -220,20 +324,33 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
             f"image_inputs holds {unknown}, which the tree forward of {type(causal_lm).__name__} does not pass to "
             f"get_image_features (it takes {list(family.image_inputs)}); drop them or train on flat sequences."
         )
-    required = ("pixel_values", "image_grid_thw") if family.mrope else ("pixel_values",)
+    required = [k for k in ("pixel_values", "image_grid_thw", "image_sizes") if k in family.image_inputs]
     missing = [k for k in required if k not in image_inputs]
     if missing:
         raise ValueError(f"image_inputs lacks {missing}, which {type(causal_lm).__name__}'s image encoder needs.")
     device = batch["input_ids"].device
+    if family.one_image_per_branch:
+        images, row, leaf = images_per_branch(batch["media_ids"], batch["kv_end"], batch["position_ids"])
+        if images > 1:
+            raise ValueError(
+                f"packed row {row}: the branch ending at token {leaf} shows {images} images, but "
+                f"{type(causal_lm).__name__} encodes the images of a multi-image sample differently (without their "
+                "anyres tiles: the processor's batch_num_images), which the tree forward does not do: train it on "
+                "samples with one image each."
+            )
     if family.bidirectional_images:  # checked before the encoder runs
         inputs["bidirectional_block"] = image_blocks(batch["media_ids"], batch["kv_end"]).to(device)
-    features = causal_lm.get_image_features(**{k: v.to(device) for k, v in image_inputs.items()}, return_dict=True)
-    per_image = list(features.pooler_output)
+    features = image_encoder(causal_lm)(**{k: v.to(device) for k, v in image_inputs.items()}, return_dict=True)
+    per_image = image_features(features.pooler_output, batch, type(causal_lm).__name__)
     shown, showing = occurrences(batch["media_ids"], [len(f) for f in per_image])
     # The model scatters them in row-major order; in the container its own encoder returns (Gemma 3: one tensor)
     per_showing = [per_image[m] for m in shown]
-    stacked = isinstance(features.pooler_output, torch.Tensor)
-    features.pooler_output = torch.stack(per_showing) if stacked else tuple(per_showing)
+    if not isinstance(features.pooler_output, torch.Tensor):
+        features.pooler_output = tuple(per_showing)
+    elif len({f.shape for f in per_showing}) == 1:
+        features.pooler_output = torch.stack(per_showing)
+    else:  # crops of several sizes (InternVL: crops per image): one row, scattered in order all the same
+        features.pooler_output = torch.cat(per_showing)[None]
     if getattr(features, "deepstack_features", None) is not None:  # Qwen3-VL: per layer, per image, like pooler_output
         features.deepstack_features = [tuple(layer[m] for m in shown) for layer in features.deepstack_features]
     inputs["mm_encoder_outputs"] = {"image": features}

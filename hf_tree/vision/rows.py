@@ -23,23 +23,36 @@ from hf_tree.vision.media_tree import MEDIA_TOKEN_BASE, MediaStore, placeholder_
 # Row inputs TRL's GRPO passes for the supported families; ``from_rows`` consumes them. ``token_type_ids`` is Gemma 3's
 # name for ``mm_token_type_ids`` (its processor renames them); the packed forward rebuilds its image blocks from the
 # placeholders (``hf_tree.vision.forward.image_blocks``).
-ROW_IMAGE_INPUTS = ("pixel_values", "image_grid_thw", "num_images", "mm_token_type_ids", "token_type_ids")
+ROW_IMAGE_INPUTS = (
+    "pixel_values",
+    "image_grid_thw",
+    "image_sizes",
+    "num_images",
+    "mm_token_type_ids",
+    "token_type_ids",
+)
 TOKEN_TYPE_INPUTS = ("mm_token_type_ids", "token_type_ids")
 # Families whose TRL row inputs are exactly those (tests/test_vision_trl.py compares them with TRL's GRPO passes);
 # Idefics3/SmolVLM also pass pixel_attention_mask and are refused by the tree log-prob head.
-ROW_FAMILIES = ("gemma3", "llava", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_vl")
+ROW_FAMILIES = ("gemma3", "llava", "llava_next", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_vl")
 
 
 def split_images(
-    pixel_values: torch.Tensor, image_grid_thw: torch.Tensor | None, num_images: int, name: str = "model"
+    pixel_values: torch.Tensor,
+    image_grid_thw: torch.Tensor | None,
+    num_images: int,
+    name: str = "model",
+    image_sizes: torch.Tensor | None = None,
 ) -> list[dict[str, torch.Tensor]]:
     """A processor's concatenated image tensors -> one dict per image (``MediaTree.media``'s form).
 
     Args:
-        pixel_values: Qwen: ``[patches, D]`` (``image_grid_thw.prod(-1)`` rows per image); LLaVA: ``[images, C, H, W]``.
+        pixel_values: Qwen: ``[patches, D]`` (``image_grid_thw.prod(-1)`` rows per image); LLaVA: ``[images, C, H, W]``;
+            LLaVA-Next: ``[images, tiles, C, H, W]`` (tiles zero-padded to the batch's most; each image keeps them).
         image_grid_thw: ``[images, 3]`` or ``None``.
         num_images: how many images the tensors hold.
         name: how errors refer to the model.
+        image_sizes: LLaVA-Next: ``[images, 2]``, each image's own ``[1, 2]``; or ``None``.
     """
     sizes = image_grid_thw.prod(-1).tolist() if image_grid_thw is not None else [1] * num_images
     if len(sizes) != num_images or sum(sizes) != pixel_values.shape[0]:
@@ -47,10 +60,14 @@ def split_images(
             f"{name}: pixel_values has {pixel_values.shape[0]} rows but the {num_images} images need {sum(sizes)}; "
             "pass the processor's pixel_values (and image_grid_thw) of these rows."
         )
+    if image_sizes is not None and len(image_sizes) != num_images:
+        raise ValueError(f"{name}: image_sizes has {len(image_sizes)} rows for {num_images} images.")
     images = [{"pixel_values": pixels} for pixels in torch.split(pixel_values, sizes)]
     for m, image in enumerate(images):
         if image_grid_thw is not None:
             image["image_grid_thw"] = image_grid_thw[m : m + 1]
+        if image_sizes is not None:
+            image["image_sizes"] = image_sizes[m : m + 1]
     return images
 
 
@@ -80,8 +97,9 @@ class RowMedia:
             model: the vision-language model.
             input_ids: ``[B, T]`` padded rows.
             inputs: the other forward inputs; ``pixel_values`` (Qwen: ``[patches, D]`` with ``image_grid_thw``
-                ``[images, 3]``; LLaVA, Gemma 3: ``[images, C, H, W]``), ``num_images`` (list, per row) and
-                ``mm_token_type_ids`` (Gemma 3: ``token_type_ids``) ``[B, T]`` are removed from it.
+                ``[images, 3]``; LLaVA, Gemma 3: ``[images, C, H, W]``; LLaVA-Next: ``[images, tiles, C, H, W]`` with
+                ``image_sizes`` ``[images, 2]``), ``num_images`` (list, per row) and ``mm_token_type_ids`` (Gemma 3:
+                ``token_type_ids``) ``[B, T]`` are removed from it.
             name: how errors refer to the model.
 
         Raises:
@@ -109,7 +127,7 @@ class RowMedia:
                 f"{name}: the rows hold {[len(r) for r in runs]} runs of image_token_id={image_token_id} but "
                 f"num_images={list(num_images)}: each image's placeholders must be one run."
             )
-        images = split_images(pixel_values, grid, sum(num_images), name)
+        images = split_images(pixel_values, grid, sum(num_images), name, image_sizes=given["image_sizes"])
         for key in TOKEN_TYPE_INPUTS:
             types = given[key]
             if types is not None and not torch.equal(types.cpu() != 0, rows == image_token_id):

@@ -28,7 +28,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_
 
 from hf_tree.models.head import causal_lm_of, own_attention, raised_by_hf_tree
 from hf_tree.vision.collator import MediaTreeCollator
-from hf_tree.vision.forward import SUPPORTED, tree_vision_lm_loss
+from hf_tree.vision.forward import SUPPORTED, image_encoder, tree_vision_lm_loss
 from hf_tree.vision.media_tree import MediaTree
 from hf_tree.zoo import (
     TOLERANCE,
@@ -94,20 +94,44 @@ def build_tiny_vlm(model_type: str, factory: ConfigFactory | None = None) -> tor
 def tiny_image(model: torch.nn.Module, seed: int) -> dict[str, torch.Tensor]:
     """One image's processor tensors for a ``SUPPORTED`` family, sized from its vision config. Qwen (mRoPE): a
     ``2m x 2m`` patch grid (``m`` the spatial merge), ``pixel_values`` ``[4m^2, C*T*P*P]`` and ``image_grid_thw``;
-    Idefics3/SmolVLM: one unsplit tile ``[1, 1, 3, S, S]`` and its pixel mask; LLaVA: ``[1, 3, S, S]``."""
+    Idefics3/SmolVLM: one unsplit tile ``[1, 1, 3, S, S]`` and its pixel mask; LLaVA-Next: the tiles
+    ``[1, tiles, 3, S, S]`` of an image a bit shorter than one of its grid pinpoints, and ``image_sizes``; others
+    (LLaVA): ``[1, 3, S, S]``, two crops ``[2, 3, S, S]`` for an odd seed where an image may be several crops."""
     config = causal_lm_of(model).config
     family, vision = SUPPORTED[config.model_type], config.vision_config
     generator = torch.Generator().manual_seed(seed)
-    if family.mrope:
-        merge, patch = vision.spatial_merge_size, vision.patch_size
-        side, width = 2 * merge, getattr(vision, "in_channels", 3) * vision.temporal_patch_size * patch * patch
+    if "image_grid_thw" in family.image_inputs:  # patches of a grid (Qwen)
+        merge = _first(vision, "spatial_merge_size", "merge_size", "merge_kernel_size", default=1)
+        merge = merge[0] if isinstance(merge, (list, tuple)) else merge
+        temporal = _first(vision, "temporal_patch_size", "patch_temporal", default=1)
+        channels = _first(vision, "in_channels", "num_channels", default=3)
+        side, width = 2 * merge, channels * temporal * vision.patch_size**2
         pixels = torch.randn(side * side, width, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "image_grid_thw": torch.tensor([[1, side, side]])}
-    size = vision.image_size
+    size = vision.image_size if isinstance(vision.image_size, int) else vision.image_size[0]  # square images
+    if "image_sizes" in family.image_inputs:  # any-resolution tiles: the base tile plus the grid of a pinpoint
+        from transformers.models.llava_next.modeling_llava_next import image_size_to_num_patches
+
+        pinpoints = config.image_grid_pinpoints
+        height, width = pinpoints[seed % len(pinpoints)]
+        image_sizes = [height - size // 4, width]  # not a pinpoint's shape: unpadding cuts its feature rows
+        tiles = image_size_to_num_patches(image_sizes, pinpoints, size)
+        pixels = torch.randn(1, tiles, 3, size, size, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixels, "image_sizes": torch.tensor([image_sizes])}
     if "pixel_attention_mask" in family.image_inputs:
         pixels = torch.randn(1, 1, 3, size, size, generator=generator, dtype=torch.float64)
         return {"pixel_values": pixels, "pixel_attention_mask": torch.ones(1, 1, size, size, dtype=torch.bool)}
-    return {"pixel_values": torch.randn(1, 3, size, size, generator=generator, dtype=torch.float64)}
+    if "pixel_mask" in family.image_inputs:  # Aria: the even seeds' right quarter is padding
+        mask = torch.ones(1, size, size, dtype=torch.bool)
+        mask[:, :, size - size // 4 :] = seed % 2 == 1
+        pixels = torch.randn(1, 3, size, size, generator=generator, dtype=torch.float64)
+        return {"pixel_values": pixels, "pixel_mask": mask}
+    crops = 1 + seed % 2 if family.crops else 1  # InternVL: one image as two crops, written as one run
+    return {"pixel_values": torch.randn(crops, 3, size, size, generator=generator, dtype=torch.float64)}
+
+
+def _first(config: transformers.PretrainedConfig, *names: str, default: int) -> int:
+    return next((getattr(config, n) for n in names if getattr(config, n, None) is not None), default)
 
 
 def placeholder_tokens(model: torch.nn.Module, image: dict[str, torch.Tensor]) -> list[int]:
@@ -115,11 +139,12 @@ def placeholder_tokens(model: torch.nn.Module, image: dict[str, torch.Tensor]) -
     (Qwen: wrapped in the vision start/end tokens)."""
     causal_lm = causal_lm_of(model)
     config = causal_lm.config
-    with torch.no_grad():
-        count = len(causal_lm.get_image_features(**image, return_dict=True).pooler_output[0])
+    with torch.no_grad():  # every entry of the encoder's output (InternVL: one per crop)
+        count = sum(len(f) for f in image_encoder(causal_lm)(**image, return_dict=True).pooler_output)
     run = [int(config.image_token_id)] * count
-    if SUPPORTED[config.model_type].mrope:
-        return [config.vision_start_token_id, *run, config.vision_end_token_id]
+    if SUPPORTED[config.model_type].mrope:  # GLM-4V names them image_start/end
+        start = getattr(config, "vision_start_token_id", None) or config.image_start_token_id
+        return [start, *run, getattr(config, "vision_end_token_id", None) or config.image_end_token_id]
     return run
 
 
