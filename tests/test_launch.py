@@ -328,3 +328,27 @@ def test_vision_language_model_on_builtin_shapes(tmp_path, monkeypatch):
     assert PeftModel.from_pretrained(tiny_vlm("llava", dtype=torch.float32), out) is not None
     with pytest.raises(ValueError, match="image rows"):
         load_tree_rows("builtin:shapes", load_smollm2_tokenizer, limit=1)
+
+
+def test_trees_larger_than_a_row_run_depth_first_from_the_launcher(tmp_path, tiny_model_dir, monkeypatch):
+    """``--tree_execution auto`` reaches the trainer: agent trees longer than ``--max_packed_tokens`` run depth-first
+    (every tree is trained, none split), and the run trains and saves."""
+    import hf_tree.trainer
+
+    calls = []
+    original = hf_tree.trainer.depth_first_backward
+
+    def counted(model, trees, *args, **kwargs):  # the real executor, counting the trees it runs
+        calls.append(len(trees))
+        return original(model, trees, *args, **kwargs)
+
+    monkeypatch.setattr(hf_tree.trainer, "depth_first_backward", counted)
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", "builtin:synthetic-agent"]
+    argv += ["--synthetic_num_conversations", "4", "--synthetic_max_user_turns", "2", "--synthetic_max_tool_steps", "1"]
+    argv += ["--messages_branches", "per_turn", "--tree_execution", "auto", "--max_packed_tokens", "256"]
+    argv += ["--max_steps", "2", "--per_device_train_batch_size", "2", "--output_dir", str(out)]
+    argv += ["--report_to", "none", "--save_strategy", "no", "--max_length", "4096"]
+    summary = train.main(argv)
+    assert sum(calls) >= 1 and torch.isfinite(torch.tensor(summary["train_loss"]))
+    assert (out / "model.safetensors").exists()
