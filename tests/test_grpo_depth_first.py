@@ -144,7 +144,9 @@ def test_prompts_run_once_per_optimizer_step(path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     counts = {}
     for name, shared in (("packed", PACKED), ("shared", SHARED)):
-        args = trainer_args(TreeGRPOConfig, path, torch.float64, learning_rate=1.0, **CUT, **shared)
+        # without the one-time first-use checks, whose probe forwards (gradients on, no backward) would count too
+        settings = dict(learning_rate=1.0, tree_self_check=False, **CUT, **shared)
+        args = trainer_args(TreeGRPOConfig, path, torch.float64, **settings)
         trainer = TreeGRPOTrainer(
             path,
             zero_reward,
