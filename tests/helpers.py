@@ -13,6 +13,7 @@ import copy
 import importlib.resources
 import json
 import os
+import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -640,3 +641,30 @@ def run(engine, q, k, v, kv_end, position_ids, grad_seed: int = 1, backward: boo
 
 def detached64(tensors):
     return [t.detach().to(torch.float64).requires_grad_() for t in tensors]
+
+
+# --------------------------------------------------------------------- benchmark smoke tests
+REPO_ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_benchmark(script: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``benchmarks/<script>`` in a subprocess (benchmarks profile memory and may pin the allocator) with this
+    checkout's ``hf_tree`` first on the path; fails the test with its stderr unless it exits 0."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, str(REPO_ROOT / "benchmarks" / script), *args]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=timeout, check=False, env=env)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result
+
+
+def finish_launched_worker() -> None:
+    """End a worker launched by ``accelerate launch``/``torchrun`` after its report is written: every rank leaves
+    together (an early exit aborts gloo's threads), then the process skips interpreter teardown, in which a CPU process
+    sometimes aborts ("terminate called without an active exception", SIGABRT) after all its work is done, failing
+    the launch."""
+    if torch.distributed.is_initialized():
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -6,18 +6,11 @@ allocator of the test process.
 
 from __future__ import annotations
 
-import pathlib
-import subprocess
-import sys
-
-BENCHMARK = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "attention.py"
+from tests.helpers import run_benchmark
 
 
 def test_attention_benchmark_quick_runs():
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick"], capture_output=True, text=True, timeout=300, check=False
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = run_benchmark("attention.py", "--quick")
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| row | N |")
     names = [line.split(" | ")[0] for line in table[1:]]

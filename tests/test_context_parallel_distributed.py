@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import VOCAB
+from tests.helpers import VOCAB, finish_launched_worker
 from tests.workloads import agent_row, deep_forest_rows, grpo_row, make_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -351,8 +351,6 @@ if __name__ == "__main__":
         out = train_tree_trainer(sys.argv[2])
         if int(os.environ.get("RANK", "0")) == 0:
             torch.save(out, sys.argv[3])
-        if torch.distributed.is_initialized():  # a clean gloo teardown: exiting with it alive aborted a rank (seen)
-            torch.distributed.barrier()
-            torch.distributed.destroy_process_group()
+        finish_launched_worker()
     else:
         worker(sys.argv[1])

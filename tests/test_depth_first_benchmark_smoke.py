@@ -5,23 +5,15 @@ It runs in a subprocess (its memory column profiles allocations), with this chec
 
 from __future__ import annotations
 
-import os
-import pathlib
-import subprocess
-import sys
 from importlib.util import find_spec
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-BENCHMARK = ROOT / "benchmarks" / "depth_first.py"
+from tests.helpers import run_benchmark
+
 METHODS = ["per_branch", "split", "packed", "depth_first"]
 
 
 def test_depth_first_benchmark_quick_runs():
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    result = subprocess.run(
-        [sys.executable, str(BENCHMARK), "--quick"], capture_output=True, text=True, timeout=300, check=False, env=env
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    result = run_benchmark("depth_first.py", "--quick")
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
     assert table[0].startswith("| workload | method |")
     rows = [line.split(" | ") for line in table[1:]]

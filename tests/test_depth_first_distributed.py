@@ -29,7 +29,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from tests.helpers import launch_command, max_relative_error  # noqa: E402
+from tests.helpers import finish_launched_worker, launch_command, max_relative_error  # noqa: E402
 
 FSDP_CONFIGS = sorted((REPO / "fsdp_configs").glob("*.json"))
 DDP_CONFIG = {
@@ -327,11 +327,4 @@ if __name__ == "__main__":
         }
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(out, options.report)
-    if torch.distributed.is_initialized():  # every rank leaves together (an early exit aborts gloo's threads)
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
-    # Skip interpreter teardown: on CPU a process sometimes aborts in it ("terminate called without an active
-    # exception", SIGABRT) after all its work is done and reported, failing the launch.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    finish_launched_worker()

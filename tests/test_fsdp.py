@@ -28,7 +28,7 @@ import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
-from tests.helpers import launch_command, max_relative_error  # noqa: E402
+from tests.helpers import finish_launched_worker, launch_command, max_relative_error  # noqa: E402
 
 CONFIGS = sorted((REPO / "fsdp_configs").glob("*.json"))
 KILL_CONFIGS = {"fsdp2_lora", "fsdp2_full"}  # resumed from a checkpoint of a killed launch
@@ -226,3 +226,4 @@ if __name__ == "__main__":
         out["lora"] = run(str(Path(options.output_dir) / "lora"), True, GLOBAL_BATCH // 2)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(out, options.report)
+    finish_launched_worker()

@@ -24,7 +24,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from tests.helpers import launch_command, max_relative_error  # noqa: E402
+from tests.helpers import finish_launched_worker, launch_command, max_relative_error  # noqa: E402
 
 # float32 on gloo; TRL's fused kernel rounds differently for the padded batch and the packed tree (seen: 2e-6). Before
 # the head was read after the backbone (hf_tree.trl.logprobs), the tree's lm_head update under FSDP2 was off by 0.85.
@@ -52,30 +52,21 @@ def train_and_save(kind: str, tree: bool, lora: bool, model_path: str, output_di
     enable_fsdp2_on_cpu()  # the tree configs do it themselves; TRL's own runs get the same sharded path
     peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False) if lora else None
     settings = dict(max_steps=1, learning_rate=0.5, per_device_train_batch_size=2, seed=3)
-    if kind == "grpo":
-        trainer_class, config_class = (TreeGRPOTrainer, TreeGRPOConfig) if tree else (GRPOTrainer, GRPOConfig)
-        grpo = dict(num_generations=4, max_completion_length=8, beta=0.1, gradient_accumulation_steps=2)
-        args = tiny_trl_config(config_class, output_dir, torch.float32, **settings, **grpo)
+    if kind in ("grpo", "rloo"):  # RLOO has no rollout_func: it samples (same seed and weights in both launches)
+        classes = {
+            "grpo": ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)),
+            "rloo": ((RLOOTrainer, RLOOConfig), (TreeRLOOTrainer, TreeRLOOConfig)),
+        }
+        trainer_class, config_class = classes[kind][tree]
+        group = dict(num_generations=4, max_completion_length=8, beta=0.1, gradient_accumulation_steps=2)
         trainer = trainer_class(
             model_path,
             varied_reward,
-            args,
-            train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
-            processing_class=word_tokenizer(),
-            rollout_func=fixed_rollout,
-            peft_config=peft,
-        )
-    elif kind == "rloo":  # no rollout_func in RLOO: it samples (same seed and weights in both launches)
-        trainer_class, config_class = (TreeRLOOTrainer, TreeRLOOConfig) if tree else (RLOOTrainer, RLOOConfig)
-        rloo = dict(num_generations=4, max_completion_length=8, beta=0.1, gradient_accumulation_steps=2)
-        args = tiny_trl_config(config_class, output_dir, torch.float32, **settings, **rloo)
-        trainer = trainer_class(
-            model_path,
-            varied_reward,
-            args,
+            tiny_trl_config(config_class, output_dir, torch.float32, **settings, **group),
             train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
             processing_class=word_tokenizer(),
             peft_config=peft,
+            **({"rollout_func": fixed_rollout} if kind == "grpo" else {}),
         )
     else:
         trainer_class, config_class = (TreeDPOTrainer, TreeDPOConfig) if tree else (DPOTrainer, DPOConfig)
@@ -146,6 +137,4 @@ if __name__ == "__main__":
     out = train_and_save(kind, name == "tree", lora == "True", model_path, output_dir)
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(out, report)
-    if torch.distributed.is_initialized():  # a clean gloo teardown
-        torch.distributed.barrier()
-        torch.distributed.destroy_process_group()
+    finish_launched_worker()
