@@ -138,6 +138,8 @@ def test_refused_models_and_inputs():
         tree_vision_lm_loss(model, batch)
     with pytest.raises(ValueError, match="overlong='truncate'"):
         MediaTreeCollator(max_packed_tokens=64, max_branch_tokens=8, overlong="truncate")
+    with pytest.raises(ValueError, match="tree_execution='auto' is not supported for image trees"):
+        MediaTreeCollator(max_packed_tokens=64, tree_execution="auto")
 
 
 def test_sharded_model_is_refused_before_encoding_images(tmp_path):

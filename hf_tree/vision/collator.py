@@ -25,7 +25,8 @@ class MediaTreeCollator:
     - ``image_rows`` ``[images]`` int64: the rows of each image's ``pixel_values`` (crops, patches or 1).
 
     An image shared by several branches or trees of the batch is stored once. ``overlong="truncate"`` is refused: a
-    cut could split an image's placeholder run.
+    cut could split an image's placeholder run. So is depth-first execution (``tree_execution`` other than
+    ``"packed"``): its units would run without the images' features.
     """
 
     def __init__(self, *args: Any, **options: Any) -> None:
@@ -34,6 +35,12 @@ class MediaTreeCollator:
             raise ValueError(
                 "MediaTreeCollator: overlong='truncate' could cut an image's placeholder run (the model then refuses "
                 "the batch); use overlong='drop' or 'error', or a larger max_branch_tokens."
+            )
+        if self.collator.packing.tree_execution != "packed":
+            raise ValueError(
+                f"MediaTreeCollator: tree_execution={self.collator.packing.tree_execution!r} is not supported for "
+                "image trees (depth-first units do not carry the images' features yet); set tree_execution='packed' "
+                "(image trees larger than max_packed_tokens are split by their branches)."
             )
 
     def __call__(self, features: Sequence[dict[str, Any] | MediaTree]) -> dict[str, Any]:
