@@ -187,6 +187,16 @@ def per_branch_loss(
     return total, torch.as_tensor(divisor, dtype=torch.float64)
 
 
+def per_branch_forest_loss(model: torch.nn.Module, groups, normalization: str = "token") -> torch.Tensor:
+    """The per-branch loss of every group ``(sequences, loss_masks)``: one differentiable scalar, each group's
+    ``per_branch_loss`` summed and divided by the summed divisor (as one optimizer step over all their branches)."""
+    total, divisor = 0.0, 0.0
+    for sequences, masks in groups:
+        t, d = per_branch_loss(model, sequences, masks, normalization)
+        total, divisor = total + t, divisor + d
+    return total / divisor
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
     return float((a - b).norm() / b.norm().clamp_min(1e-300))

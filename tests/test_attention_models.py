@@ -16,7 +16,14 @@ import torch
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.attention import set_attention_backend
-from tests.helpers import float64_norms, grads_of, max_grad_relative_error, per_branch_loss, relative_error, tiny_model
+from tests.helpers import (
+    float64_norms,
+    grads_of,
+    max_grad_relative_error,
+    per_branch_forest_loss,
+    relative_error,
+    tiny_model,
+)
 from tests.workloads import random_tree_branches
 
 VOCAB = 97
@@ -49,15 +56,6 @@ def forest(seed: int, num_trees: int = 4, max_packed_tokens: int = 64, pad_to_mu
     return groups, batch
 
 
-def per_branch_reference(model, groups):
-    """Per-branch loss (token normalization) of all groups, as a differentiable scalar."""
-    total, divisor = 0.0, 0.0
-    for sequences, masks in groups:
-        t, d = per_branch_loss(model, sequences, masks)
-        total, divisor = total + t, divisor + d
-    return total / divisor
-
-
 def tree_loss_and_grads(model, batch):
     model.zero_grad()
     loss = tree_causal_lm_loss(model, batch)
@@ -67,7 +65,7 @@ def tree_loss_and_grads(model, batch):
 
 def reference_loss_and_grads(model, groups):
     model.zero_grad()
-    loss = per_branch_reference(model, groups)
+    loss = per_branch_forest_loss(model, groups)
     loss.backward()
     return loss.detach(), grads_of(model)
 
@@ -111,7 +109,7 @@ def test_flex_engine_forward_matches_per_branch_in_float64(family, overrides):
     with float64_norms(), backend("flex"), torch.no_grad():
         model = tiny_model(family, vocab_size=VOCAB, **overrides)
         loss = tree_causal_lm_loss(model, batch)
-        ref_loss = per_branch_reference(model, groups)
+        ref_loss = per_branch_forest_loss(model, groups)
     assert relative_error(loss, ref_loss) <= TOLERANCE
 
 

@@ -36,7 +36,7 @@ from tests.helpers import (
     grads_of,
     hybrid_model,
     max_grad_relative_error,
-    per_branch_loss,
+    per_branch_forest_loss,
     relative_error,
     tiny_model,
 )
@@ -59,11 +59,7 @@ def branch_groups(seed: int = 0, num_trees: int = 2) -> list[tuple[list[list[int
 
 def oracle(model, groups, normalization: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.zero_grad()
-    total, divisor = 0.0, 0.0
-    for sequences, masks in groups:
-        t, d = per_branch_loss(model, sequences, masks, normalization)
-        total, divisor = total + t, divisor + d
-    loss = total / divisor
+    loss = per_branch_forest_loss(model, groups, normalization)
     loss.backward()
     return loss.detach(), grads_of(model)
 
