@@ -106,7 +106,9 @@ def _tree_fused_call(
         model_inputs=None if media is None else media.model_inputs,
     )
     aux_loss = values.pop("aux_loss", None)
-    per_token = {name: scatter_to_rows(value, layout) for name, value in values.items()}
+    per_token = {
+        name: scatter_to_rows(value, layout.output_index, layout.output_shape) for name, value in values.items()
+    }
     label_mask = labels[:, 1:] != -100
     divisor = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
     loss = -per_token["log_probs"].sum() / divisor

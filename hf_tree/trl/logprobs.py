@@ -251,7 +251,6 @@ def tree_token_log_probs(
     rows_per_forward = num_rows if tokens_per_forward is None else max(1, tokens_per_forward // row_length)
     if logit_head is None:
         logit_head = detect_logit_head(model)
-    kernel_outputs = tuple(name for name in FUSED_OUTPUTS if name in outputs or name == "log_probs")
     # Rows [r0, r1) own the scored tokens [lo, hi) of the ascending predictor index.
     row_starts = np.arange(0, num_rows + rows_per_forward, rows_per_forward).clip(max=num_rows)
     bounds = np.searchsorted(layout.predictor_index.numpy(), row_starts * row_length).tolist()
@@ -262,6 +261,26 @@ def tree_token_log_probs(
         chunk = {k: v[r0:r1] for k, v in batch.items()}
         hidden = backbone_hidden_states(model, chunk, router_logits, model_inputs)
         predicting.append(hidden.index_select(0, predictor_index[lo:hi] - int(r0) * row_length))
+    values = fused_head_values(
+        model, torch.cat(predicting), layout.targets, temperature, outputs, cast_lm_head_to_fp32, logit_head
+    )
+    if router_logits is not None:  # the loss is a product of batch means: over all forwards' logits at once
+        whole = tuple(torch.cat(layer) for layer in zip(*router_logits))
+        values["aux_loss"] = tree_router_loss(model, whole, layout.router_weights)
+    return values
+
+
+def fused_head_values(
+    model: PreTrainedModel,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    outputs: Sequence[str],
+    cast_lm_head_to_fp32: bool,
+    logit_head: LogitHead,
+) -> dict[str, torch.Tensor]:
+    """TRL's chunked log-prob kernel on ``hidden [M, D]``, the states that predict ``targets [M]``, through the
+    model's head: ``{field: [M]}`` for ``outputs`` (``log_probs`` always; arguments as ``tree_token_log_probs``)."""
     # The head is read after the backbone ran, as TRL's head does: under FSDP2 the root's parameters (the head among
     # them) are unsharded by then; read before, they can still be the sharded DTensors of the previous micro-batch.
     head = model.get_output_embeddings()
@@ -269,12 +288,12 @@ def tree_token_log_probs(
     if isinstance(weight, DTensor):  # FSDP2 shards the head; the kernel needs it whole (as in TRL's head)
         weight = weight.full_tensor()
         bias = bias.full_tensor() if isinstance(bias, DTensor) else bias
-    hidden = torch.cat(predicting).to(weight.device)
-    targets = layout.targets.to(weight.device)
+    hidden, targets = hidden.to(weight.device), targets.to(weight.device)
     autocast = nullcontext()
     if cast_lm_head_to_fp32:
         hidden = hidden.float()
         autocast = torch.autocast(hidden.device.type, enabled=False)
+    kernel_outputs = tuple(name for name in FUSED_OUTPUTS if name in outputs or name == "log_probs")
     # One kernel call for all rows: the head's gradient then arrives in one piece, as from TRL's head (FSDP2
     # reduce-scatters the root's parameters once; a second piece arriving later stayed local to each rank).
     with autocast:
@@ -289,15 +308,11 @@ def tree_token_log_probs(
             logit_head.scale,
             kernel_outputs,
         )
-    values = {name: value for name, value in zip(FUSED_OUTPUTS, kernel_values) if value is not None}
-    if router_logits is not None:  # the loss is a product of batch means: over all forwards' logits at once
-        whole = tuple(torch.cat(layer) for layer in zip(*router_logits))
-        values["aux_loss"] = tree_router_loss(model, whole, layout.router_weights)
-    return values
+    return {name: value for name, value in zip(FUSED_OUTPUTS, kernel_values) if value is not None}
 
 
-def scatter_to_rows(values: torch.Tensor, layout: ScoredLayout) -> torch.Tensor:
-    """``[M]`` values -> ``[B, T - 1]`` (zeros where nothing is scored), differentiable."""
-    size = layout.output_shape[0] * layout.output_shape[1]
-    flat = values.new_zeros(size).index_copy(0, layout.output_index.to(values.device), values)
-    return flat.view(layout.output_shape)
+def scatter_to_rows(values: torch.Tensor, output_index: torch.Tensor, output_shape: tuple[int, int]) -> torch.Tensor:
+    """``[M]`` values -> ``output_shape`` (TRL's shifted ``[B, T - 1]``; zeros where nothing is scored),
+    differentiable; ``output_index [M]``: flat positions (``ScoredLayout.output_index``)."""
+    flat = values.new_zeros(output_shape[0] * output_shape[1])
+    return flat.index_copy(0, output_index.to(values.device), values).view(output_shape)

@@ -32,14 +32,12 @@ from __future__ import annotations
 import logging
 from collections import defaultdict
 from collections.abc import Hashable
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 from accelerate.utils import is_peft_model
-from trl.kernels import ChunkedLogProbFunction
 
 from hf_tree.attention.prefix import PrefixCache
 from hf_tree.depth_first import check_depth_first, refuse_for_depth_first
@@ -49,7 +47,7 @@ from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
 from hf_tree.tree import Tree
 from hf_tree.trl.glue import TreeLogProbArguments
-from hf_tree.trl.logprobs import FUSED_OUTPUTS, VOCAB_CHUNK_SIZE
+from hf_tree.trl.logprobs import fused_head_values, scatter_to_rows
 
 OPTION = "tree_share_across_microbatches=True"
 logger = logging.getLogger("hf_tree")
@@ -358,34 +356,24 @@ class SharedPromptPolicyMixin:
         # TRL's row order (its kernel's float32 gradients round by the order of the rows it scores)
         output_index = np.concatenate(output_index)
         order = np.argsort(output_index, kind="stable")
-        index = torch.from_numpy(output_index[order]).to(device)
-        head = causal_lm.get_output_embeddings()
         hidden = torch.cat(predicting).index_select(0, torch.from_numpy(order).to(device))
-        autocast = nullcontext()
-        if getattr(self.args, "cast_lm_head_to_fp32", False):
-            hidden = hidden.float()
-            autocast = torch.autocast(hidden.device.type, enabled=False)
-        with autocast:
-            values = ChunkedLogProbFunction.apply(
-                hidden,
-                head.weight,
-                head.bias,
-                torch.from_numpy(np.concatenate(targets)[order]).to(device),
-                self.temperature,
-                VOCAB_CHUNK_SIZE,
-                logit_head.softcap,
-                logit_head.scale,
-                ("log_probs", "entropy"),
-            )
-        values = dict(zip(FUSED_OUTPUTS, values))
-
-        def rows_of(value: torch.Tensor) -> torch.Tensor:
-            flat = value.new_zeros(batch_size * (width - 1)).index_copy(0, index, value)
-            return flat.view(batch_size, width - 1)[:, -logits_to_keep:]
+        values = fused_head_values(
+            causal_lm,
+            hidden,
+            torch.from_numpy(np.concatenate(targets)[order]),
+            self.temperature,
+            ("log_probs", "entropy"),
+            getattr(self.args, "cast_lm_head_to_fp32", False),
+            logit_head,
+        )
+        index, shape = torch.from_numpy(output_index[order]), (batch_size, width - 1)
+        log_probs, entropy = (
+            scatter_to_rows(values[k], index, shape)[:, -logits_to_keep:] for k in ("log_probs", "entropy")
+        )
 
         mode = "train" if self.model.training else "eval"
         self._metrics[mode]["tree/dedup_ratio"].append(int(real.sum()) / max(forwarded, 1))
-        return rows_of(values["log_probs"]), rows_of(values["entropy"]), None
+        return log_probs, entropy, None
 
     def _forward_piece(
         self, backbone: torch.nn.Module, causal_lm: torch.nn.Module, prompt: tuple[int, ...], device: torch.device
