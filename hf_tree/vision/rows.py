@@ -37,6 +37,18 @@ TOKEN_TYPE_INPUTS = ("mm_token_type_ids", "token_type_ids")
 ROW_FAMILIES = ("gemma3", "llava", "llava_next", "qwen2_5_vl", "qwen2_vl", "qwen3_5", "qwen3_vl")
 
 
+def check_token_types(
+    inputs: dict[str, Any], input_ids: torch.Tensor, image_token_id: int, name: str, fix: str
+) -> None:
+    """Raise ``ValueError`` (``name``, then ``fix``) unless each of ``inputs``' ``TOKEN_TYPE_INPUTS`` (``[B, T]``;
+    absent or ``None`` is fine) marks exactly the image placeholders of ``input_ids [B, T]``: the trees rebuild them,
+    and Gemma 3's image blocks, from the placeholders."""
+    for key in TOKEN_TYPE_INPUTS:
+        types = inputs.get(key)
+        if types is not None and not torch.equal(types.cpu() != 0, input_ids.cpu() == image_token_id):
+            raise ValueError(f"{name}: {key} marks other tokens than the image placeholders (videos?); {fix}")
+
+
 def split_images(
     pixel_values: torch.Tensor,
     image_grid_thw: torch.Tensor | None,
@@ -128,13 +140,9 @@ class RowMedia:
                 f"num_images={list(num_images)}: each image's placeholders must be one run."
             )
         images = split_images(pixel_values, grid, sum(num_images), name, image_sizes=given["image_sizes"])
-        for key in TOKEN_TYPE_INPUTS:
-            types = given[key]
-            if types is not None and not torch.equal(types.cpu() != 0, rows == image_token_id):
-                raise ValueError(
-                    f"{name}: {key} marks other tokens than the image placeholders (videos?); hf_tree's tree "
-                    "log-probs support images only. Set tree_logprobs=False."
-                )
+        check_token_types(
+            given, rows, image_token_id, name, "hf_tree's tree log-probs support images only. Set tree_logprobs=False."
+        )
         store = MediaStore()
         encoded = rows.clone()
         flat_runs = [(row, start, end) for row, row_runs in enumerate(runs) for start, end in row_runs]

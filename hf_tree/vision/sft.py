@@ -14,17 +14,15 @@ from collections import defaultdict
 from typing import Any
 
 import datasets
-import torch
 from transformers import ProcessorMixin
 from trl.data_utils import prepare_multimodal_messages
 
 from hf_tree.vision.media_tree import MediaTree
-from hf_tree.vision.rows import split_images
+from hf_tree.vision.rows import check_token_types, split_images
 
 IMAGE_COLUMNS = ("image", "images")
 # What a processor's rendering of a row may hold: tokens, the mask (all ones, one row) and the images' tensors.
 RENDERED_KEYS = {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids"}
-TOKEN_TYPE_KEYS = ("mm_token_type_ids", "token_type_ids")  # Gemma 3's processor renames the first to the second
 
 
 def placeholder_token_id(processor: ProcessorMixin) -> int | None:
@@ -59,14 +57,10 @@ def render_row(row: dict[str, Any], processor: ProcessorMixin) -> tuple[list[int
             f"{type(processor).__name__} returns {other} besides the image tensors hf_tree.vision's SFT rows keep "
             f"({sorted(RENDERED_KEYS)}); such inputs (tiles, image sizes, masks) are not supported for vision SFT."
         )
-    for key in TOKEN_TYPE_KEYS:  # the trees rebuild them (image blocks) from the placeholders: they must agree
-        if key in output and not torch.equal(
-            output[key][0] != 0, output["input_ids"][0] == placeholder_token_id(processor)
-        ):
-            raise ValueError(
-                f"{type(processor).__name__} returns {key} marking other tokens than the image placeholders (videos?); "
-                "vision SFT trees support images only."
-            )
+    name = f"{type(processor).__name__}'s rendering"
+    check_token_types(
+        output, output["input_ids"], placeholder_token_id(processor), name, "vision SFT trees support images only."
+    )
     tensors = split_images(output["pixel_values"], output.get("image_grid_thw"), len(images)) if images else []
     return output["input_ids"][0].tolist(), tensors
 
