@@ -33,7 +33,6 @@ from transformers import PreTrainedTokenizerBase
 from hf_tree.builders import TREE_FEATURES, TreeBuildStats, build_tree_dataset, render_ids
 from hf_tree.data.packages import ConversionStats
 from hf_tree.tree import TREE_KEYS
-from hf_tree.vision.sft import is_vision_dataset
 
 logger = logging.getLogger("hf_tree")
 
@@ -262,6 +261,8 @@ def load_tree_rows(
     rows, conversion = read_rows(source, subset=subset, limit=limit)
     if is_tree_dataset(rows):
         return LoadedTrees(rows)
+    from hf_tree.vision.sft import is_vision_dataset  # here: it imports TRL, which reading tree rows never needs
+
     if is_vision_dataset(rows):  # the text builders would drop the images
         raise ValueError(
             f"{source} holds image rows (columns {rows.column_names}): their trees need the model's processor; train "
