@@ -235,7 +235,7 @@ def load_model_and_tokenizer(args: ModelArguments, trust_remote_code: bool):
         (AutoModelForImageTextToText, AutoProcessor) if vision else (AutoModelForCausalLM, AutoTokenizer)
     )
     model = model_class.from_pretrained(
-        args.model_name_or_path, dtype=dtype, attn_implementation=TREE_ATTENTION_NAME, **common
+        args.model_name_or_path, config=config, dtype=dtype, attn_implementation=TREE_ATTENTION_NAME, **common
     )
     return model, processor_class.from_pretrained(args.model_name_or_path, **common)
 
