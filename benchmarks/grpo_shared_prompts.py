@@ -27,7 +27,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoModelForCausalLM, LlamaConfig, PreTrainedTokenizerFast
 from trl import GRPOConfig, GRPOTrainer
 
-from hf_tree.models.head import backbone_of
+from hf_tree.models.introspection import backbone_of
 from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 
 METHODS = ("trl", "packed", "shared")

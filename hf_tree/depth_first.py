@@ -34,7 +34,8 @@ from transformers import PreTrainedModel
 from hf_tree.attention.prefix import PrefixCache
 from hf_tree.loss import checked_tree_model, divide_by_items, score_hidden_states, tree_causal_lm_loss
 from hf_tree.models.check import self_check_enabled
-from hf_tree.models.head import LogitHead, capture_last_hidden_state, eval_mode_no_grad, probe_ids
+from hf_tree.models.head import LogitHead
+from hf_tree.models.introspection import capture_last_hidden_state, eval_mode_no_grad, probe_ids
 from hf_tree.models.probe import bound, token_difference
 from hf_tree.models.router_loss import router_aux_loss_coef
 from hf_tree.packing import Normalization, pack_trees, tree_divisor

@@ -17,7 +17,8 @@ from transformers import PreTrainedModel
 from hf_tree.attention.mask import autocast_inputs, compute_dtype
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.models.check import check_model_for_trees
-from hf_tree.models.head import LogitHead, capture_last_hidden_state, causal_lm_of
+from hf_tree.models.head import LogitHead
+from hf_tree.models.introspection import capture_last_hidden_state, causal_lm_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef, tree_router_loss
 from hf_tree.packing import DEPTH_FIRST_KEY

@@ -41,7 +41,7 @@ from hf_tree.depth_first import DepthFirstConfig, depth_first_backward, refuse_f
 from hf_tree.distributed import enable_fsdp2_on_cpu, local_depth_first_model
 from hf_tree.loss import TreeLosses, tree_losses
 from hf_tree.models.check import check_model_for_trees, self_check_setting
-from hf_tree.models.head import causal_lm_of
+from hf_tree.models.introspection import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
 from hf_tree.packing import DEPTH_FIRST_KEY, PackingStats

@@ -41,7 +41,7 @@ from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_N
 import hf_tree  # noqa: F401  (registers tree_flash)
 from hf_tree.collator import TreeDataCollator
 from hf_tree.loss import tree_causal_lm_loss, tree_losses
-from hf_tree.models.head import own_attention, raised_by_hf_tree
+from hf_tree.models.introspection import own_attention, raised_by_hf_tree
 from hf_tree.tree import Tree
 
 VOCAB = 128

@@ -84,7 +84,7 @@ def train(directory: str, lora: bool, per_device_batch: int, **tree_args) -> dic
     and the number of input tokens seen."""
     from torch.distributed.tensor import DTensor
 
-    from hf_tree.models.head import causal_lm_of
+    from hf_tree.models.introspection import causal_lm_of
     from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
     from tests.helpers import exact_sgd_args
 

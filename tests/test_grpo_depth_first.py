@@ -15,7 +15,7 @@ import torch
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from hf_tree.models.head import backbone_of
+from hf_tree.models.introspection import backbone_of
 from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer
 from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin

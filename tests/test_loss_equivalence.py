@@ -294,7 +294,7 @@ def test_trl_log_prob_head_applies_the_models_logit_scaling(family):
     """The tree fused log-prob head against TRL's own fused head on the same weights (own attention)."""
     from trl.trainer.utils import add_fused_lm_head
 
-    from hf_tree.models.head import own_attention_name
+    from hf_tree.models.introspection import own_attention_name
     from hf_tree.trl.glue import add_tree_fused_lm_head
 
     model = tiny_model(family, vocab_size=VOCAB, **SCALED_HEADS[family])

@@ -32,7 +32,8 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
-from hf_tree.models.head import LogitHead, causal_lm_of, detect_logit_head, raised_by_hf_tree
+from hf_tree.models.head import LogitHead, detect_logit_head
+from hf_tree.models.introspection import causal_lm_of, raised_by_hf_tree
 from hf_tree.models.length_rope import longest_exact_branch
 from hf_tree.models.probe import (
     FLOOR_FACTOR,

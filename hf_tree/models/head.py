@@ -15,19 +15,23 @@ logits are not of that form is refused with a ``ValueError``.
 
 from __future__ import annotations
 
-import contextlib
-import os
-import traceback
 import weakref
-from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import extract_model_from_parallel, is_peft_model
 from transformers import PreTrainedModel
 
 from hf_tree.attention.mask import compute_dtype
+from hf_tree.models.introspection import (
+    backbone_of,
+    causal_lm_of,
+    eval_mode_no_grad,
+    own_attention,
+    probe_ids,
+    raised_by_hf_tree,
+    remember_backbone,
+)
 
 # Detection input: a few token ids (deterministic, no global RNG draw).
 PROBE_LENGTH = 8
@@ -36,9 +40,7 @@ PROBE_LENGTH = 8
 # A head transform or a missing scale is off by O(1).
 HEAD_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
-_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # hf_tree/
 _detected: weakref.WeakKeyDictionary[PreTrainedModel, LogitHead] = weakref.WeakKeyDictionary()
-_backbones: weakref.WeakKeyDictionary[PreTrainedModel, torch.nn.Module] = weakref.WeakKeyDictionary()
 
 
 @dataclass(frozen=True)
@@ -72,24 +74,6 @@ class LogitHead:
         return logits
 
 
-def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:
-    """The ``PreTrainedModel`` inside DDP/FSDP/compile and PEFT wrappers (FSDP2 keeps the module itself)."""
-    unwrapped = extract_model_from_parallel(model)
-    return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-
-
-def backbone_of(causal_lm: PreTrainedModel) -> torch.nn.Module:
-    """The backbone whose ``last_hidden_state`` the head reads: the module ``detect_logit_head`` saw feed the head
-    (e.g. OPT's and BART's inner ``decoder``), else ``base_model``, or ``model`` where the class's
-    ``base_model_prefix`` names no attribute (Llama 4's text model: prefix ``language_model``, attribute ``model``)."""
-    if causal_lm in _backbones:
-        return _backbones[causal_lm]
-    backbone = causal_lm.base_model
-    if backbone is causal_lm and isinstance(getattr(causal_lm, "model", None), torch.nn.Module):
-        return causal_lm.model
-    return backbone
-
-
 def _relative_max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
     got, expected = got.detach().double(), expected.detach().double()
     return float((got - expected).abs().max() / expected.abs().max().clamp_min(1e-300))
@@ -105,86 +89,6 @@ def _config_scales(config) -> list[float]:
     if isinstance(divisor, int | float) and divisor != 0:
         scales += [1.0 / divisor, float(divisor)]  # Granite/MiniCPM3 divide, HyperCLOVA X multiplies
     return scales
-
-
-@contextlib.contextmanager
-def eval_mode_no_grad(model: torch.nn.Module) -> Iterator[None]:
-    """Every module in eval mode (no dropout) under ``no_grad``, without autocast (a probe checks the model's
-    computation in its parameters' dtype, not the trainer's mixed precision) and with a forked RNG; restores each
-    module's own ``training`` flag and the RNG state afterwards, so a probe leaves training bit-for-bit unchanged."""
-    modes = [(module, module.training) for module in model.modules()]
-    devices = []
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        devices = [torch.cuda.current_device()]
-    device_type = next(model.parameters()).device.type
-    try:
-        with (
-            torch.random.fork_rng(devices=devices),
-            torch.no_grad(),
-            torch.autocast(device_type, enabled=False),
-        ):
-            model.eval()
-            yield
-    finally:
-        for module, training in modes:
-            module.training = training
-
-
-def probe_ids(vocab_size: int, length: int, seed: int, device: torch.device) -> torch.Tensor:
-    """``[length]`` int64 token ids in ``[3, vocab_size)`` from a private generator (ids 0-2 are often special)."""
-    generator = torch.Generator().manual_seed(seed)
-    low = 3 if vocab_size > 8 else 0
-    return torch.randint(low, vocab_size, (length,), generator=generator).to(device)
-
-
-def _last_hidden_state(output) -> torch.Tensor:
-    return output[0] if isinstance(output, tuple) else output.last_hidden_state
-
-
-@contextlib.contextmanager
-def capture_last_hidden_state(causal_lm: PreTrainedModel) -> Iterator[dict[str, torch.Tensor]]:
-    """Within the block, ``captured["hidden"]`` is the ``[B, N, D]`` ``last_hidden_state`` of the backbone's latest
-    forward: the tensor ``detect_logit_head`` verified the logits against (and the one TRL's fused head reads)."""
-    captured: dict[str, torch.Tensor] = {}
-
-    def hook(module, args, output):
-        captured["hidden"] = _last_hidden_state(output)
-
-    handle = backbone_of(causal_lm).register_forward_hook(hook)
-    try:
-        yield captured
-    finally:
-        handle.remove()
-
-
-def own_attention_name(model: PreTrainedModel) -> str:
-    """The model's own attention for references: ``sdpa``, or ``eager`` where the model refuses ``sdpa``."""
-    previous = model.config._attn_implementation
-    try:
-        model.set_attn_implementation("sdpa")
-        return "sdpa"
-    except (ValueError, ImportError):  # the model refuses sdpa (softcapping, sinks, ...)
-        return "eager"
-    finally:
-        model.set_attn_implementation(previous)
-
-
-@contextlib.contextmanager
-def own_attention(model: PreTrainedModel) -> Iterator[str]:
-    """Switch ``model`` to its own attention (``own_attention_name``) for the block, then back."""
-    previous = model.config._attn_implementation
-    name = own_attention_name(model)
-    model.set_attn_implementation(name)
-    try:
-        yield name
-    finally:
-        model.set_attn_implementation(previous)
-
-
-def raised_by_hf_tree(error: BaseException) -> bool:
-    """Whether ``error`` was raised by hf_tree itself (its innermost frame is in the hf_tree package)."""
-    frames = traceback.extract_tb(error.__traceback__)
-    return bool(frames) and os.path.abspath(frames[-1].filename).startswith(_PACKAGE_DIR)
 
 
 def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
@@ -272,7 +176,8 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
         # under the same autocast and FSDP state as the model's own logits).
         errors[scale] = _relative_max_error(head.scored(captured["raw"]), expected)
         if errors[scale] <= tolerance:
-            _detected[causal_lm], _backbones[causal_lm] = head, captured["backbone"]
+            _detected[causal_lm] = head
+            remember_backbone(causal_lm, captured["backbone"])
             return head
     raise ValueError(
         f"{name}'s forward does not compute its logits as softcap(scale * {type(embedding).__name__}(last hidden "

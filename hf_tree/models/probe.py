@@ -39,7 +39,7 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
-from hf_tree.models.head import backbone_of, causal_lm_of, eval_mode_no_grad, own_attention, probe_ids
+from hf_tree.models.introspection import backbone_of, causal_lm_of, eval_mode_no_grad, own_attention, probe_ids
 from hf_tree.packing import pack_and_place
 from hf_tree.parallel.context import suspend_context_parallel
 from hf_tree.tree import Tree

@@ -38,7 +38,8 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from trl.kernels import ChunkedLogProbFunction
 
-from hf_tree.models.head import LogitHead, backbone_of, detect_logit_head
+from hf_tree.models.head import LogitHead, detect_logit_head
+from hf_tree.models.introspection import backbone_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import tree_router_loss
 from hf_tree.packing import PackingStats, pack_and_place

@@ -42,7 +42,7 @@ from accelerate.utils import is_peft_model
 from hf_tree.attention.prefix import PrefixCache
 from hf_tree.depth_first import check_depth_first, refuse_for_depth_first
 from hf_tree.models.check import check_model_for_trees, self_check_setting
-from hf_tree.models.head import backbone_of
+from hf_tree.models.introspection import backbone_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
 from hf_tree.tree import Tree

@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
 from hf_tree.loss import tree_causal_lm_loss
-from hf_tree.models.head import causal_lm_of
+from hf_tree.models.introspection import causal_lm_of
 
 
 @dataclass(frozen=True)

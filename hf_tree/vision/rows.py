@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from hf_tree.models.head import causal_lm_of
+from hf_tree.models.introspection import causal_lm_of
 from hf_tree.vision.collator import attach_media
 from hf_tree.vision.forward import vision_family, vision_model_inputs
 from hf_tree.vision.media_tree import MEDIA_TOKEN_BASE, MediaStore, placeholder_runs

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-from hf_tree.models.head import causal_lm_of, own_attention, raised_by_hf_tree
+from hf_tree.models.introspection import causal_lm_of, own_attention, raised_by_hf_tree
 from hf_tree.vision.collator import MediaTreeCollator
 from hf_tree.vision.forward import SUPPORTED, image_encoder, tree_vision_lm_loss
 from hf_tree.vision.media_tree import MediaTree
