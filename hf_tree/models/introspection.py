@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import traceback
 import weakref
 from collections.abc import Iterator
@@ -45,11 +46,27 @@ def backbone_of(causal_lm: PreTrainedModel) -> torch.nn.Module:
     return backbone
 
 
+def training_kernel_modules() -> tuple[type[torch.nn.Module], ...]:
+    """Module classes that run another computation in eval mode than in training and hold no dropout, so a check of
+    the training computation keeps them in training mode: bitsandbytes' quantized linears (when it is imported).
+
+    - ``Linear4bit``: an eval-mode forward without gradients on a CPU with AVX512-BF16 repacks the weight, for good,
+      for a bfloat16 inference kernel (inputs rounded to bfloat16, ~6e-3 relative from the float32 compute dtype)
+      that has no backward: every later training forward uses it and no gradient flows through the layer.
+    - ``Linear8bitLt``: eval mode runs LLM.int8 (int8 activations, outlier columns picked over the whole batch, so
+      rows round each other); training on CPU dequantizes the weight and runs an ordinary matmul.
+    """
+    bitsandbytes = sys.modules.get("bitsandbytes")  # a model with these layers has imported it
+    return () if bitsandbytes is None else (bitsandbytes.nn.Linear4bit, bitsandbytes.nn.Linear8bitLt)
+
+
 @contextlib.contextmanager
 def eval_mode_no_grad(model: torch.nn.Module) -> Iterator[None]:
     """Every module in eval mode (no dropout) under ``no_grad``, without autocast (a probe checks the model's
     computation in its parameters' dtype, not the trainer's mixed precision) and with a forked RNG; restores each
-    module's own ``training`` flag and the RNG state afterwards, so a probe leaves training bit-for-bit unchanged."""
+    module's own ``training`` flag and the RNG state afterwards, so a probe leaves training bit-for-bit unchanged.
+    ``training_kernel_modules`` stay in training mode: the probe checks the kernels training runs, and an eval-mode
+    forward would change them for the rest of training."""
     modes = [(module, module.training) for module in model.modules()]
     devices = []
     if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -62,6 +79,10 @@ def eval_mode_no_grad(model: torch.nn.Module) -> Iterator[None]:
             torch.autocast(device_type, enabled=False),
         ):
             model.eval()
+            kernels = training_kernel_modules()
+            for module in model.modules():
+                if isinstance(module, kernels):
+                    module.training = True
             yield
     finally:
         for module, training in modes:

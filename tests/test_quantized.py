@@ -1,0 +1,132 @@
+"""QLoRA: bitsandbytes 4-bit NF4 (compute float32) and 8-bit bases with LoRA train exactly on trees.
+
+Oracle: the quantized model computes ``dequantized weight @ x`` in float32 (training kernels of bitsandbytes' CPU
+backend), so the same function in float64 (each quantized weight dequantized into a float64 ``nn.Linear``) is its
+exact value. The tree's loss and LoRA gradients may differ from it by at most twice what the quantized model's own
+per-branch run differs by (the project's low-precision rule: no worse than 2x the same-dtype per-branch error): both
+are float32 rounding, whose pattern depends on the row length.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.models.check import check_model_for_trees, probe_tree_exactness
+from tests.helpers import grads_of, max_grad_relative_error, per_branch_loss, saved_tiny_model
+from tests.workloads import grpo_row
+
+bnb = pytest.importorskip("bitsandbytes")
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+# bitsandbytes' CPU kernels need in/out features that are multiples of its 64-value blocks (4-bit) and of 32.
+QUANTIZABLE = dict(hidden_size=64, intermediate_size=128)
+QUANTIZATIONS = {
+    "nf4": BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32),
+    "int8": BitsAndBytesConfig(load_in_8bit=True),
+}
+LORA = LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory) -> str:
+    return saved_tiny_model(tmp_path_factory.mktemp("quantized"), torch.float32, **QUANTIZABLE)
+
+
+def quantized(checkpoint: str, quantization: str, lora: bool = True) -> torch.nn.Module:
+    """The tiny float32 checkpoint loaded with ``QUANTIZATIONS[quantization]`` on tree_flash (with LoRA)."""
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(
+        checkpoint, quantization_config=QUANTIZATIONS[quantization], attn_implementation="tree_flash"
+    )
+    return get_peft_model(model, copy.deepcopy(LORA)) if lora else model
+
+
+def dequantized_float64(model: torch.nn.Module) -> torch.nn.Module:
+    """A float64 copy of ``model`` (after its first forward) in which each bitsandbytes linear is a plain
+    ``nn.Linear`` holding its dequantized weight: the function the quantized model's training kernels compute,
+    without their rounding."""
+    exact = copy.deepcopy(model)
+    for name, module in model.named_modules():
+        if isinstance(module, bnb.nn.Linear4bit):
+            weight = bnb.functional.dequantize_4bit(module.weight.data, module.weight.quant_state)
+        elif isinstance(module, bnb.nn.Linear8bitLt):
+            # statistics as the first forward moved them (into the layer's matmul state), which the copy lost
+            weight = bnb.functional.int8_vectorwise_dequant(module.state.CB, module.state.SCB)
+        else:
+            continue
+        linear = torch.nn.Linear(module.in_features, module.out_features, bias=False, dtype=torch.float64)
+        linear.weight = torch.nn.Parameter(weight.double(), requires_grad=False)
+        parent, _, child = name.rpartition(".")
+        setattr(exact.get_submodule(parent), child, linear)
+    return exact.double()
+
+
+def tree_and_branch_grads(model: torch.nn.Module, sequences, masks) -> tuple[float, dict, float, dict]:
+    """(tree loss, tree LoRA grads, per-branch loss, per-branch LoRA grads) of one tree on ``model``."""
+    batch = TreeDataCollator(max_packed_tokens=128)([Tree.from_sequences(sequences, masks).to_dict()])
+    model.zero_grad()
+    tree_loss = tree_causal_lm_loss(model, batch)
+    tree_loss.backward()
+    tree_grads = grads_of(model)
+    model.zero_grad()
+    total, divisor = per_branch_loss(model, sequences, masks)
+    branch_loss = total / divisor
+    branch_loss.backward()
+    return float(tree_loss), tree_grads, float(branch_loss), grads_of(model)
+
+
+@pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
+def test_tree_loss_and_grads_equal_per_branch(checkpoint, quantization):
+    model = quantized(checkpoint, quantization)
+    model.train()
+    sequences, masks = grpo_row()[0]
+    tree_loss, tree_grads, branch_loss, branch_grads = tree_and_branch_grads(model, sequences, masks)
+    exact_loss, _, _, exact_grads = tree_and_branch_grads(dequantized_float64(model), sequences, masks)
+    assert tree_grads.keys() == exact_grads.keys() and all("lora_" in name for name in tree_grads)
+    loss_floor = abs(branch_loss - exact_loss) / abs(exact_loss)
+    grad_floor = max_grad_relative_error(branch_grads, exact_grads)
+    print(
+        f"\n{quantization}: loss tree {abs(tree_loss - exact_loss) / abs(exact_loss):.2e} per-branch {loss_floor:.2e};"
+        f" grads tree {max_grad_relative_error(tree_grads, exact_grads):.2e} per-branch {grad_floor:.2e}"
+    )
+    assert 0 < grad_floor < 1e-5  # float32 rounding: the float64 oracle is the quantized model's own function
+    # The tree's cross-entropy runs in float32 (the model's dtype), the per-branch reference's in float64: a few
+    # float32 roundings of the loss; a missing or doubled token moves it by > 1e-3.
+    assert abs(tree_loss - exact_loss) / abs(exact_loss) <= max(2 * loss_floor, 1e-6)
+    assert max_grad_relative_error(tree_grads, exact_grads) <= 2 * grad_floor
+
+
+def training_logits(model: torch.nn.Module) -> torch.Tensor:
+    model.train()
+    with torch.no_grad():
+        return model(input_ids=torch.tensor([[5, 17, 42, 8, 63, 21, 9, 77]])).logits
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["base", "lora"])
+@pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
+def test_self_check_accepts_quantized_models_and_leaves_training_unchanged(checkpoint, quantization, lora):
+    """No false alarm (the probe compares the kernels training runs, in float32), and the check's eval-mode
+    forwards do not switch the layers to bitsandbytes' inference kernels (bfloat16 4-bit without a backward on
+    AVX512-BF16 CPUs; LLM.int8 with batch-wide outlier columns)."""
+    model = quantized(checkpoint, quantization, lora)
+    before = training_logits(model)
+    check_model_for_trees(model)
+    assert probe_tree_exactness(model) < 1e-5  # float32 rounding (per-token relative, final hidden state)
+    assert torch.equal(training_logits(model), before)
+
+
+@pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
+def test_leak_in_a_quantized_model_is_refused(checkpoint, quantization):
+    model = quantized(checkpoint, quantization, lora=False)
+    mlp = model.model.layers[1].mlp
+    plain = mlp.forward
+    mlp.forward = lambda x: plain(x) + 1e-3 * x.cumsum(dim=1)  # siblings see each other (0.1% of the output)
+    with pytest.raises(ValueError, match=r"not tree-exact.*layer 1 \(LlamaDecoderLayer\)"):
+        probe_tree_exactness(model)
