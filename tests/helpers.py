@@ -395,16 +395,22 @@ def varied_reward(completion_ids, **_) -> list[float]:
 
 
 def one_step(cls, config_cls, path: str, peft: bool, rollout: bool = True, **overrides):
-    """One optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per generation: old
-    policy, reference and policy passes all run), SGD without clipping so gradient errors stay visible;
-    ``overrides`` add to or override the config's settings. ``rollout``: completions from ``fixed_rollout``
+    """``one_step_trainer`` trained: ``(trainer, its updates)``."""
+    trainer = one_step_trainer(cls, config_cls, path, peft, rollout, **overrides)
+    return trainer, train_and_measure_updates(trainer)
+
+
+def one_step_trainer(cls, config_cls, path: str, peft: bool, rollout: bool = True, **overrides):
+    """A trainer for one optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per
+    generation: old policy, reference and policy passes all run), SGD without clipping so gradient errors stay
+    visible; ``overrides`` add to or override the config's settings. ``rollout``: completions from ``fixed_rollout``
     (GRPO's ``rollout_func`` hook); RLOO has none and samples its own (the same seed and logits give the same)."""
     from datasets import Dataset  # imported here: most users of this module never need them
     from peft import LoraConfig
 
     settings = dict(gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0)
     args = trainer_args(config_cls, path, torch.float64, **{**settings, **overrides})
-    trainer = cls(
+    return cls(
         path,
         varied_reward,
         args,
@@ -413,7 +419,6 @@ def one_step(cls, config_cls, path: str, peft: bool, rollout: bool = True, **ove
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
         **({"rollout_func": fixed_rollout} if rollout else {}),
     )
-    return trainer, train_and_measure_updates(trainer)
 
 
 # ------------------------------------------------------------------------------------------ hybrid models

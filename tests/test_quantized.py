@@ -11,14 +11,28 @@ from __future__ import annotations
 
 import copy
 
+import datasets
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.models.check import check_model_for_trees, probe_tree_exactness
-from tests.helpers import grads_of, max_grad_relative_error, per_branch_loss, saved_tiny_model
+from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
+from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+from tests.helpers import (
+    grads_of,
+    max_grad_relative_error,
+    one_step_trainer,
+    per_branch_loss,
+    relative_error,
+    saved_tiny_model,
+    tiny_trl_config,
+    train_and_measure_updates,
+    word_tokenizer,
+)
 from tests.workloads import grpo_row
 
 bnb = pytest.importorskip("bitsandbytes")
@@ -130,3 +144,91 @@ def test_leak_in_a_quantized_model_is_refused(checkpoint, quantization):
     mlp.forward = lambda x: plain(x) + 1e-3 * x.cumsum(dim=1)  # siblings see each other (0.1% of the output)
     with pytest.raises(ValueError, match=r"not tree-exact.*layer 1 \(LlamaDecoderLayer\)"):
         probe_tree_exactness(model)
+
+
+# ------------------------------------------------------------------------------------------- vs TRL's trainers
+# TRL's QLoRA recipe stores the adapters (and so their gradients) in bfloat16 for quantized bases; each trainer
+# does the same. The comparisons turn them back to float32 in both, so that the update holds the float32 gradient,
+# where a mix stays visible. The bound is TRL's own rounding: the same TRL step with its rows padded to another
+# length, twice that, at least 1e-6 (measured here: SFT tree vs TRL 5.0e-6 nf4 / 5.8e-6 int8 where TRL padded
+# moves by 5.0e-6 / 6.2e-6; GRPO 5.3e-7 / 5.2e-7 against 3.1e-7 / 4.0e-7); a dropped or doubled token moves the
+# update by > 1e-3.
+MIN_TRL_BOUND = 1e-6
+
+
+def float32_adapters(trainer) -> None:
+    for parameter in trainer.model.parameters():
+        if parameter.requires_grad:
+            parameter.data = parameter.data.float()
+
+
+def largest_update_difference(updates: dict, reference: dict) -> float:
+    assert updates.keys() == reference.keys() and any(u.norm() > 0 for u in reference.values())
+    return max(relative_error(updates[name], update) for name, update in reference.items())
+
+
+def assert_within_trls_rounding(name: str, tree: dict, trl: dict, trl_padded: dict) -> None:
+    error, floor = largest_update_difference(tree, trl), largest_update_difference(trl_padded, trl)
+    print(f"\n{name}: update vs TRL {error:.2e}, TRL padded vs TRL {floor:.2e}")
+    assert error <= max(2 * floor, MIN_TRL_BOUND)
+
+
+def grpo_step(cls, config_cls, checkpoint: str, quantization: str, **settings) -> tuple:
+    init = {"dtype": torch.float32, "quantization_config": QUANTIZATIONS[quantization]}
+    trainer = one_step_trainer(cls, config_cls, checkpoint, peft=True, model_init_kwargs=init, **settings)
+    float32_adapters(trainer)
+    return trainer, train_and_measure_updates(trainer)
+
+
+@pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
+def test_grpo_step_equals_trls(checkpoint, quantization, monkeypatch):
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    _, trl = grpo_step(GRPOTrainer, GRPOConfig, checkpoint, quantization)
+    _, trl_padded = grpo_step(GRPOTrainer, GRPOConfig, checkpoint, quantization, pad_to_multiple_of=32)
+    tree, updates = grpo_step(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, quantization)
+    assert tree.model.get_base_model().hf_tree_layout_stats.dedup_ratio > 1
+    assert_within_trls_rounding(f"grpo {quantization}", updates, trl, trl_padded)
+
+
+def sft_step(cls, config_cls, checkpoint: str, quantization: str, **settings):
+    """One SFT step over 7 prompt/completion rows (3 prompts) from the quantized checkpoint with LoRA."""
+    rows = [
+        {"prompt": prompt, "completion": completion}
+        for prompt, completions in [
+            ("w10 w11 w12 w13", [" w20 w21 w22", " w20 w21 w23 w24", " w25"]),
+            ("w14 w15", [" w30 w31", " w30 w32 w33 w34 w35"]),
+            ("w16 w17 w18", [" w40", " w40 w41"]),
+        ]
+        for completion in completions
+    ]
+    init = {"dtype": torch.float32, "quantization_config": QUANTIZATIONS[quantization]}
+    args = tiny_trl_config(
+        config_cls,
+        checkpoint,
+        torch.float32,
+        model_init_kwargs=init,
+        max_steps=1,
+        learning_rate=1.0,
+        per_device_train_batch_size=len(rows),
+        gradient_checkpointing=False,
+        train_sampling_strategy="sequential",
+        **settings,
+    )
+    trainer = cls(
+        checkpoint,
+        args=args,
+        train_dataset=datasets.Dataset.from_list(rows),
+        processing_class=word_tokenizer(),
+        peft_config=copy.deepcopy(LORA),
+    )
+    float32_adapters(trainer)
+    return trainer, train_and_measure_updates(trainer)
+
+
+@pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
+def test_sft_step_equals_trls(checkpoint, quantization):
+    _, trl = sft_step(SFTTrainer, SFTConfig, checkpoint, quantization)
+    _, trl_padded = sft_step(SFTTrainer, SFTConfig, checkpoint, quantization, pad_to_multiple_of=32)
+    tree, updates = sft_step(TreeSFTTrainer, TreeSFTConfig, checkpoint, quantization)
+    assert tree.state.log_history[0]["dedup_ratio"] > 1
+    assert_within_trls_rounding(f"sft {quantization}", updates, trl, trl_padded)
