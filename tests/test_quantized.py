@@ -232,3 +232,15 @@ def test_sft_step_equals_trls(checkpoint, quantization):
     tree, updates = sft_step(TreeSFTTrainer, TreeSFTConfig, checkpoint, quantization)
     assert tree.state.log_history[0]["dedup_ratio"] > 1
     assert_within_trls_rounding(f"sft {quantization}", updates, trl, trl_padded)
+
+
+def test_weights_repacked_for_inference_are_refused(checkpoint):
+    """An eval-mode generate() before training repacks 4-bit weights for bitsandbytes' CPU inference kernel, which
+    has no backward (LoRA gradients all zero, in TRL too): refused by name, not as a branch mix."""
+    model = quantized(checkpoint, "nf4")
+    model.eval()
+    model.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    if not bnb.functional.has_avx512bf16():
+        pytest.skip("bitsandbytes repacks only on CPUs with AVX512-BF16")
+    with pytest.raises(ValueError, match="repacked the 4-bit weights of 14 layers"):
+        check_model_for_trees(model)

@@ -24,6 +24,7 @@ check but how the loss computes logits).
 from __future__ import annotations
 
 import os
+import sys
 import weakref
 from dataclasses import field
 from typing import Any
@@ -96,8 +97,9 @@ def self_check_enabled(self_check: bool | None) -> bool:
 
 
 def refuse_known_unsupported(model: PreTrainedModel) -> None:
-    """The name-based first line: ``ValueError`` for modules in ``NOT_TREE_AWARE_MODULES`` and MoE router losses
-    of another form than transformers' ``load_balancing_loss_func`` (``hf_tree.models.router_loss``)."""
+    """The name-based first line: ``ValueError`` for modules in ``NOT_TREE_AWARE_MODULES``, MoE router losses
+    of another form than transformers' ``load_balancing_loss_func`` (``hf_tree.models.router_loss``), and 4-bit
+    weights repacked for inference (``refuse_inference_packed_weights``)."""
     found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in NOT_TREE_AWARE_MODULES})
     if found:
         reasons = "; ".join(f"{name}: {NOT_TREE_AWARE_MODULES[name]}" for name in found)
@@ -108,6 +110,33 @@ def refuse_known_unsupported(model: PreTrainedModel) -> None:
         )
     if router_aux_loss_coef(model):
         load_balancing_function(model)  # refuses a router loss the tree cannot weight by multiplicity
+    refuse_inference_packed_weights(model)
+
+
+def refuse_inference_packed_weights(model: PreTrainedModel) -> None:
+    """``ValueError`` when bitsandbytes has repacked 4-bit weights for its CPU inference kernel.
+
+    It does so, for good, on a layer's first eval-mode forward without gradients on a CPU with AVX512-BF16 (e.g.
+    ``generate()`` right after ``from_pretrained``, which returns the model in eval mode). That kernel rounds the
+    inputs to bfloat16 and has no backward: training forwards keep using it and no gradient flows through these
+    layers (every LoRA gradient is zero), in TRL's trainers as in hf_tree's. hf_tree's own checks keep the layers in
+    training mode (``hf_tree.models.introspection.training_kernel_modules``) and never repack them."""
+    bitsandbytes = sys.modules.get("bitsandbytes")  # a model with such layers has imported it
+    if bitsandbytes is None:
+        return
+    packed = [
+        name
+        for name, module in model.named_modules()
+        if isinstance(module, bitsandbytes.nn.Linear4bit)
+        and getattr(module.weight.quant_state, "packing_format_for_cpu", False)  # bitsandbytes' own flag for it
+    ]
+    if packed:
+        raise ValueError(
+            f"{type(model).__name__}: bitsandbytes repacked the 4-bit weights of {len(packed)} layers ({packed[0]}, "
+            "...) for its bfloat16 CPU inference kernel, which has no backward: no gradient would flow through "
+            "them. It does this on an eval-mode forward without gradients (e.g. generate() before training). Load "
+            "the model again and call model.train() before any such forward."
+        )
 
 
 def _dtype_of(causal_lm: PreTrainedModel, run: ProbeRun) -> torch.dtype:
