@@ -300,10 +300,12 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         return self_check_setting(self.args.tree_self_check) if isinstance(self.args, TreeArguments) else None
 
     # ------------------------------------------------------------------ training
-    @staticmethod
-    def _pop_batch_sums(batch: dict[str, Any]) -> torch.Tensor:
-        """``[len(STEP_SUM_KEYS)]`` float64 sums of one batch; removes the stats keys so the model never sees them."""
+    def _pop_batch_sums(self, batch: dict[str, Any]) -> torch.Tensor:
+        """``[len(STEP_SUM_KEYS)]`` float64 sums of one batch; removes the stats keys so the model never sees them.
+        Rows count only when they are forwarded (``_rows_run``)."""
         stats = pop_packing_stats(batch)
+        if not self._rows_run(batch):
+            stats.num_rows = stats.num_padding_tokens = 0
         values = [batch["num_loss_items"], stats.num_rows, *(getattr(stats, name) for name in STATS_KEYS)]
         return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
@@ -344,8 +346,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             return
         trees = inputs.get(DEPTH_FIRST_KEY) or ()
         several = self._depth_first_on_several_processes
-        # the rows ran (one process skips a placeholder row; several run it: it is the synchronizing backward)
-        if not trees or len(inputs["loss_positions"]) or several:
+        if self._rows_run(inputs):
             super()._track_num_input_tokens(inputs)  # gathers over ranks: every rank calls it
         tokens = sum(tree.num_tokens for tree in trees)
         if several:  # every rank, trees or not
@@ -363,20 +364,24 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         """Trainer's step on the packed rows, then depth-first execution of the trees the collator left whole
         (``tree_execution``), which runs its own backward; the returned loss (detached) is their sum. Under several
         processes: ``_distributed_training_step``."""
-        trees = inputs.get(DEPTH_FIRST_KEY)
+        trees, rows_run = inputs.get(DEPTH_FIRST_KEY), self._rows_run(inputs)
         if DEPTH_FIRST_KEY in inputs:  # a copy without them: Trainer's token count (_track_num_input_tokens) sees them
             inputs = {key: value for key, value in inputs.items() if key != DEPTH_FIRST_KEY}
         if self._depth_first_on_several_processes:
             return self._distributed_training_step(model, inputs, trees or [], num_items_in_batch)
         if not trees:
             return super().training_step(model, inputs, num_items_in_batch)
-        loss = None
-        if len(inputs["loss_positions"]):  # packed trees (not only the empty row of an all-depth-first batch)
-            loss = super().training_step(model, inputs, num_items_in_batch)
+        loss = super().training_step(model, inputs, num_items_in_batch) if rows_run else None
         model.train()
         with self.compute_loss_context_manager():
             depth_first = self._depth_first_loss(model, trees, num_items_in_batch)
         return depth_first if loss is None else loss + depth_first.to(loss)
+
+    def _rows_run(self, batch: dict[str, Any]) -> bool:
+        """Whether the packed rows of a training batch are forwarded: not the placeholder row of a batch whose trees
+        all run depth-first, on one process (several run it: it is the synchronizing backward)."""
+        all_depth_first = bool(batch.get(DEPTH_FIRST_KEY)) and not len(batch["loss_positions"])
+        return not all_depth_first or self._depth_first_on_several_processes
 
     @property
     def _depth_first_on_several_processes(self) -> bool:

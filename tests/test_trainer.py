@@ -109,6 +109,10 @@ def test_depth_first_execution_matches_packed_and_trainer_on_branches(tmp_path):
         assert losses == pytest.approx(packed_losses, rel=1e-9)
     auto_batch = runs["auto"][1].data_collator(tree_dataset(groups).to_list())
     assert len(auto_batch["loss_positions"]) > 0  # "auto" packs the trees that fit a row beside them
+    # Packing stats count forwarded rows only: with every tree depth-first, the batches' placeholder row never runs
+    logs = {execution: [h for h in t.state.log_history if "loss" in h] for execution, (_, t) in runs.items()}
+    assert all(h["rows_per_step"] == 0 and h["padding_fraction"] == 0 for h in logs["depth_first"])
+    assert any(h["rows_per_step"] > 0 for h in logs["auto"])  # (its first step also ran depth-first only)
 
 
 def test_depth_first_trains_a_recurrent_hybrid_as_packed(tmp_path):

@@ -131,6 +131,32 @@ def test_unsupported_image_inputs_raise(trainers):
         )
 
 
+def test_several_images_per_prompt_match_trl(trainers):
+    """Prompts showing two images (LLaVA, LLaVA-Next: their placeholders adjacent, one run of two images' tokens,
+    LLaVA-Next's of two sizes; Qwen: each image between its vision start/end tokens), TRL's ``num_images=[2, ...]``:
+    log-probs and gradients equal TRL's; a prompt with the same images swapped forks at its first placeholder."""
+    family, trl, tree = trainers
+    first, second = tiny_image(family, 1), tiny_image(family, 2, height=4, width=8)
+    prompts = [([3, *placeholders(family, first), *placeholders(family, second), 5], [first, second])]
+    prompts.append(([3, *placeholders(family, second), *placeholders(family, first), 5], [second, first]))
+    rows = [(prompt, images, completion) for prompt, images in prompts for completion in COMPLETIONS[:2]]
+    width = max(len(c) for c in COMPLETIONS[:2])
+    ids = torch.tensor([prompt + completion for prompt, _, completion in rows])
+    inputs = processor_batch([image for _, images, _ in rows for image in images])
+    inputs["num_images"] = [2] * len(rows)
+    if is_mrope(family):
+        inputs["mm_token_type_ids"] = (ids == IMAGE_TOKEN).int()
+    batch = (ids, torch.ones_like(ids), width, inputs, None)
+    logps, _, grads = log_probs_and_grads(tree, tree.model, batch)
+    trl_logps, _, trl_grads = log_probs_and_grads(trl, trl.model, batch)
+    assert relative_error(logps, trl_logps) <= TRL_TOLERANCE
+    if family in FLOAT32_INTERNALS:
+        assert float32_floor_grad_error(grads, trl_grads) <= FLOAT32_FLOOR
+    else:
+        assert max_grad_relative_error(grads, trl_grads) <= TRL_STEP_TOLERANCE
+    assert (logps[0] - logps[2]).abs().max() > 1e-3  # swapping the images matters: a wrong merge would show
+
+
 def unknown_image_input(inputs: dict, rows: int) -> tuple[str, dict]:
     """An image input the family does not take: ``image_sizes`` (LLaVA-Next: ``pixel_attention_mask``)."""
     if "image_sizes" in inputs:
@@ -257,16 +283,25 @@ def image_rollout(prompts: list, trainer) -> dict:
 
 
 @pytest.mark.parametrize(
-    "trainer, peft, family",
-    [("grpo", False, "llava"), ("grpo", True, "llava"), ("rloo", False, "llava"), ("grpo", False, "gemma3")],
-    ids=["grpo", "grpo-lora", "rloo", "grpo-gemma3"],
+    "trainer, peft, family, num_images",
+    [
+        ("grpo", False, "llava", 1),
+        ("grpo", True, "llava", 1),
+        ("rloo", False, "llava", 1),
+        ("grpo", False, "gemma3", 1),
+        ("grpo", False, "llava", 2),
+        ("rloo", False, "llava", 2),
+        ("grpo", False, "gemma3", 2),
+    ],
+    ids=["grpo", "grpo-lora", "rloo", "grpo-gemma3", "grpo-2-images", "rloo-2-images", "grpo-gemma3-2-images"],
 )
-def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, peft, family):
+def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, peft, family, num_images):
     """One optimizer step of TreeGRPOTrainer (TreeRLOOTrainer) = TRL's GRPOTrainer (RLOOTrainer) on a LLaVA (Gemma 3:
     bidirectional image blocks, ``token_type_ids``) with a real processor: two prompts with the same text and
     different images (they must not merge), old-policy, reference and policy passes (2 micro-batches, 2 iterations
     per generation), SGD without clipping. GRPO's completions are fixed (``rollout_func``); RLOO has no such hook and
-    samples (the same seed and weights give both the same)."""
+    samples (the same seed and weights give both the same). With two images per prompt (the same two, swapped in the
+    second prompt), LLaVA's processor writes their placeholders as one run."""
     from peft import LoraConfig
     from trl import RLOOConfig, RLOOTrainer
 
@@ -280,9 +315,10 @@ def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, p
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     path = str(tmp_path / family)
     tiny_vlm(family, attn="sdpa").save_pretrained(path)
-    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w5 w6 w7"}]}]
+    question = [{"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": "w5 w6 w7"}]}]
     images = [Image.new("RGB", (8, 8), colour) for colour in ((200, 30, 30), (30, 30, 200))]
-    dataset = Dataset.from_dict({"prompt": [question, question], "image": images})
+    column = {"image": images} if num_images == 1 else {"images": [images, images[::-1]]}
+    dataset = Dataset.from_dict({"prompt": [question, question], **column})
     classes = {
         "grpo": ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)),
         "rloo": ((RLOOTrainer, RLOOConfig), (TreeRLOOTrainer, TreeRLOOConfig)),
@@ -313,14 +349,22 @@ def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, p
 
 
 @pytest.mark.parametrize(
-    "trainer, peft, family",
-    [("dpo", False, "llava"), ("dpo", True, "llava"), ("kto", False, "llava"), ("dpo", False, "gemma3")],
-    ids=["dpo-full-ref_model", "dpo-lora", "kto", "dpo-gemma3"],
+    "trainer, peft, family, num_images",
+    [
+        ("dpo", False, "llava", 1),
+        ("dpo", True, "llava", 1),
+        ("kto", False, "llava", 1),
+        ("dpo", False, "gemma3", 1),
+        ("dpo", False, "llava", 2),
+        ("kto", False, "llava", 2),
+    ],
+    ids=["dpo-full-ref_model", "dpo-lora", "kto", "dpo-gemma3", "dpo-2-images", "kto-2-images"],
 )
-def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, peft, family):
+def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, peft, family, num_images):
     """One SGD step of TreeDPOTrainer (TreeKTOTrainer) = TRL's DPOTrainer (KTOTrainer) on a LLaVA with a real
     processor: chosen and rejected (KTO: completions of one prompt and image) share their image prompt, the same
-    question about another image must not merge with it. KTO's KL pass (mismatched pairs) runs on trees too."""
+    question about another image must not merge with it. KTO's KL pass (mismatched pairs) runs on trees too. With two
+    images per prompt (the row's image, then the other colour), LLaVA's placeholders of both form one run."""
     from peft import LoraConfig
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
 
@@ -333,7 +377,7 @@ def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, pef
     red, blue = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
 
     def question(text: str) -> list[dict]:
-        return [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": text}]}]
+        return [{"role": "user", "content": [{"type": "image"}] * num_images + [{"type": "text", "text": text}]}]
 
     def answer(text: str) -> list[dict]:
         return [{"role": "assistant", "content": text}]
@@ -347,7 +391,9 @@ def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, pef
         columns = {"completion": [answer(r[k]) for r in rows for k in (2, 3)], "label": [True, False] * len(rows)}
         rows = [r for r in rows for _ in range(2)]
         classes = ((KTOTrainer, KTOConfig), (TreeKTOTrainer, TreeKTOConfig))
-    dataset = Dataset.from_dict({"prompt": [question(r[1]) for r in rows], "image": [r[0] for r in rows], **columns})
+    pairs = [[r[0], blue if r[0] is red else red] for r in rows]
+    column = {"image": [r[0] for r in rows]} if num_images == 1 else {"images": pairs}
+    dataset = Dataset.from_dict({"prompt": [question(r[1]) for r in rows], **column, **columns})
     path = str(tmp_path / family)
     tiny_vlm(family, attn="sdpa").save_pretrained(path)
     results = []

@@ -390,16 +390,31 @@ def chat_template(image_part: str) -> str:
     )
 
 
-def llava_processor() -> transformers.LlavaProcessor:
+def role_chat_template(image_part: str) -> str:
+    """A chat template with roles (``w90`` user/system, ``w91`` assistant, ``w92`` end of turn), a generation prompt
+    and ``{% generation %}`` markers around each assistant message and its end of turn; it never rewrites history."""
+    parts = (
+        f"{{% for c in m['content'] %}}{{% if c['type'] == 'image' %}}{image_part} "
+        "{% else %}{{ c['text'] }} {% endif %}{% endfor %}"
+    )
+    return (
+        "{% for m in messages %}{% if m['role'] == 'assistant' %}w91 {% generation %}"
+        f"{parts}w92 {{% endgeneration %}}{{% else %}}w90 {parts}w92 {{% endif %}}{{% endfor %}}"
+        "{% if add_generation_prompt %}w91 {% endif %}"
+    )
+
+
+def llava_processor(template: str | None = None) -> transformers.LlavaProcessor:
     """A real ``LlavaProcessor`` for the tiny LLaVA: a word-level tokenizer (``w{i}`` -> id ``i``, ``<image>`` ->
-    ``IMAGE_TOKEN``), CLIP's PIL image processor at 8x8 (4 placeholder tokens per image), a one-line chat template."""
+    ``IMAGE_TOKEN``), CLIP's PIL image processor at 8x8 (4 placeholder tokens per image), a one-line chat template
+    (or ``template``)."""
     return transformers.LlavaProcessor(
         image_processor=transformers.CLIPImageProcessor(size={"shortest_edge": 8}, crop_size={"height": 8, "width": 8}),
         tokenizer=word_level_tokenizer({IMAGE_TOKEN: ("image_token", "<image>")}),
         patch_size=4,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=chat_template("<image>"),
+        chat_template=template or chat_template("<image>"),
     )
 
 

@@ -182,7 +182,15 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             named = {"train": train_dataset, "eval": eval_dataset}
             built, data_collator = prepare_vision_sft(args, processing_class, data_collator, named)
             train_dataset, eval_dataset = built["train"], built["eval"]
-        super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
+        # TRL checks assistant_only_loss against the rows it is given: image trees, which already carry its masks
+        hidden = vision and args.assistant_only_loss
+        if hidden:
+            args.assistant_only_loss = False
+        try:
+            super().__init__(model, args, data_collator, train_dataset, eval_dataset, processing_class, **kwargs)
+        finally:
+            if hidden:
+                args.assistant_only_loss = True
         if vision:
             vision_family(self.model)  # refuse an unsupported model before the first step
 

@@ -66,10 +66,16 @@ def attach_media(batch: dict[str, Any], images: list[dict[str, torch.Tensor]], i
     renumber = torch.full((len(images) + 1,), -1, dtype=torch.int64, device=media_ids.device)
     renumber[used] = torch.arange(len(used), device=media_ids.device)
     batch["media_ids"] = renumber[media_ids]  # -1 maps through the last entry
-    batch["image_inputs"] = _concatenate([images[m] for m in used])
-    # Rows of each image's pixel_values (InternVL: its crops), to give each image its entries of the encoder's output
-    batch["image_rows"] = torch.tensor([len(images[m]["pixel_values"]) for m in used], dtype=torch.int64)
+    batch.update(image_batch([images[m] for m in used]))
     return batch
+
+
+def image_batch(images: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """``image_inputs`` (the images' processor tensors concatenated along dim 0) and ``image_rows`` (``[images]``
+    int64: the rows of each image's ``pixel_values``, InternVL: its crops, to give each image its entries of the
+    encoder's output) of ``images``, in order."""
+    rows = torch.tensor([len(image["pixel_values"]) for image in images], dtype=torch.int64)
+    return {"image_inputs": _concatenate(images), "image_rows": rows}
 
 
 def _concatenate(images: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel
 
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.models.introspection import causal_lm_of
+from hf_tree.vision.collator import image_batch
 
 
 @dataclass(frozen=True)
@@ -205,6 +206,19 @@ def image_features(
             "crops/images: hf_tree cannot tell which features belong to which image."
         )
     return [torch.cat(list(pooler_output[i - c : i])) for i, c in zip(np.cumsum(counts).tolist(), counts)]
+
+
+def image_feature_lengths(model: torch.nn.Module, images: list[dict[str, torch.Tensor]]) -> list[int]:
+    """The placeholder tokens of each image: the rows of its features from the model's own encoder, run once on
+    ``images`` (processor tensor dicts) without gradients (what the model's placeholder merge requires)."""
+    causal_lm = causal_lm_of(model)
+    batch = image_batch(images)
+    device = next(causal_lm.parameters()).device
+    with torch.no_grad():
+        features = image_encoder(causal_lm)(
+            **{k: v.to(device) for k, v in batch["image_inputs"].items()}, return_dict=True
+        )
+    return [len(f) for f in image_features(features.pooler_output, batch, type(causal_lm).__name__)]
 
 
 def image_blocks(media_ids: torch.Tensor, kv_end: torch.Tensor) -> torch.Tensor:

@@ -60,6 +60,28 @@ def placeholder_runs(tokens: Sequence[int], image_token_id: int) -> list[tuple[i
     return list(zip(np.nonzero(edges == 1)[0].tolist(), np.nonzero(edges == -1)[0].tolist()))
 
 
+def split_runs(runs: Sequence[tuple[int, int, int]], lengths: Sequence[int], where: str) -> list[tuple[int, int, int]]:
+    """Each image's ``(row, start, end)``: the placeholder ``runs`` (``(row, start, end)``, in order) hold the images
+    in order, image ``m`` taking ``lengths[m]`` tokens; adjacent images' placeholders form one run, split here.
+
+    Raises:
+        ValueError: (starting with ``where``) when the runs are not the images' placeholders laid end to end.
+    """
+    pieces: list[tuple[int, int, int]] = []
+    for row, start, end in runs:
+        while start < end and len(pieces) < len(lengths):
+            pieces.append((row, start, start + lengths[len(pieces)]))
+            start += lengths[len(pieces) - 1]
+        if start != end:
+            raise ValueError(
+                f"{where}: the placeholder run ending at token {end} of row {row} does not hold whole images "
+                f"(placeholder tokens per image: {list(lengths)}): the placeholders do not match the images."
+            )
+    if len(pieces) != len(lengths):
+        raise ValueError(f"{where}: the placeholders hold {len(pieces)} of the {len(lengths)} images.")
+    return pieces
+
+
 def decode_media_tokens(ids: torch.Tensor, image_token_id: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Trie ids -> (model token ids, media item of each token or ``-1``), both shaped like ``ids``."""
     is_media = ids >= MEDIA_TOKEN_BASE

@@ -13,12 +13,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from hf_tree.models.introspection import causal_lm_of
 from hf_tree.vision.collator import attach_media
-from hf_tree.vision.forward import vision_family, vision_model_inputs
-from hf_tree.vision.media_tree import MEDIA_TOKEN_BASE, MediaStore, placeholder_runs
+from hf_tree.vision.forward import image_feature_lengths, vision_family, vision_model_inputs
+from hf_tree.vision.media_tree import MEDIA_TOKEN_BASE, MediaStore, placeholder_runs, split_runs
 
 # Row inputs TRL's GRPO passes for the supported families; ``from_rows`` consumes them. ``token_type_ids`` is Gemma 3's
 # name for ``mm_token_type_ids`` (its processor renames them); the packed forward rebuilds its image blocks from the
@@ -105,6 +106,9 @@ class RowMedia:
     ) -> RowMedia | None:
         """Take the image inputs (``ROW_IMAGE_INPUTS``) out of ``inputs``; ``None`` when there are no images.
 
+        Adjacent images' placeholders (LLaVA's ``<image><image>``) form one run, split by each image's placeholder
+        count: its feature rows, from the model's own encoder run once more without gradients (only for such rows).
+
         Args:
             model: the vision-language model.
             input_ids: ``[B, T]`` padded rows.
@@ -132,22 +136,28 @@ class RowMedia:
             raise ValueError(f"{name} got pixel_values: {error}") from error
         image_token_id = int(causal_lm_of(model).config.image_token_id)
         rows = input_ids.cpu()
-        runs = [placeholder_runs(row.numpy(), image_token_id) for row in rows]
-        num_images = given["num_images"] or [len(r) for r in runs]
-        if [len(r) for r in runs] != list(num_images):
-            raise ValueError(
-                f"{name}: the rows hold {[len(r) for r in runs]} runs of image_token_id={image_token_id} but "
-                f"num_images={list(num_images)}: each image's placeholders must be one run."
-            )
-        images = split_images(pixel_values, grid, sum(num_images), name, image_sizes=given["image_sizes"])
+        runs = [(row, *run) for row, ids in enumerate(rows) for run in placeholder_runs(ids, image_token_id)]
+        count = len(grid) if grid is not None else len(pixel_values)
+        images = split_images(pixel_values, grid, count, name, image_sizes=given["image_sizes"])
         check_token_types(
             given, rows, image_token_id, name, "hf_tree's tree log-probs support images only. Set tree_logprobs=False."
         )
         store = MediaStore()
+        media = [store.add(image) for image in images]
+        if len(runs) == len(media):
+            pieces = runs
+        else:  # adjacent images' placeholders form one run: split it by each image's placeholder count
+            lengths = image_feature_lengths(model, store.images)
+            pieces = split_runs(runs, [lengths[m] for m in media], name)
+        shown = np.bincount([row for row, _, _ in pieces], minlength=len(rows)).tolist()
+        if given["num_images"] is not None and shown != list(given["num_images"]):
+            raise ValueError(
+                f"{name}: the rows' placeholders hold {shown} images but num_images={list(given['num_images'])}: each "
+                "row's placeholders must be its images' ones, in order."
+            )
         encoded = rows.clone()
-        flat_runs = [(row, start, end) for row, row_runs in enumerate(runs) for start, end in row_runs]
-        for (row, start, end), image in zip(flat_runs, images):
-            encoded[row, start:end] = MEDIA_TOKEN_BASE + store.add(image)
+        for (row, start, end), m in zip(pieces, media):
+            encoded[row, start:end] = MEDIA_TOKEN_BASE + m
         return cls(model, encoded.to(input_ids.device), store.images, image_token_id)
 
     def model_inputs(self, batch: dict[str, torch.Tensor]) -> dict[str, Any]:

@@ -2,21 +2,26 @@
 
 TRL skips dataset preparation for vision datasets and tokenizes in its collator
 (``DataCollatorForVisionLanguageModeling``): the processor's chat template renders each conversation with its
-images (``prepare_multimodal_messages``), and every token but padding is a label (placeholders included). Here each
-row is rendered the same way once, up front, and becomes one branch whose tokens are all trained; rows merge into one
-tree per ``group_by`` value (e.g. an image id: conversations about one picture share their image and first turns),
-or one tree per row.
+images (``prepare_multimodal_messages``), and every token but padding is a label (placeholders included) or, with
+``assistant_only_loss``, the template's assistant tokens (``return_assistant_tokens_mask``). Here each row is rendered
+the same way once, up front, and becomes one branch (or, with ``messages_branches="per_turn"``, one branch per
+assistant turn, rendered as the text rows' per-turn branches are, ``hf_tree.builders.chat``, each showing the images of
+its history); rows merge into one tree per ``group_by`` value (e.g. an image id: conversations about one picture share
+their image and first turns), or one tree per row.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
 from transformers import ProcessorMixin
+from trl.chat_template_utils import get_training_chat_template, has_generation_markers
 from trl.data_utils import prepare_multimodal_messages
 
+from hf_tree.builders.chat import conversation_branch, conversation_branches
 from hf_tree.vision.media_tree import MediaTree
 from hf_tree.vision.rows import check_token_types, split_images
 
@@ -40,10 +45,48 @@ def is_vision_dataset(dataset: Any) -> bool:
     return bool(set(IMAGE_COLUMNS) & set(getattr(dataset, "column_names", None) or ()))
 
 
-def render_row(row: dict[str, Any], processor: ProcessorMixin) -> tuple[list[int], list[dict]]:
-    """One ``messages`` row as TRL's vision collator renders it: token ids and one tensor dict per image."""
+class ProcessorTemplate:
+    """A processor as the tokenizer ``hf_tree.builders.chat`` renders with: its chat template applied to
+    ``messages`` whose image parts hold the images (``prepare_multimodal_messages``), tokenized as TRL's vision
+    collator does (no added special tokens); token ids (and ``assistant_masks``) of the one conversation as lists."""
+
+    def __init__(self, processor: ProcessorMixin) -> None:
+        self.processor = processor
+
+    def apply_chat_template(self, messages: list[dict], *, tokenize: bool, **options: Any) -> Any:
+        if not tokenize:
+            return self.processor.apply_chat_template(messages, tokenize=False, **options)
+        output = self.processor.apply_chat_template(
+            messages,
+            tokenize=True,
+            return_tensors="pt",
+            processor_kwargs={"add_special_tokens": False},  # TRL's collator: the template holds the special tokens
+            **options,
+        )
+        return {key: output[key][0].tolist() for key in ("input_ids", "assistant_masks") if key in output}
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.processor.tokenizer.decode(token_ids)
+
+
+def row_messages(row: dict[str, Any]) -> list[dict]:
+    """The row's messages with its images in their image parts (TRL's ``prepare_multimodal_messages``)."""
     images = row.get("images") if "images" in row else ([row["image"]] if row.get("image") is not None else [])
-    messages = prepare_multimodal_messages(row["messages"], images=images or None)
+    return prepare_multimodal_messages(row["messages"], images=images or None)
+
+
+def images_shown(messages: list[dict]) -> int:
+    """Image parts of ``messages`` (the images a rendering of them shows)."""
+    return sum(
+        part.get("type") == "image"
+        for message in messages
+        if isinstance(message.get("content"), list)
+        for part in message["content"]
+    )
+
+
+def render_images(messages: list[dict], processor: ProcessorMixin) -> tuple[list[int], list[dict]]:
+    """``messages`` as TRL's vision collator renders them: token ids and one tensor dict per image."""
     output = processor.apply_chat_template(
         messages,
         tokenize=True,
@@ -61,12 +104,70 @@ def render_row(row: dict[str, Any], processor: ProcessorMixin) -> tuple[list[int
     check_token_types(
         output, output["input_ids"], placeholder_token_id(processor), name, "vision SFT trees support images only."
     )
-    tensors = split_images(output["pixel_values"], output.get("image_grid_thw"), len(images)) if images else []
+    count = images_shown(messages)
+    tensors = split_images(output["pixel_values"], output.get("image_grid_thw"), count) if count else []
     return output["input_ids"][0].tolist(), tensors
 
 
+@dataclass(frozen=True)
+class VisionBranches:
+    """Which branches a vision ``messages`` row becomes: ``TreeSFTConfig``'s objective fields, as the text rows
+    read them (``hf_tree.builders.chat``).
+
+    Attributes:
+        messages_branches: ``"conversation"``: the row rendered once, every token trained or, with
+            ``assistant_only_loss``, the template's assistant tokens (TRL's vision collator); ``"per_turn"``: one
+            branch per assistant turn showing the images of its history, its assistant tokens trained (``train_on``).
+        train_on: ``"last_assistant"`` or ``"all_assistant"`` (``per_turn`` only).
+        assistant_only_loss: TRL's option (``conversation`` only).
+        chat_template: the template to render with (TRL's training template where ``assistant_only_loss`` needs one),
+            ``None`` for the processor's own.
+    """
+
+    messages_branches: str = "conversation"
+    train_on: str | None = None
+    assistant_only_loss: bool = False
+    chat_template: str | None = None
+
+    def of_row(
+        self, row: dict[str, Any], processor: ProcessorMixin
+    ) -> tuple[list[list[int]], list[list[int]], list[list[dict]]]:
+        """``(sequences, loss_masks, images)`` of one row's branches (``MediaTree.from_samples``' arguments)."""
+        messages = row_messages(row)
+        ids, images = render_images(messages, processor)  # the images' tensors (and the rendering TRL trains)
+        chat, template = ProcessorTemplate(processor), self.chat_template
+        if self.messages_branches == "per_turn":
+            sequences, masks, _ = conversation_branches(
+                messages, chat, train_on=self.train_on or "last_assistant", chat_template=template
+            )
+            if not sequences:
+                raise ValueError(
+                    f"messages_branches='per_turn' but the conversation has no assistant message (roles: "
+                    f"{[m['role'] for m in messages]}): there is nothing to train."
+                )
+            turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
+            return sequences, masks, [images[: images_shown(messages[: i + 1])] for i in turns]
+        if self.assistant_only_loss:
+            tokens, mask = conversation_branch(messages, chat, assistant_only_loss=True, chat_template=template)
+            return [tokens], [mask], [images]
+        return [ids], [[1] * len(ids)], [images]
+
+
+def training_chat_template(processor: ProcessorMixin, assistant_only_loss: bool) -> str | None:
+    """TRL's ``SFTTrainer.chat_template``: its training template (``{% generation %}`` markers) when
+    ``assistant_only_loss`` needs one and the processor's own template lacks them, else ``None``."""
+    if assistant_only_loss and not has_generation_markers(processor.chat_template):
+        return get_training_chat_template(processor)
+    return None
+
+
 def build_media_tree_dataset(
-    dataset: datasets.Dataset, processor: ProcessorMixin, group_by: str | None, name: str = "train"
+    dataset: datasets.Dataset,
+    processor: ProcessorMixin,
+    group_by: str | None,
+    name: str = "train",
+    branches: VisionBranches = VisionBranches(),
+    max_branch_tokens: int | None = None,
 ) -> datasets.Dataset:
     """``MediaTree.to_dict()`` rows of a TRL vision dataset (``messages`` plus ``images`` or ``image``).
 
@@ -75,10 +176,14 @@ def build_media_tree_dataset(
         processor: the model's processor (its chat template and image processor render the rows).
         group_by: a column whose equal values merge rows into one tree, or ``None``/``"<row>"``: one tree per row.
         name: the dataset's name in errors.
+        branches: the branches of each row and their trained tokens.
+        max_branch_tokens: a branch longer than this is refused here, naming the row (``overlong="error"``; image
+            branches are never truncated); ``None``: no limit checked.
 
     Raises:
         ValueError: for rows other than ``messages``, a ``group_by`` that is not a column, a processor without an
-            image token, or placeholders that do not match the images (naming the row).
+            image token, a branch longer than ``max_branch_tokens``, placeholders that do not match the images, or a
+            row ``branches`` cannot build (naming the row).
     """
     if "messages" not in dataset.column_names:
         raise ValueError(
@@ -98,9 +203,22 @@ def build_media_tree_dataset(
         groups[index if group_by in (None, "<row>") else dataset[index][group_by]].append(index)
     rows = []
     for indices in groups.values():
-        rendered = [render_row(dataset[i], processor) for i in indices]
+        sequences, masks, images = [], [], []
         try:
-            tree = MediaTree.from_samples([r[0] for r in rendered], [r[1] for r in rendered], image_token_id)
+            for i in indices:
+                row_sequences, row_masks, row_images = branches.of_row(dataset[i], processor)
+                longest = max(len(s) for s in row_sequences)
+                if max_branch_tokens is not None and longest > max_branch_tokens:
+                    raise ValueError(
+                        f"row {i} has a branch of {longest} tokens, more than max_branch_tokens={max_branch_tokens} "
+                        "(TRL's max_length, capped at max_packed_tokens with tree_execution='packed'). Image branches "
+                        "are never truncated (a cut would split an image's placeholders): raise max_length (None: no "
+                        "limit) and max_packed_tokens, or set overlong='drop' to leave such branches out (counted)."
+                    )
+                sequences += row_sequences
+                masks += row_masks
+                images += row_images
+            tree = MediaTree.from_samples(sequences, images, image_token_id, masks)
         except ValueError as error:  # name the dataset rows, not the samples of one tree
             raise ValueError(f"the {name} dataset's rows {indices}: {error}") from error
         rows.append(tree.to_dict())
@@ -113,9 +231,15 @@ def prepare_vision_sft(
     """``TreeSFTTrainer``'s set-up for vision datasets: each dataset (``None`` kept) as ``MediaTree`` rows, and the
     ``MediaTreeCollator`` of ``args``' packing fields.
 
+    Every ``TreeSFTConfig`` field that changes the objective is honoured as on text rows (``messages_branches``,
+    ``train_on``, ``assistant_only_loss`` with TRL's training template, ``normalization``, ``loss_type``, ...) or
+    refused here (tests/test_vision_sft_options.py walks them).
+
     Raises:
         ValueError: for a processing class that is not a processor, a custom ``data_collator``,
-            ``chat_template_path``, ``assistant_only_loss=True``, a non-map-style dataset, or what
+            ``chat_template_path``, ``completion_only_loss=True`` (TRL's vision collator refuses it on ``messages``
+            rows), ``truncation_mode="keep_end"`` (refused by TRL), what ``MediaTreeCollator`` refuses
+            (``overlong="truncate"``, depth-first execution), a non-map-style dataset, or what
             ``build_media_tree_dataset`` refuses.
     """
     from hf_tree.vision.collator import MediaTreeCollator
@@ -132,17 +256,33 @@ def prepare_vision_sft(
             "chat_template_path cannot apply to vision datasets yet: rows are rendered with the processor's own chat "
             "template; set the template on the processor instead."
         )
-    if args.assistant_only_loss:
+    if args.completion_only_loss:
         raise ValueError(
-            "assistant_only_loss=True is not supported for vision datasets yet (every token is trained, as TRL does "
-            "with assistant_only_loss=False); set it to False."
+            "completion_only_loss=True cannot apply to vision 'messages' rows (TRL's vision collator refuses it for "
+            "language-modeling rows too): set assistant_only_loss=True to train the assistant tokens, or "
+            "messages_branches='per_turn'; or leave completion_only_loss unset."
         )
+    if args.truncation_mode == "keep_end" and args.max_length is not None:
+        raise ValueError(
+            "truncation_mode='keep_end' cannot apply to vision datasets (TRL refuses it too: the images lie in the "
+            "prompt); image branches are never truncated (overlong decides). Set truncation_mode='keep_start'."
+        )
+    packing = args.packing_config()
+    collator = MediaTreeCollator(packing=packing, pad_token_id=processing_class.tokenizer.pad_token_id or 0)
+    branches = VisionBranches(
+        messages_branches=args.messages_branches,
+        train_on=args.train_on,
+        assistant_only_loss=args.assistant_only_loss and args.messages_branches == "conversation",
+        chat_template=training_chat_template(processing_class, args.assistant_only_loss),
+    )
+    limit = packing.branch_limit if packing.overlong == "error" else None  # refused here, before any step
     built = {}
     for name, dataset in named_datasets.items():
         if dataset is not None and not isinstance(dataset, datasets.Dataset):
             raise ValueError(f"the {name} dataset is a {type(dataset).__name__}; image trees need a datasets.Dataset.")
         built[name] = (
-            None if dataset is None else build_media_tree_dataset(dataset, processing_class, args.group_by, name)
+            None
+            if dataset is None
+            else build_media_tree_dataset(dataset, processing_class, args.group_by, name, branches, limit)
         )
-    pad_token_id = processing_class.tokenizer.pad_token_id
-    return built, MediaTreeCollator(packing=args.packing_config(), pad_token_id=pad_token_id or 0)
+    return built, collator
