@@ -188,3 +188,25 @@ def qkv(kv_end: torch.Tensor, heads: tuple[int, int], dtype: torch.dtype, seed: 
         return x.to(device=device, dtype=dtype).transpose(1, 2).requires_grad_()
 
     return leaf(heads[0]), leaf(heads[1]), leaf(heads[1])
+
+
+def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_end``/``position_ids`` of rows of long segments: a GRPO group (prompt, answers sharing a first
+    sentence), an agent-like chain whose later turns fork off after earlier siblings' subtrees (ancestors that are
+    not one contiguous range), a short prompt with long answers, one-token leaves, and padding."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1000) for _ in range(n)]
+
+    prompt, opening = tokens(200), tokens(60)
+    group = [prompt + tokens(150), prompt + opening + tokens(120), prompt + opening + tokens(90), prompt + tokens(1)]
+    turns = [tokens(100)]
+    for _ in range(3):
+        turns.append(turns[-1] + tokens(rng.randint(60, 120)))
+    agent = [t + tokens(60) for t in turns] + turns[-1:]
+    short = tokens(30)  # low dedup: a short prompt, long answers
+    answers = [short + tokens(200), short + tokens(180), short + tokens(150)]
+    trees = [Tree.from_sequences(group), Tree.from_sequences(agent), Tree.from_sequences(answers)]
+    batch = TreeDataCollator(max_packed_tokens=1024, pad_to_multiple_of=128)([t.to_dict() for t in trees])
+    return batch["kv_end"], batch["position_ids"]
