@@ -178,13 +178,20 @@ def packed_rows(seed: int, num_trees: int = 8, max_packed_tokens: int = 96, pad_
     return batch["kv_end"], batch["position_ids"]
 
 
-def qkv(kv_end: torch.Tensor, heads: tuple[int, int], dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+def qkv(
+    kv_end: torch.Tensor,
+    heads: tuple[int, int],
+    dtype: torch.dtype,
+    seed: int = 0,
+    device: str = "cpu",
+    head_dim: int = HEAD_DIM,
+):
     """Leaf query/key/value in transformers' layout (``[B, N, H, D]`` projections viewed as ``[B, H, N, D]``)."""
     generator = torch.Generator().manual_seed(seed)
     batch, n = kv_end.shape
 
     def leaf(h: int) -> torch.Tensor:
-        x = torch.randn(batch, n, h, HEAD_DIM, generator=generator, dtype=torch.float64)
+        x = torch.randn(batch, n, h, head_dim, generator=generator, dtype=torch.float64)
         return x.to(device=device, dtype=dtype).transpose(1, 2).requires_grad_()
 
     return leaf(heads[0]), leaf(heads[1]), leaf(heads[1])

@@ -42,6 +42,10 @@ MAX_HEAD_DIM = 256
 INSTALL_HINT = "pip install 'hf-tree[gpu]' (flash-attn >= 2.6.3, built for this torch and CUDA)"
 
 
+class FlashAttnRefused(ValueError):
+    """The ``flash_attn`` engine was asked for what its kernel cannot compute exactly (the message says what)."""
+
+
 @dataclass(frozen=True)
 class VarlenTreeIndex:
     """The varlen layout of packed tree rows: one sequence per segment."""
@@ -198,12 +202,13 @@ def flash_tree_attention(
 ) -> torch.Tensor:
     """Tree attention with ``flash_attn_varlen_func`` on CUDA (float16/bfloat16, or under such an autocast);
     arguments and result as ``reference_tree_attention`` (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]``,
-    ``kv_end [B, N]`` -> ``[B, N, H, D]``). Forward and backward are flash-attn's (differentiable). Raises a
-    ``ValueError`` with the reason for what the kernel cannot compute exactly (``flash_attn_refusal``)."""
+    ``kv_end [B, N]`` -> ``[B, N, H, D]``). Forward and backward are flash-attn's (differentiable). Raises
+    ``FlashAttnRefused`` (a ``ValueError``) with the reason for what the kernel cannot compute exactly
+    (``flash_attn_refusal``)."""
     check_sinks("flash_tree_attention", sinks, query.shape[1])
     reason = flash_attn_refusal(query, value, sinks, bidirectional_block)
     if reason is not None:
-        raise ValueError(
+        raise FlashAttnRefused(
             f"attention backend 'flash_attn' cannot run this call: {reason}. Use 'flex' on CUDA (or the automatic "
             "choice, 'cuda', which sends such calls there)."
         )
