@@ -170,8 +170,9 @@ def per_branch_loss(
     total, divisor = 0.0, 0.0
     try:
         for b, seq in enumerate(sequences):
-            ids = torch.tensor([list(seq)])
-            mask = torch.tensor(list(loss_masks[b]) if loss_masks is not None else [1] * len(seq), dtype=torch.float64)
+            ids = torch.tensor([list(seq)], device=model.device)
+            trained_tokens = list(loss_masks[b]) if loss_masks is not None else [1] * len(seq)
+            mask = torch.tensor(trained_tokens, dtype=torch.float64, device=ids.device)
             mask[0] = 0
             trained = mask[1:]
             if trained.sum() == 0:
@@ -604,10 +605,12 @@ def float32_floor_grad_error(model_grads: dict[str, torch.Tensor], ref_grads: di
     )
 
 
-def hybrid_model(family: str, attn: str = "tree_flash") -> torch.nn.Module:
-    """The tiny float64 hybrid of ``family`` (``HYBRIDS`` or ``SLOW_HYBRIDS``), seeded, with eager experts."""
+def hybrid_model(family: str, attn: str = "tree_flash", **overrides) -> torch.nn.Module:
+    """The tiny float64 hybrid of ``family`` (``HYBRIDS`` or ``SLOW_HYBRIDS``; ``overrides`` change its config), seeded,
+    with eager experts."""
     torch.manual_seed(0)
-    config = transformers.AutoConfig.for_model(family, vocab_size=VOCAB, **{**HYBRIDS, **SLOW_HYBRIDS}[family])
+    settings = {**{**HYBRIDS, **SLOW_HYBRIDS}[family], **overrides}
+    config = transformers.AutoConfig.for_model(family, vocab_size=VOCAB, **settings)
     return AutoModelForCausalLM.from_config(
         copy.deepcopy(config), attn_implementation=attn, dtype=torch.float64, experts_implementation="eager"
     )  # grouped_mm experts refuse float64

@@ -9,12 +9,9 @@ reference engine's own error in that dtype (the same math HF eager attention doe
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
-from hf_tree import Tree, TreeDataCollator
 from hf_tree.attention import (
     ENGINES,
     blocked,
@@ -33,7 +30,7 @@ from hf_tree.attention.segments import (
     segment_tree_attention,
 )
 from tests.helpers import detached64, relative_error, run
-from tests.workloads import HEAD_DIM, packed_rows, qkv
+from tests.workloads import HEAD_DIM, long_segment_rows, packed_rows, qkv
 
 TOLERANCE = 1e-9
 HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
@@ -279,7 +276,7 @@ def test_sinks_must_be_one_logit_per_query_head():
 def test_backend_selection(monkeypatch):
     monkeypatch.delenv("HF_TREE_ATTENTION_BACKEND", raising=False)
     assert select_backend(torch.device("cpu")) == "cpu"
-    assert select_backend(torch.device("cuda")) == "flex"
+    assert select_backend(torch.device("cuda")) == "cuda"
     monkeypatch.setenv("HF_TREE_ATTENTION_BACKEND", "reference")
     assert select_backend(torch.device("cuda")) == "reference"
     try:
@@ -320,28 +317,6 @@ def test_cuda_blocked_matches_reference_in_float64():
     ref, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.3, sliding_window=5)
     assert relative_error(out, ref) <= TOLERANCE
     assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads))
-
-
-def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_end``/``position_ids`` of rows of long segments: a GRPO group (prompt, answers sharing a first
-    sentence), an agent-like chain whose later turns fork off after earlier siblings' subtrees (ancestors that are
-    not one contiguous range), a short prompt with long answers, one-token leaves, and padding."""
-    rng = random.Random(seed)
-
-    def tokens(n: int) -> list[int]:
-        return [rng.randrange(1000) for _ in range(n)]
-
-    prompt, opening = tokens(200), tokens(60)
-    group = [prompt + tokens(150), prompt + opening + tokens(120), prompt + opening + tokens(90), prompt + tokens(1)]
-    turns = [tokens(100)]
-    for _ in range(3):
-        turns.append(turns[-1] + tokens(rng.randint(60, 120)))
-    agent = [t + tokens(60) for t in turns] + turns[-1:]
-    short = tokens(30)  # low dedup: a short prompt, long answers
-    answers = [short + tokens(200), short + tokens(180), short + tokens(150)]
-    trees = [Tree.from_sequences(group), Tree.from_sequences(agent), Tree.from_sequences(answers)]
-    batch = TreeDataCollator(max_packed_tokens=1024, pad_to_multiple_of=128)([t.to_dict() for t in trees])
-    return batch["kv_end"], batch["position_ids"]
 
 
 def test_segment_rectangles_tile_the_tree_mask_exactly():

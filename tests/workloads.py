@@ -178,13 +178,42 @@ def packed_rows(seed: int, num_trees: int = 8, max_packed_tokens: int = 96, pad_
     return batch["kv_end"], batch["position_ids"]
 
 
-def qkv(kv_end: torch.Tensor, heads: tuple[int, int], dtype: torch.dtype, seed: int = 0, device: str = "cpu"):
+def qkv(
+    kv_end: torch.Tensor,
+    heads: tuple[int, int],
+    dtype: torch.dtype,
+    seed: int = 0,
+    device: str = "cpu",
+    head_dim: int = HEAD_DIM,
+):
     """Leaf query/key/value in transformers' layout (``[B, N, H, D]`` projections viewed as ``[B, H, N, D]``)."""
     generator = torch.Generator().manual_seed(seed)
     batch, n = kv_end.shape
 
     def leaf(h: int) -> torch.Tensor:
-        x = torch.randn(batch, n, h, HEAD_DIM, generator=generator, dtype=torch.float64)
+        x = torch.randn(batch, n, h, head_dim, generator=generator, dtype=torch.float64)
         return x.to(device=device, dtype=dtype).transpose(1, 2).requires_grad_()
 
     return leaf(heads[0]), leaf(heads[1]), leaf(heads[1])
+
+
+def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_end``/``position_ids`` of rows of long segments: a GRPO group (prompt, answers sharing a first
+    sentence), an agent-like chain whose later turns fork off after earlier siblings' subtrees (ancestors that are
+    not one contiguous range), a short prompt with long answers, one-token leaves, and padding."""
+    rng = random.Random(seed)
+
+    def tokens(n: int) -> list[int]:
+        return [rng.randrange(1000) for _ in range(n)]
+
+    prompt, opening = tokens(200), tokens(60)
+    group = [prompt + tokens(150), prompt + opening + tokens(120), prompt + opening + tokens(90), prompt + tokens(1)]
+    turns = [tokens(100)]
+    for _ in range(3):
+        turns.append(turns[-1] + tokens(rng.randint(60, 120)))
+    agent = [t + tokens(60) for t in turns] + turns[-1:]
+    short = tokens(30)  # low dedup: a short prompt, long answers
+    answers = [short + tokens(200), short + tokens(180), short + tokens(150)]
+    trees = [Tree.from_sequences(group), Tree.from_sequences(agent), Tree.from_sequences(answers)]
+    batch = TreeDataCollator(max_packed_tokens=1024, pad_to_multiple_of=128)([t.to_dict() for t in trees])
+    return batch["kv_end"], batch["position_ids"]

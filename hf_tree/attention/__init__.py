@@ -20,6 +20,7 @@ import torch
 
 from hf_tree.attention.blocked import blocked_tree_attention
 from hf_tree.attention.dual import DeferredMask, model_attention_forward
+from hf_tree.attention.flash import cuda_tree_attention, flash_tree_attention
 from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.mask import check_bidirectional_block, dense_tree_mask, render_mask, tree_mask_mod
 from hf_tree.attention.options import tree_mode_options
@@ -32,7 +33,9 @@ TreeAttentionEngine = Callable[..., torch.Tensor]
 
 ENGINES: dict[str, TreeAttentionEngine] = {
     "cpu": cpu_tree_attention,  # automatic off CUDA: "segments" where the row suits it, else "blocked"
+    "cuda": cuda_tree_attention,  # automatic on CUDA: "flash_attn" where installed and exact, else "flex"
     "blocked": blocked_tree_attention,  # any device: block-skipping PyTorch, custom autograd
+    "flash_attn": flash_tree_attention,  # CUDA: flash-attn varlen over each segment's gathered root-to-segment path
     "flex": flex_tree_attention,  # CUDA: compiled FlexAttention with a cached BlockMask
     "reference": reference_tree_attention,  # dense mask, for tests
     "segments": segment_tree_attention,  # CPU: PyTorch's fused attention kernel on the mask's rectangles
@@ -81,11 +84,11 @@ def set_attention_backend(name: str | None) -> None:
 
 
 def select_backend(device: torch.device) -> str:
-    """The engine name for tensors on ``device``: forced > environment > automatic ("flex" on CUDA,
-    "cpu" elsewhere)."""
+    """The engine name for tensors on ``device``: forced > environment > automatic ("cuda" on CUDA: flash-attn where
+    installed, else flex; "cpu" elsewhere)."""
     name = _forced_backend or os.environ.get(BACKEND_ENV_VAR) or "auto"
     if name == "auto":
-        return "flex" if device.type == "cuda" else "cpu"
+        return "cuda" if device.type == "cuda" else "cpu"
     if name not in ENGINES:
         raise ValueError(f"{BACKEND_ENV_VAR}={name!r} is unknown; choose one of {sorted(ENGINES)} or 'auto'.")
     return name
@@ -164,8 +167,10 @@ __all__ = [
     "scoped_attention_engine",
     "blocked_tree_attention",
     "cpu_tree_attention",
+    "cuda_tree_attention",
     "DeferredMask",
     "dense_tree_mask",
+    "flash_tree_attention",
     "flex_tree_attention",
     "model_attention_forward",
     "prefix_tree_attention",

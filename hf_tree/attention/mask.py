@@ -41,6 +41,11 @@ def check_bidirectional_block(where: str, kv_end: torch.Tensor, bidirectional_bl
         )
 
 
+def has_bidirectional_blocks(bidirectional_block: torch.Tensor | None) -> bool:
+    """Whether a bidirectional overlay ``[B, N]`` marks any token (all ``-1``: the plain tree mask)."""
+    return bidirectional_block is not None and bool((bidirectional_block >= 0).any())
+
+
 def tree_mask_mod(
     kv_end: torch.Tensor,
     position_ids: torch.Tensor | None = None,

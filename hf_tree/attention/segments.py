@@ -22,13 +22,20 @@ engine instead.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
 
 from hf_tree.attention.batch_cache import BatchCache
 from hf_tree.attention.blocked import blocked_tree_attention
-from hf_tree.attention.mask import autocast_inputs, check_sinks, compute_dtype, visible_keys_per_query
+from hf_tree.attention.mask import (
+    autocast_inputs,
+    check_sinks,
+    compute_dtype,
+    has_bidirectional_blocks,
+    visible_keys_per_query,
+)
 
 _flash_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _flash_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
@@ -73,30 +80,53 @@ class SegmentPlan:
 _plans: BatchCache[SegmentPlan] = BatchCache()
 
 
-def _key_index(runs: tuple[tuple[int, int], ...], device: torch.device) -> slice | torch.Tensor:
+KeyRuns = tuple[tuple[int, int], ...]
+"""Ascending disjoint ``[start, stop)`` ranges of key indices in a row."""
+
+
+def _key_index(runs: KeyRuns, device: torch.device) -> slice | torch.Tensor:
     """Ascending disjoint ``[start, stop)`` runs -> a slice for one run, else the indices."""
     if len(runs) == 1:
         return slice(*runs[0])
     return torch.cat([torch.arange(a, b) for a, b in runs]).to(device)
 
 
-def _plan_row(kv_end: torch.Tensor, row: int, device: torch.device) -> tuple[list[_Part], list[_Part], list[int], int]:
-    """Causal parts, full parts, one-token segment starts and non-padding tokens of ``kv_end [N]`` (CPU)."""
+def row_segments(kv_end: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The segments of one row ``kv_end [N]`` (CPU int64): their ``starts``, ``stops`` and subtree ends, each
+    ``[S]`` int64, in packed order."""
     n = kv_end.shape[0]
     starts = torch.cat([torch.zeros(1, dtype=torch.int64), torch.nonzero(kv_end[1:] != kv_end[:-1]).flatten() + 1])
     stops = torch.cat([starts[1:], torch.tensor([n])])
-    subtree_ends = kv_end[starts]
+    return starts, stops, kv_end[starts]
+
+
+def segment_ancestors(
+    starts: list[int], stops: list[int], subtree_ends: list[int]
+) -> Iterator[tuple[int, int, KeyRuns]]:
+    """Each segment ``[s, e)`` with the key runs of its ancestors (the keys ``j < s`` with ``kv_end[j] > s``), in
+    packed order. Segments without ancestors or descendants (padding) may be left out of the input."""
+    open_segments: list[tuple[int, KeyRuns]] = []  # (subtree end, key runs of its descendants), innermost last
+    for s, e, end in zip(starts, stops, subtree_ends, strict=True):
+        while open_segments and open_segments[-1][0] <= s:
+            open_segments.pop()
+        runs = open_segments[-1][1] if open_segments else ()
+        yield s, e, runs
+        if end > e:  # its descendants see its ancestors and itself
+            joined = (*runs[:-1], (runs[-1][0], e)) if runs and runs[-1][1] == s else (*runs, (s, e))
+            open_segments.append((end, joined))
+
+
+def _plan_row(kv_end: torch.Tensor, row: int, device: torch.device) -> tuple[list[_Part], list[_Part], list[int], int]:
+    """Causal parts, full parts, one-token segment starts and non-padding tokens of ``kv_end [N]`` (CPU)."""
+    starts, stops, subtree_ends = row_segments(kv_end)
     has_ancestors = visible_keys_per_query(kv_end)[starts] > 1
     # Padding (and one-token trees): one token that sees only itself and has no descendant; no loop over them.
     alone = (stops - starts == 1) & ~has_ancestors & (subtree_ends == stops)
     singles = starts[stops - starts == 1].tolist()
     causal, full = [], []
-    open_segments: list[tuple[int, tuple]] = []  # (subtree end, key runs of its descendants), innermost last
     group: list | None = None  # [q0, q1, runs] of the full part being grown
-    for s, e, end in zip(starts[~alone].tolist(), stops[~alone].tolist(), subtree_ends[~alone].tolist(), strict=True):
-        while open_segments and open_segments[-1][0] <= s:
-            open_segments.pop()
-        runs = open_segments[-1][1] if open_segments else ()
+    segments = (x[~alone].tolist() for x in (starts, stops, subtree_ends))
+    for s, e, runs in segment_ancestors(*segments):
         if e - s > 1:
             causal.append(_Part(row, s, e, slice(s, e), True))
         if runs:  # siblings with the same ancestors, one after the other, share one call
@@ -106,12 +136,9 @@ def _plan_row(kv_end: torch.Tensor, row: int, device: torch.device) -> tuple[lis
                 if group is not None:
                     full.append(_Part(row, group[0], group[1], _key_index(group[2], device), False))
                 group = [s, e, runs]
-        if end > e:  # its descendants see its ancestors and itself
-            joined = (*runs[:-1], (runs[-1][0], e)) if runs and runs[-1][1] == s else (*runs, (s, e))
-            open_segments.append((end, joined))
     if group is not None:
         full.append(_Part(row, group[0], group[1], _key_index(group[2], device), False))
-    return causal, full, singles, n - int(alone.sum())
+    return causal, full, singles, kv_end.shape[0] - int(alone.sum())
 
 
 def plan_segments(kv_end: torch.Tensor, device: torch.device | None = None) -> SegmentPlan:
@@ -293,11 +320,12 @@ def segment_tree_attention(
     ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype), without softcapping, sliding windows or a
     bidirectional overlay (``cpu_tree_attention`` sends those to the blocked engine)."""
     check_sinks("segment_tree_attention", sinks, query.shape[1])
-    if sliding_window is not None or softcap is not None or _has_blocks(bidirectional_block):
+    blocks = has_bidirectional_blocks(bidirectional_block)
+    if sliding_window is not None or softcap is not None or blocks:
         raise ValueError(
             f"segment_tree_attention got sliding_window={sliding_window}, softcap={softcap}, "
-            f"bidirectional_block={'set' if _has_blocks(bidirectional_block) else None}: its causal rectangles have "
-            "none of them; use blocked_tree_attention for such layers."
+            f"bidirectional_block={'set' if blocks else None}: its causal rectangles have none of them; use "
+            "blocked_tree_attention for such layers."
         )
     del position_ids  # depths matter only for sliding windows
     if plan is None:
@@ -324,7 +352,7 @@ def cpu_tree_attention(
     (``MIN_TOKENS_PER_CALL`` tokens per kernel call), else ``blocked_tree_attention`` (short segments,
     softcapping, sliding windows, bidirectional blocks, other devices). Arguments and result as
     ``reference_tree_attention``."""
-    if not _has_blocks(bidirectional_block):
+    if not has_bidirectional_blocks(bidirectional_block):
         bidirectional_block = None
     if query.device.type == "cpu" and sliding_window is None and softcap is None and bidirectional_block is None:
         plan = cached_segment_plan(kv_end)
@@ -342,8 +370,3 @@ def cpu_tree_attention(
         sinks=sinks,
         bidirectional_block=bidirectional_block,
     )
-
-
-def _has_blocks(bidirectional_block: torch.Tensor | None) -> bool:
-    """Whether a bidirectional overlay marks any token (all ``-1``: the plain tree mask)."""
-    return bidirectional_block is not None and bool((bidirectional_block >= 0).any())
