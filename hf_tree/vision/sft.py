@@ -17,6 +17,7 @@ import datasets
 from transformers import ProcessorMixin
 from trl.data_utils import prepare_multimodal_messages
 
+from hf_tree.packing import packed_fallback
 from hf_tree.vision.media_tree import MediaTree
 from hf_tree.vision.rows import check_token_types, split_images
 
@@ -145,4 +146,7 @@ def prepare_vision_sft(
             None if dataset is None else build_media_tree_dataset(dataset, processing_class, args.group_by, name)
         )
     pad_token_id = processing_class.tokenizer.pad_token_id
-    return built, MediaTreeCollator(packing=args.packing_config(), pad_token_id=pad_token_id or 0)
+    packing = args.packing_config()
+    if packing.tree_execution == "auto":  # the default; an explicit "depth_first" is refused by MediaTreeCollator
+        packing = packed_fallback(packing, "image trees: depth-first units do not carry the images' features yet")
+    return built, MediaTreeCollator(packing=packing, pad_token_id=pad_token_id or 0)
