@@ -7,7 +7,7 @@ base class has parsed its own fields.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from dataclasses import MISSING, dataclass, field, fields
 from typing import Any
 
 from hf_tree.collator import TreeDataCollator
@@ -22,16 +22,17 @@ CONTEXT_PARALLEL_FIELDS = ("strategy", "chunks_per_rank", "query_block_size")
 CONTEXT_PARALLEL_PREFIX = "context_parallel_"
 
 
-def config_field(config_class: type, name: str) -> Any:
-    """A flat ``TrainingArguments`` field for ``config_class.<name>``: its default, help and choices (the
-    ``HfArgumentParser`` flag reads them), so each option is described once, in its config dataclass."""
+def config_field(config_class: type, name: str, default: Any = MISSING) -> Any:
+    """A flat ``TrainingArguments`` field for ``config_class.<name>``: its default (unless ``default`` is given), help
+    and choices (the ``HfArgumentParser`` flag reads them), so each option is described once, in its config
+    dataclass."""
     spec = config_class.__dataclass_fields__[name]
-    return field(default=spec.default, metadata=dict(spec.metadata))
+    return field(default=spec.default if default is MISSING else default, metadata=dict(spec.metadata))
 
 
-def packing_field(name: str) -> Any:
-    """The flat field of ``PackingConfig.<name>`` (same name)."""
-    return config_field(PackingConfig, name)
+def packing_field(name: str, default: Any = MISSING) -> Any:
+    """The flat field of ``PackingConfig.<name>`` (same name); ``default`` replaces the config's default."""
+    return config_field(PackingConfig, name, default)
 
 
 def context_parallel_field(name: str) -> Any:
@@ -54,7 +55,8 @@ class TreeArguments:
     overlong: OverlongPolicy = packing_field("overlong")
     normalization: Normalization = packing_field("normalization")
     pad_to_multiple_of: int | None = packing_field("pad_to_multiple_of")
-    tree_execution: TreeExecution = packing_field("tree_execution")
+    # Trainers know their setup: "auto" runs depth-first where it can, else packed with one log line (trainer.py)
+    tree_execution: TreeExecution = packing_field("tree_execution", default="auto")
     context_parallel_strategy: str = context_parallel_field("strategy")
     context_parallel_chunks_per_rank: int = context_parallel_field("chunks_per_rank")
     context_parallel_query_block_size: int = context_parallel_field("query_block_size")

@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from hf_tree.attention.mask import autocast_inputs, compute_dtype
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.models.check import check_model_for_trees
-from hf_tree.models.head import LogitHead
+from hf_tree.models.head import LogitHead, forward_then_score, gathered_head
 from hf_tree.models.introspection import capture_last_hidden_state, causal_lm_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef, tree_router_loss
@@ -38,8 +38,9 @@ def loss_chunk_rows(vocab_size: int) -> int:
 
 
 def _vocab_size(head: torch.nn.Module) -> int:
-    """Output size of the LM head (plain, tied or PEFT-wrapped linear)."""
-    return head.weight.shape[0]
+    """Output size of the LM head (plain, tied or PEFT-wrapped linear); DeepSpeed ZeRO-3 keeps an empty shard outside
+    the head's forward and the full shape as ``ds_shape``."""
+    return getattr(head.weight, "ds_shape", head.weight.shape)[0]
 
 
 def _logit_grad(log_probs: torch.Tensor, targets: torch.Tensor, scaled: torch.Tensor) -> torch.Tensor:
@@ -232,10 +233,13 @@ def weighted_cross_entropy(
         chunk_size = chunk_size or loss_chunk_rows(_vocab_size(head))
         # A bias-free linear head is linear in its input: the scale is folded into the hidden states.
         scaled = hidden if scale == 1.0 else hidden * scale
-        if torch.is_grad_enabled() and (scaled.requires_grad or head.weight.requires_grad):
-            return _FusedLinearCrossEntropy.apply(scaled, head.weight, targets, weights, softcap, chunk_size)
-        # Evaluation: needs_input_grad ignores no_grad, so the Function would still build both gradients.
-        return _linear_cross_entropy(scaled, head.weight, targets, weights, softcap, chunk_size)[0]
+        # The weight is read here, not in the head's forward (ZeRO-3 gathers it for the read); the fused Function
+        # finishes its gradients inside, so its backward needs no gathered weight.
+        with gathered_head(head):
+            if torch.is_grad_enabled() and (scaled.requires_grad or head.weight.requires_grad):
+                return _FusedLinearCrossEntropy.apply(scaled, head.weight, targets, weights, softcap, chunk_size)
+            # Evaluation: needs_input_grad ignores no_grad, so the Function would still build both gradients.
+            return _linear_cross_entropy(scaled, head.weight, targets, weights, softcap, chunk_size)[0]
     return chunked_token_loss(_weighted_ce_chunk, head, hidden, targets, weights, chunk_size, logit_head)
 
 
@@ -291,20 +295,26 @@ def tree_losses(
             "not tested yet. Set router_aux_loss_coef=0.0 (or config.output_router_logits=False) for image trees."
         )
     router_inputs = {"output_router_logits": True} if router_coef else {}
+
+    def score(_outputs) -> torch.Tensor:
+        hidden = captured["hidden"]  # the backbone's last hidden state: what detect_logit_head verified
+        gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
+        return score_hidden_states(
+            causal_lm, logit_head, gathered, batch["loss_targets"], batch["loss_weights"], token_loss, chunk_size
+        )
+
     with capture_last_hidden_state(causal_lm) as captured:
         # model_inputs may replace the rows' own (e.g. mRoPE positions and image features of a vision tree)
         inputs = dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"])
-        outputs = model(
+        outputs, total = forward_then_score(
+            model,
+            causal_lm,
+            score,
             **inputs | (model_inputs or {}),
             use_cache=False,
             logits_to_keep=1,  # the tree loss applies the head itself, to the gathered positions only
             **router_inputs,
         )
-    hidden = captured["hidden"]  # the backbone's last hidden state: what detect_logit_head verified
-    gathered = hidden.reshape(-1, hidden.shape[-1]).index_select(0, batch["loss_positions"])
-    total = score_hidden_states(
-        causal_lm, logit_head, gathered, batch["loss_targets"], batch["loss_weights"], token_loss, chunk_size
-    )
     divisor = batch["num_loss_items"] if num_items_in_batch is None else num_items_in_batch
     losses = TreeLosses(token=divide_by_items(total, divisor), router_coef=router_coef)
     if router_coef:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import bisect
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from typing import Literal, get_args
 
 import numpy as np
@@ -84,7 +84,9 @@ class PackingConfig:
             "run depth-first instead (docs/depth_first.md: every shared prefix computed once, activation memory of "
             "one root-to-leaf path, forwards of at most max_packed_tokens tokens); the others are packed. "
             "'depth_first': every tree runs depth-first. Depth-first runs in TreeTrainer/TreeSFTTrainer on one "
-            "process or under DDP/FSDP2, without fp16 loss scaling.",
+            "process or under DDP/FSDP2, without fp16 loss scaling. The trainers default to 'auto' and, where their "
+            "setup cannot run depth-first (DeepSpeed, context parallel, fp16, image trees, ...), run 'packed' and log "
+            "why; an explicit 'depth_first' is refused there.",
             "choices": list(TREE_EXECUTIONS),
         },
     )
@@ -123,6 +125,23 @@ class PackingConfig:
         if self.tree_execution == "auto":
             return tree.num_tokens > self.max_packed_tokens
         return self.tree_execution == "depth_first"
+
+
+def packed_fallback(packing: PackingConfig, why: str) -> PackingConfig:
+    """``packing`` with ``tree_execution="auto"`` run as ``"packed"`` because the setup cannot run depth-first
+    (``why``), logged in one line. The branch limit is capped at the row (a packed row holds whole branches): longer
+    branches then follow ``overlong`` (an error by default, else counted and reported)."""
+    assert packing.tree_execution == "auto", packing.tree_execution
+    limit = min(packing.branch_limit, packing.max_packed_tokens)
+    capped = f"; branches longer than {limit} tokens follow overlong={packing.overlong!r}"
+    logger.warning(
+        "hf_tree: tree_execution='auto' runs as 'packed' here (%s): trees larger than max_packed_tokens=%d are split "
+        "by their branches, their shared prefixes recomputed per part%s.",
+        why,
+        packing.max_packed_tokens,
+        capped if packing.branch_limit > limit else "",
+    )
+    return replace(packing, tree_execution="packed", max_branch_tokens=limit)
 
 
 @dataclass

@@ -44,7 +44,7 @@ from hf_tree.models.check import check_model_for_trees, self_check_setting
 from hf_tree.models.introspection import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
-from hf_tree.packing import DEPTH_FIRST_KEY, PackingStats
+from hf_tree.packing import DEPTH_FIRST_KEY, PackingStats, packed_fallback
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.sft_losses import sft_token_loss
@@ -248,24 +248,40 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         self.tree_depth_first = self._depth_first_config()
 
     def _depth_first_config(self) -> DepthFirstConfig | None:
-        """The depth-first options of the collator's ``tree_execution`` (``None`` for ``"packed"``), after refusing,
-        before the first step, what depth-first execution does not support.
+        """The depth-first options of the collator's ``tree_execution`` (``None`` when trees run packed), decided
+        before the first step. Where this setup cannot run depth-first, ``"auto"`` (the default) runs packed with one
+        log line naming why (``hf_tree.packing.packed_fallback``), and ``"depth_first"`` is refused.
 
         Raises:
-            ValueError: naming ``tree_execution`` and the fix, on several processes other than DDP or FSDP2
-                (FSDP1, HSDP, tensor parallel, ...), under context parallel or DeepSpeed, with fp16 loss scaling,
-                reentrant gradient checkpointing or an MoE router loss.
+            ValueError: naming ``tree_execution``, the reason and the fix, for ``"depth_first"`` on several processes
+                other than DDP or FSDP2 (FSDP1, HSDP, tensor parallel, ...), under context parallel or DeepSpeed, with
+                fp16 loss scaling, reentrant gradient checkpointing or an MoE router loss.
         """
         packing = getattr(self.data_collator, "packing", None)
         if packing is None or packing.tree_execution == "packed":
             return None
-        option = f"tree_execution={packing.tree_execution!r}"
+        why = self._depth_first_obstacle()
+        if why is None:
+            return DepthFirstConfig(max_unit_tokens=packing.max_packed_tokens)
+        if packing.tree_execution == "auto":
+            self.data_collator.packing = packed_fallback(packing, why)
+            return None
+        raise ValueError(
+            f"tree_execution={packing.tree_execution!r} cannot run here: {why}. Set tree_execution='packed' or 'auto' "
+            "(trees larger than max_packed_tokens are then split by their branches), or train with DDP/FSDP2 or on "
+            "one process (bf16 or float32)."
+        )
+
+    def _depth_first_obstacle(self) -> str | None:
+        """Why this setup cannot run depth-first execution, or ``None`` when it can (one process, DDP or FSDP2,
+        without loss scaling, context parallel, reentrant checkpointing or an MoE router loss)."""
         accelerator = self.accelerator
         distributed_type = accelerator.distributed_type
         data_parallel = distributed_type in DATA_PARALLEL_TYPES or (
             distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
         )
         parallelism = getattr(accelerator, "parallelism_config", None)
+        checkpointing = self.args.gradient_checkpointing_kwargs or {}
         unsupported = {
             f"{accelerator.num_processes} processes under {distributed_type} (DDP and FSDP2 are supported)": (
                 accelerator.num_processes > 1 and not data_parallel and distributed_type != DistributedType.DEEPSPEED
@@ -274,24 +290,21 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
                 parallelism is not None and (parallelism.dp_replicate_size > 1 or parallelism.tp_size > 1)
             ),
             "context parallel": self.tree_context_parallel is not None,
-            "DeepSpeed": self.is_deepspeed_enabled,
+            "DeepSpeed (its engine owns the backward)": self.is_deepspeed_enabled,
             "fp16 (loss scaling)": self.args.fp16,
+            # reentrant checkpointing would drop the gradient of the cached keys and values
+            f"gradient_checkpointing_kwargs={checkpointing} (reentrant; set {{'use_reentrant': False}})": (
+                self.args.gradient_checkpointing and checkpointing.get("use_reentrant", False)
+            ),
         }
         for what, present in unsupported.items():
             if present:
-                raise ValueError(
-                    f"{option} runs on one process or under DDP/FSDP2, without loss scaling; it does not support "
-                    f"{what}. Set tree_execution='packed' (trees larger than max_packed_tokens are split by their "
-                    "branches), or train with DDP/FSDP2 or on one process (bf16 or float32)."
-                )
-        checkpointing = self.args.gradient_checkpointing_kwargs or {}
-        if self.args.gradient_checkpointing and checkpointing.get("use_reentrant", False):
-            raise ValueError(
-                f"{option} with gradient_checkpointing_kwargs={checkpointing} would drop the gradient of the cached "
-                "keys and values. Set gradient_checkpointing_kwargs={'use_reentrant': False} (transformers' default)."
-            )
-        refuse_for_depth_first(causal_lm_of(self.model))
-        return DepthFirstConfig(max_unit_tokens=packing.max_packed_tokens)
+                return what
+        try:
+            refuse_for_depth_first(causal_lm_of(self.model))
+        except ValueError as error:  # a model depth-first units would train wrongly (MoE router loss, ...)
+            return str(error)
+        return None
 
     @property
     def tree_self_check(self) -> bool | None:

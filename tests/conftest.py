@@ -16,6 +16,14 @@ def one_torch_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(scope="session")
+def deepspeed_extensions(request: pytest.FixtureRequest):
+    """``TORCH_EXTENSIONS_DIR`` for launched DeepSpeed workers, kept in pytest's cache: the first launch JIT-compiles
+    DeepSpeed's CPU communication op (~70 s), later launches and sessions reuse it. Skips without DeepSpeed."""
+    pytest.importorskip("deepspeed")
+    return request.config.cache.mkdir("torch_extensions")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """A ``@pytest.mark.gpu`` test needs CUDA: without a device it is skipped, never failed."""
     if torch.cuda.is_available():

@@ -624,7 +624,8 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
 
 
 def launch_command(config: Path) -> list[str]:
-    """``accelerate launch`` of ``config`` on 2 CPU processes (CP configs: the 2 processes shard data only)."""
+    """``accelerate launch`` of ``config`` (JSON or YAML) on 2 CPU processes in float32 (CP configs: the 2 processes
+    shard data only)."""
     command = [
         sys.executable,
         "-m",
@@ -638,7 +639,7 @@ def launch_command(config: Path) -> list[str]:
         "--main_process_port",
         str(29500 + os.getpid() % 1000),
     ]
-    if "parallelism_config" in json.loads(config.read_text()):
+    if config.suffix == ".json" and "parallelism_config" in json.loads(config.read_text()):
         command += ["--parallelism_config_dp_shard_size", "2", "--parallelism_config_cp_size", "1"]
     return command
 

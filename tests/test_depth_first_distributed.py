@@ -220,12 +220,14 @@ def test_the_workload_has_trees_on_both_sides_of_a_row():
         ("FSDP", False, 1, "under DistributedType.FSDP"),  # FSDP1
         ("FSDP", True, 2, "HSDP"),
         ("XLA", False, 1, "under DistributedType.XLA"),
+        ("DEEPSPEED", False, 1, "DeepSpeed"),
     ],
 )
 def test_depth_first_refuses_only_what_it_cannot_run_on_several_processes(
-    tmp_path, distributed_type, fsdp2, replicate, refused
+    tmp_path, caplog, distributed_type, fsdp2, replicate, refused
 ):
-    """``_depth_first_config`` on 2 processes of each kind (a stand-in accelerator; the launched tests run them)."""
+    """``_depth_first_config`` on 2 processes of each kind (a stand-in accelerator; the launched tests run them):
+    ``"depth_first"`` is refused where it cannot run, ``"auto"`` (the default) runs packed there with one log line."""
     from types import SimpleNamespace
 
     from accelerate.utils import DistributedType
@@ -234,19 +236,30 @@ def test_depth_first_refuses_only_what_it_cannot_run_on_several_processes(
     from tests.helpers import exact_sgd_args
 
     train_set, _ = datasets_()
-    args = exact_sgd_args(str(tmp_path), max_packed_tokens=ROW_TOKENS, max_branch_tokens=24, tree_execution="auto")
-    trainer = TreeTrainer(model=make_model(False), args=TreeTrainingArguments(**args), train_dataset=train_set)
-    trainer.accelerator = SimpleNamespace(
-        num_processes=2,
-        distributed_type=getattr(DistributedType, distributed_type),
-        is_fsdp2=fsdp2,
-        parallelism_config=SimpleNamespace(dp_replicate_size=replicate, tp_size=1),
-    )
-    if refused is None:
-        assert trainer._depth_first_config().max_unit_tokens == ROW_TOKENS
-    else:
-        with pytest.raises(ValueError, match=rf"tree_execution='auto'.*{refused}.*tree_execution='packed'"):
-            trainer._depth_first_config()
+    for execution in ("depth_first", "auto"):
+        args = exact_sgd_args(str(tmp_path), max_packed_tokens=ROW_TOKENS, max_branch_tokens=24)
+        args = TreeTrainingArguments(**args, **({"tree_execution": execution} if execution != "auto" else {}))
+        trainer = TreeTrainer(model=make_model(False), args=args, train_dataset=train_set)
+        trainer.accelerator = SimpleNamespace(
+            num_processes=2,
+            distributed_type=getattr(DistributedType, distributed_type),
+            is_fsdp2=fsdp2,
+            parallelism_config=SimpleNamespace(dp_replicate_size=replicate, tp_size=1),
+        )
+        trainer.is_deepspeed_enabled = distributed_type == "DEEPSPEED"
+        if refused is None:
+            assert trainer._depth_first_config().max_unit_tokens == ROW_TOKENS
+        elif execution == "depth_first":
+            with pytest.raises(ValueError, match=rf"tree_execution='depth_first'.*{refused}.*tree_execution='packed'"):
+                trainer._depth_first_config()
+        else:
+            caplog.clear()
+            with caplog.at_level("WARNING", logger="hf_tree"):
+                assert trainer._depth_first_config() is None
+            assert trainer.data_collator.packing.tree_execution == "packed"
+            assert trainer.data_collator.packing.max_branch_tokens == ROW_TOKENS  # a packed row holds whole branches
+            (line,) = [r.getMessage() for r in caplog.records if "runs as 'packed'" in r.getMessage()]
+            assert refused in line and "overlong='error'" in line
 
 
 def free_port() -> int:

@@ -15,7 +15,9 @@ logits are not of that form is refused with a ``ValueError``.
 
 from __future__ import annotations
 
+import contextlib
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -89,6 +91,57 @@ def _config_scales(config) -> list[float]:
     if isinstance(divisor, int | float) and divisor != 0:
         scales += [1.0 / divisor, float(divisor)]  # Granite/MiniCPM3 divide, HyperCLOVA X multiplies
     return scales
+
+
+def gathered_head(head: torch.nn.Module) -> contextlib.AbstractContextManager:
+    """The head's weight (and bias) whole for a read outside its module's forward, as TRL's fused head reads it.
+
+    Under DeepSpeed ZeRO-3 every parameter is an empty shard outside its module's forward; the tree loss and log-prob
+    heads apply ``head.weight`` to gathered hidden states themselves, so they gather it for the duration (TRL's
+    ``maybe_gather_lm_head_ctx``: a null context without ZeRO-3 or when the weight is already whole, e.g. tied to the
+    embeddings). Gradients computed inside reach ZeRO-3's reduction as a whole-parameter gradient.
+    """
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():  # checked first: TRL's trainer utilities are not imported otherwise
+        return contextlib.nullcontext()
+    from trl.trainer.utils import maybe_gather_lm_head_ctx
+
+    return maybe_gather_lm_head_ctx(head.weight, getattr(head, "bias", None))
+
+
+def forward_then_score(
+    model: torch.nn.Module, causal_lm: PreTrainedModel, score: Callable[[Any], torch.Tensor], **inputs: Any
+) -> tuple[Any, torch.Tensor]:
+    """``outputs = model(**inputs)`` and ``score(outputs)``, a loss that applies the head to captured hidden states.
+
+    Under DeepSpeed ZeRO-3 ``score`` runs inside ``causal_lm``'s forward (its ``forward`` redirected for the call, as
+    TRL runs its fused head), with its result as the output's ``loss``: ZeRO-3 fetches and releases parameters through
+    the model's forward hooks, and a head gathered after the forward returned left the next step's backward with
+    released layer weights (a size-0 ``LinearFunctionForZeroStage3`` input). Elsewhere it runs after the forward.
+    """
+    from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+    if not is_deepspeed_zero3_enabled():
+        outputs = model(**inputs)
+        return outputs, score(outputs)
+    own = vars(causal_lm).get("forward")  # an instance forward (e.g. a fused head's), else the class's
+    original = causal_lm.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        outputs = original(*args, **kwargs)
+        outputs["loss"] = score(outputs)  # an output: ZeRO-3's backward hooks see it
+        return outputs
+
+    causal_lm.forward = forward
+    try:
+        outputs = model(**inputs)
+    finally:
+        if own is None:
+            del causal_lm.forward
+        else:
+            causal_lm.forward = own
+    return outputs, outputs["loss"]
 
 
 def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:

@@ -38,7 +38,7 @@ from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 from trl.kernels import ChunkedLogProbFunction
 
-from hf_tree.models.head import LogitHead, detect_logit_head
+from hf_tree.models.head import LogitHead, detect_logit_head, gathered_head
 from hf_tree.models.introspection import backbone_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import tree_router_loss
@@ -296,8 +296,9 @@ def fused_head_values(
         autocast = torch.autocast(hidden.device.type, enabled=False)
     kernel_outputs = tuple(name for name in FUSED_OUTPUTS if name in outputs or name == "log_probs")
     # One kernel call for all rows: the head's gradient then arrives in one piece, as from TRL's head (FSDP2
-    # reduce-scatters the root's parameters once; a second piece arriving later stayed local to each rank).
-    with autocast:
+    # reduce-scatters the root's parameters once; a second piece arriving later stayed local to each rank). Under
+    # ZeRO-3 the head is gathered for the call, as TRL's head does (the kernel gathers it again in its backward).
+    with autocast, gathered_head(head):
         kernel_values = ChunkedLogProbFunction.apply(
             hidden,
             weight,

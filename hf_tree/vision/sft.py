@@ -22,6 +22,7 @@ from trl.chat_template_utils import get_training_chat_template, has_generation_m
 from trl.data_utils import prepare_multimodal_messages
 
 from hf_tree.builders.chat import conversation_branch, conversation_branches
+from hf_tree.packing import packed_fallback
 from hf_tree.vision.media_tree import MediaTree
 from hf_tree.vision.rows import check_token_types, split_images
 
@@ -268,6 +269,8 @@ def prepare_vision_sft(
             "prompt); image branches are never truncated (overlong decides). Set truncation_mode='keep_start'."
         )
     packing = args.packing_config()
+    if packing.tree_execution == "auto":  # the default; an explicit "depth_first" is refused by MediaTreeCollator
+        packing = packed_fallback(packing, "image trees: depth-first units do not carry the images' features yet")
     collator = MediaTreeCollator(packing=packing, pad_token_id=processing_class.tokenizer.pad_token_id or 0)
     branches = VisionBranches(
         messages_branches=args.messages_branches,

@@ -1,0 +1,221 @@
+"""The tree trainers under TRL's DeepSpeed configs (``trl/accelerate_configs/zero{2,3}.yaml``) on 2 CPU processes.
+
+The file is also the launched worker (``__main__``): one launch per ZeRO stage trains, each for 2 SGD steps (float32)
+from the same saved tiny model, ``TreeTrainer`` and its oracle ``Trainer`` on the branches, ``TreeSFTTrainer`` and
+TRL's ``SFTTrainer``, ``TreeGRPOTrainer`` and TRL's ``GRPOTrainer`` (fixed completions through ``rollout_func``), and
+saves each final model with ``save_model``. Oracle: the twin's update under the same config. The saved files (ZeRO-3
+gathers the partitioned parameters for them) must hold every tensor of the model, and the tree update must equal the
+twin's within ``TOLERANCE``. Only ``--num_processes 2 --mixed_precision no`` change TRL's files.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+if __name__ == "__main__":  # launched as a script: make `hf_tree` and `tests` importable from the checkout
+    sys.path.insert(0, str(REPO))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from safetensors.torch import load_file  # noqa: E402
+
+from tests.helpers import finish_launched_worker, launch_command  # noqa: E402
+
+# float32 on gloo, DeepSpeed's bucketed reductions and TRL's fused head kernel round differently (seen: ~3e-6)
+TOLERANCE = 1e-4
+# ZeRO-3 (parameters partitioned: the hard case) runs every trainer; ZeRO-2 the three that read the head themselves
+PAIRS = {
+    2: ("trainer", "sft", "grpo"),
+    3: ("trainer", "sft", "sft-lora", "grpo", "rloo", "dpo", "kto", "reward"),
+}
+STAGES = tuple(PAIRS)
+TWINS = ("trl", "tree")  # indexed by "is the tree trainer"
+SFT_ROWS = {
+    "prompt": ["w10 w11 w12 w13", "w10 w11 w12 w13", "w14 w15", "w16 w17 w18"],
+    "completion": [" w20 w21", " w20 w22 w23", " w24", " w25 w26 w27"],
+}
+
+
+def trl_config_file(stage: int) -> Path:
+    """TRL's own accelerate config for ZeRO ``stage``, read from the installed package."""
+    return Path(importlib.util.find_spec("trl").origin).parent / "accelerate_configs" / f"zero{stage}.yaml"
+
+
+def build(pair: str, tree: bool, model_path: str, output_dir: str):
+    """The trainer of ``pair`` (the tree one or its oracle) on the tiny model saved at ``model_path``: 2 SGD steps
+    of 2 rows per process (GRPO/RLOO: one step of 2 micro-batches), sequential order, no clipping."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, Trainer, TrainingArguments
+    from trl import (
+        DPOConfig,
+        DPOTrainer,
+        GRPOConfig,
+        GRPOTrainer,
+        KTOConfig,
+        KTOTrainer,
+        RewardConfig,
+        RewardTrainer,
+        RLOOConfig,
+        RLOOTrainer,
+        SFTConfig,
+        SFTTrainer,
+    )
+
+    from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
+    from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
+    from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
+    from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
+    from hf_tree.trl.reward import TreeRewardConfig, TreeRewardTrainer
+    from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer
+    from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+    from tests.helpers import (
+        FIXED_COMPLETIONS,
+        branch_loss_func,
+        collate_branches,
+        exact_sgd_args,
+        fixed_rollout,
+        varied_reward,
+        word_tokenizer,
+    )
+    from tests.test_fsdp_trl import DPO_PAIRS
+    from tests.test_kto import ROWS as KTO_ROWS
+    from tests.test_reward import PAIRS as REWARD_PAIRS
+    from tests.workloads import branch_dataset, branch_groups, tree_dataset
+
+    # ddp_backend: accelerate finds no backend on a machine without a GPU and would run each process alone (the
+    # DeepSpeed engine then refuses the batch size); on GPUs it picks nccl itself
+    settings = dict(
+        per_device_train_batch_size=2,
+        max_steps=2,
+        learning_rate=0.5,
+        seed=3,
+        train_sampling_strategy="sequential",
+        ddp_backend="gloo",
+    )
+    args = exact_sgd_args(output_dir, **settings)
+    if pair == "trainer":
+        groups = branch_groups(seed=5, num_trees=8)
+        if tree:
+            args = TreeTrainingArguments(**args, max_packed_tokens=64)
+        else:
+            args = TrainingArguments(**args, remove_unused_columns=False)
+        # after the arguments: under ZeRO-3 from_pretrained then partitions the weights as it loads (zero.Init)
+        model = AutoModelForCausalLM.from_pretrained(model_path, dtype=torch.float32)
+        if tree:
+            return TreeTrainer(model=model, args=args, train_dataset=tree_dataset(groups))
+        return Trainer(
+            model=model,
+            args=args,
+            train_dataset=branch_dataset(groups),
+            data_collator=collate_branches,
+            compute_loss_func=branch_loss_func("token", 0),
+        )
+    trl_args = dict(bf16=False, model_init_kwargs={"dtype": torch.float32}, **args)
+    lora = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    common = dict(processing_class=word_tokenizer(), peft_config=lora if pair.endswith("lora") else None)
+    twins = {
+        "sft": (SFTConfig, SFTTrainer, TreeSFTConfig, TreeSFTTrainer, SFT_ROWS),
+        "sft-lora": (SFTConfig, SFTTrainer, TreeSFTConfig, TreeSFTTrainer, SFT_ROWS),
+        "dpo": (DPOConfig, DPOTrainer, TreeDPOConfig, TreeDPOTrainer, DPO_PAIRS),
+        "kto": (KTOConfig, KTOTrainer, TreeKTOConfig, TreeKTOTrainer, KTO_ROWS),
+        "reward": (RewardConfig, RewardTrainer, TreeRewardConfig, TreeRewardTrainer, REWARD_PAIRS),
+        "grpo": (GRPOConfig, GRPOTrainer, TreeGRPOConfig, TreeGRPOTrainer, {"prompt": list(FIXED_COMPLETIONS)}),
+        "rloo": (RLOOConfig, RLOOTrainer, TreeRLOOConfig, TreeRLOOTrainer, {"prompt": list(FIXED_COMPLETIONS)}),
+    }
+    config_class, trainer_class = twins[pair][2:4] if tree else twins[pair][:2]
+    dataset = Dataset.from_dict({k: v for k, v in twins[pair][4].items() if k != "margin"})
+    if pair in ("grpo", "rloo"):  # RLOO has no rollout_func: it samples (same seed and weights for both)
+        group = dict(num_generations=4, max_completion_length=8, beta=0.1, gradient_accumulation_steps=2, max_steps=1)
+        rollout = {"rollout_func": fixed_rollout} if pair == "grpo" else {}
+        config = config_class(**trl_args | group)
+        return trainer_class(model_path, varied_reward, config, train_dataset=dataset, **common, **rollout)
+    return trainer_class(model_path, args=config_class(**trl_args), train_dataset=dataset, **common)
+
+
+def train_pairs(pairs: Sequence[str], model_path: str, output_dir: str) -> dict:
+    """Train and ``save_model`` every pair (oracle, then tree) to ``output_dir/<pair>-<trl|tree>``, each trainer
+    built after the same seed (LoRA adapters and the reward head start equal)."""
+    from transformers import set_seed
+
+    out = {}
+    for pair in pairs:
+        for tree in (False, True):
+            name = f"{pair}-{TWINS[tree]}"
+            set_seed(3)
+            trainer = build(pair, tree, model_path, str(Path(output_dir) / name))
+            trainer.train()
+            trainer.save_model(str(Path(output_dir) / name / "final"))
+            out[name] = {
+                "distributed_type": str(trainer.accelerator.distributed_type),
+                "num_processes": trainer.accelerator.num_processes,
+                "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+            }
+    return out
+
+
+def saved_weights(final: Path) -> dict[str, torch.Tensor]:
+    """What ``save_model`` wrote: the adapter of a LoRA run, else the model."""
+    adapter = final / "adapter_model.safetensors"
+    return load_file(adapter if adapter.exists() else final / "model.safetensors")
+
+
+def relative_update_error(tree: dict, oracle: dict, initial: dict) -> float:
+    """Largest relative difference between the two runs' updates of any tensor (from ``initial``, or from zero for
+    tensors the initial model lacks: adapters, a reward head)."""
+    errors = []
+    for name, value in oracle.items():
+        expected = value - initial.get(name, torch.zeros_like(value))
+        errors.append(float((tree[name] - value).norm() / expected.norm().clamp_min(1e-30)))
+    return max(errors)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", STAGES, ids=[f"zero{s}" for s in STAGES])
+def test_tree_trainers_under_trl_deepspeed_config_equal_trl(tmp_path, stage, deepspeed_extensions):
+    from tests.helpers import saved_tiny_model
+
+    model_path = saved_tiny_model(tmp_path / "model", torch.float32)
+    report = tmp_path / "report.json"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": str(REPO),
+        "TORCH_EXTENSIONS_DIR": str(deepspeed_extensions),
+    }
+    command = [*launch_command(trl_config_file(stage)), __file__, str(stage), model_path, str(tmp_path / "run")]
+    result = subprocess.run([*command, str(report)], capture_output=True, text=True, env=env, timeout=900)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
+    # TreeTrainer/TreeSFTTrainer default to tree_execution="auto": packed under DeepSpeed, said once per trainer
+    fallback = "tree_execution='auto' runs as 'packed' here (DeepSpeed"
+    assert result.stderr.count(fallback) == 2 * len({"trainer", "sft", "sft-lora"} & set(PAIRS[stage])), fallback
+    runs = json.loads(report.read_text())
+    initial = load_file(Path(model_path) / "model.safetensors")
+    for pair in PAIRS[stage]:
+        oracle, tree = runs[f"{pair}-trl"], runs[f"{pair}-tree"]
+        assert tree["distributed_type"] == "DistributedType.DEEPSPEED" and tree["num_processes"] == 2
+        assert tree["losses"] == pytest.approx(oracle["losses"], rel=TOLERANCE), pair
+        saved = {t: saved_weights(tmp_path / "run" / f"{pair}-{t}" / "final") for t in TWINS}
+        # complete: the oracle's tensors at their full shapes (ZeRO-3 holds empty shards outside forward)
+        shapes = {n: t.shape for n, t in saved["trl"].items()}
+        assert {n: t.shape for n, t in saved["tree"].items()} == shapes, pair
+        assert all(shapes[n] == t.shape for n, t in initial.items() if n in shapes), pair
+        assert relative_update_error(saved["tree"], saved["trl"], initial) <= TOLERANCE, pair
+        moved = [not torch.equal(t, initial.get(n, torch.zeros_like(t))) for n, t in saved["trl"].items()]
+        assert any(moved), pair  # the step moved weights (equal zero updates would pass trivially)
+
+
+if __name__ == "__main__":
+    stage, model_path, output_dir, report = sys.argv[1:5]
+    out = train_pairs(PAIRS[int(stage)], model_path, output_dir)
+    if int(os.environ.get("RANK", "0")) == 0:
+        Path(report).write_text(json.dumps(out))
+    finish_launched_worker()
