@@ -9,7 +9,7 @@ import json
 import random
 import sys
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from hf_tree.attention import render_mask
 from hf_tree.collator import TreeDataCollator, pop_packing_stats
@@ -83,8 +83,9 @@ def _load(args: argparse.Namespace):
     return trees, tree_rows_summary(loaded)
 
 
-# The stats/show commands count what a lossy policy does instead of stopping at the first overlong branch.
-CLI_PACKING = replace(PackingConfig(), overlong="drop")
+# The stats/show commands use the trainers' packing defaults (overlong="error": an overlong branch stops them as it
+# would stop training); --overlong drop|truncate counts what a lossy policy does.
+CLI_PACKING = PackingConfig()
 
 
 def _packing(args: argparse.Namespace) -> PackingConfig:
@@ -97,7 +98,10 @@ def _stats(args: argparse.Namespace) -> None:
     from hf_tree.stats import compute_stats, format_report
 
     trees, dropped = _load(args)
-    stats = compute_stats(trees, _packing(args), trees_per_batch=args.trees_per_batch, dropped=dropped)
+    try:
+        stats = compute_stats(trees, _packing(args), trees_per_batch=args.trees_per_batch, dropped=dropped)
+    except ValueError as error:
+        raise ValueError(f"training with these packing settings would stop: {error}") from None
     print(json.dumps(stats.to_dict(), indent=2, default=str) if args.json else format_report(stats))
     if args.plot:
         from hf_tree.plots import plot_stats
@@ -231,7 +235,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         train(rest)
         return
     args = parser.parse_args(argv)  # the other commands' flags are strict
-    args.run(args)
+    try:
+        args.run(args)
+    except ValueError as error:  # bad input or settings training would refuse: one line, exit status 1
+        raise SystemExit(f"hf-tree {args.command}: {error}") from None
 
 
 if __name__ == "__main__":

@@ -65,8 +65,10 @@ from hf_tree.data.sources import (
     builtin_name,
     chat_template_file,
     default_chat_template,
+    looks_like_local_path,
     read_rows,
 )
+from hf_tree.stats import plan_rows
 from hf_tree.tree import dedup_ratio
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 
@@ -231,6 +233,11 @@ def load_model_and_tokenizer(args: ModelConfig, trust_remote_code: bool):
             flush=True,
         )
     name = offline_model_checkpoint() if args.model_name_or_path == OFFLINE_MODEL else args.model_name_or_path
+    if looks_like_local_path(name) and not Path(name).expanduser().is_dir():
+        raise ValueError(
+            f"model_name_or_path={name!r} is not a folder (a local path: {os.path.abspath(name)}); pass a checkpoint "
+            f"folder, a hub id (owner/name) or {OFFLINE_MODEL!r}."
+        )
     dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
     common = dict(revision=args.model_revision, trust_remote_code=trust_remote_code)
     config = AutoConfig.from_pretrained(name, **common)
@@ -266,6 +273,12 @@ def load_split(args: DataArguments, split: str) -> datasets.Dataset:
         else None,
         allow_hub=True,
     )
+    if {"chosen", "rejected"} <= set(rows.column_names) or "preference" in rows.column_names:
+        raise ValueError(
+            f"dataset_name={args.dataset_name!r} holds preference rows (prompt/chosen/rejected): this SFT launcher "
+            "would train on the rejected answers too. Train them with `hf-tree dpo` (TreeDPOTrainer) or `hf-tree "
+            "reward` (TreeRewardTrainer), or keep only the chosen answers as prompt/completion rows for SFT."
+        )
     return rows
 
 
@@ -370,11 +383,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     started = time.perf_counter()
     if config.chat_template_path is None:
         config.chat_template_path = default_chat_template_path(model_args, data_args)
-    model, tokenizer = load_model_and_tokenizer(model_args, config.trust_remote_code)
-    train = load_split(data_args, data_args.dataset_train_split)
+    train = load_split(data_args, data_args.dataset_train_split)  # data errors before the (slow) model load
     if data_args.max_train_samples is not None:
         train = train.select(range(min(data_args.max_train_samples, len(train))))
     evaluation = load_split(data_args, data_args.dataset_test_split) if data_args.dataset_test_split else None
+    model, tokenizer = load_model_and_tokenizer(model_args, config.trust_remote_code)
     trainer = TreeSFTTrainer(
         model=model,
         args=config,
@@ -387,6 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     trees = [Tree.from_dict(row) for row in trainer.train_dataset]
     branch_tokens, tree_tokens = sum(t.num_branch_tokens for t in trees), sum(t.num_tokens for t in trees)
     ratio = dedup_ratio(branch_tokens, tree_tokens)
+    plan_rows(trees, config.packing_config())  # the collator's plan: an overlong branch stops the run here, not mid-way
     if main_process:
         print(
             f"hf_tree: {len(train)} rows -> {len(trees)} trees, dedup ratio {ratio:.2f} "

@@ -126,6 +126,24 @@ def test_lora_output_loads_with_the_standard_api(tmp_path, tiny_model_dir):
     assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
 
 
+def test_bad_input_gets_one_line_before_the_model_loads(tmp_path, tiny_model_dir):
+    """Preference rows name DPO/reward training; a missing data file or local model folder is named; a branch longer
+    than a row stops the run before training (at the packing plan, not inside the first step)."""
+    preference = tmp_path / "pairs.jsonl"
+    preference.write_text(json.dumps({"prompt": "Say hi.", "chosen": "Hi!", "rejected": "No."}) + "\n")
+    with pytest.raises(ValueError, match=r"preference rows .* `hf-tree dpo` .* `hf-tree reward`"):
+        train.main(["--dataset_name", str(preference)])
+    with pytest.raises(ValueError, match=r"data '.*missing.jsonl' does not exist"):
+        train.main(["--dataset_name", str(tmp_path / "missing.jsonl")])
+    with pytest.raises(ValueError, match=r"model_name_or_path='.*no-model' is not a folder"):
+        train.main(["--model_name_or_path", str(tmp_path / "no-model"), "--synthetic_num_conversations", "1"])
+    data = tmp_path / "data.jsonl"
+    prompt_completion_dataset().to_json(data)
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data), "--max_packed_tokens", "16"]
+    with pytest.raises(ValueError, match=r"more than max_branch_tokens=16"):
+        train.main([*argv, "--output_dir", str(tmp_path / "out"), "--tree_self_check", "False"])
+
+
 def test_context_parallel_flags_reach_the_config():
     _, _, _, config = train.parse_arguments(
         ["--context_parallel_strategy", "naive", "--context_parallel_chunks_per_rank", "2"]
