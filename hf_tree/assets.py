@@ -14,7 +14,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import os
 import pathlib
+import shutil
+import tempfile
 
 import torch
 import transformers
@@ -83,3 +86,31 @@ def load_smollm2_model(
         attn_implementation=attn_implementation,
         quantization_config=transformers.GgufConfig(dequantize=True),
     )
+
+
+SMOLLM2_CHECKPOINT_ENV = "HF_TREE_SMOLLM2_DIR"
+
+
+def smollm2_checkpoint() -> pathlib.Path:
+    """SmolLM2-135M-Instruct as a standard transformers checkpoint folder (config, float32 safetensors ~540 MB,
+    tokenizer and chat template), written once from the GGUF (weights equal to ``load_smollm2_model``'s) and reused.
+
+    The GGUF's package folder holds no ``config.json``, so ``from_pretrained`` of it, and of an adapter whose base
+    names it, fails; this folder loads offline with ``AutoModelForCausalLM``/``AutoPeftModelForCausalLM``. It is
+    ``$HF_TREE_SMOLLM2_DIR``, else ``~/.cache/hf_tree/SmolLM2-135M-Instruct``. Several processes may call this at
+    once: each writes its own temporary folder and the first rename wins.
+    """
+    folder = pathlib.Path(
+        os.environ.get(SMOLLM2_CHECKPOINT_ENV) or pathlib.Path.home() / ".cache" / "hf_tree" / "SmolLM2-135M-Instruct"
+    )
+    if (folder / "config.json").is_file():
+        return folder
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    partial = pathlib.Path(tempfile.mkdtemp(prefix=folder.name + ".partial-", dir=folder.parent))
+    load_smollm2_model(attn_implementation="sdpa").save_pretrained(partial)
+    load_smollm2_tokenizer().save_pretrained(partial)
+    try:
+        partial.rename(folder)
+    except OSError:  # another process renamed its copy first
+        shutil.rmtree(partial)
+    return folder

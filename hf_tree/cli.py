@@ -1,5 +1,6 @@
-"""The ``hf-tree`` command line: ``demo``, ``stats`` (what a dataset saves, what packing does) and ``show``
-(a picture of one packed row)."""
+"""The ``hf-tree`` command line: ``sft``, ``dpo``, ``grpo``, ``rloo``, ``kto``, ``reward`` (``trl <command>`` with the
+tree trainers: same flags, accelerate's included), ``train`` (the tree SFT launcher, = ``launch/train.py``), ``demo``,
+``stats`` (what a dataset saves, what packing does) and ``show`` (a picture of one packed row)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import json
 import random
 import sys
 from collections.abc import Sequence
-from dataclasses import fields, replace
+from dataclasses import fields
 
 from hf_tree.attention import render_mask
 from hf_tree.collator import TreeDataCollator, pop_packing_stats
@@ -17,6 +18,8 @@ from hf_tree.packing import PackingConfig
 from hf_tree.tree import Tree
 
 DEFAULT_TOKENIZER = "smollm2"
+# `hf-tree <name>` = `trl <name>` with the tree classes (hf_tree.trl.cli.TREE_COMMANDS, imported when one runs)
+TRL_COMMANDS = ("sft", "dpo", "grpo", "rloo", "kto", "reward")
 
 
 def _demo(args: argparse.Namespace) -> None:
@@ -80,8 +83,9 @@ def _load(args: argparse.Namespace):
     return trees, tree_rows_summary(loaded)
 
 
-# The stats/show commands count what a lossy policy does instead of stopping at the first overlong branch.
-CLI_PACKING = replace(PackingConfig(), overlong="drop")
+# The stats/show commands use the trainers' packing defaults (overlong="error": an overlong branch stops them as it
+# would stop training); --overlong drop|truncate counts what a lossy policy does.
+CLI_PACKING = PackingConfig()
 
 
 def _packing(args: argparse.Namespace) -> PackingConfig:
@@ -94,7 +98,10 @@ def _stats(args: argparse.Namespace) -> None:
     from hf_tree.stats import compute_stats, format_report
 
     trees, dropped = _load(args)
-    stats = compute_stats(trees, _packing(args), trees_per_batch=args.trees_per_batch, dropped=dropped)
+    try:
+        stats = compute_stats(trees, _packing(args), trees_per_batch=args.trees_per_batch, dropped=dropped)
+    except ValueError as error:
+        raise ValueError(f"training with these packing settings would stop: {error}") from None
     print(json.dumps(stats.to_dict(), indent=2, default=str) if args.json else format_report(stats))
     if args.plot:
         from hf_tree.plots import plot_stats
@@ -185,6 +192,9 @@ def _add_packing_arguments(parser: argparse.ArgumentParser) -> None:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="hf-tree", description=__doc__)
     commands = parser.add_subparsers(dest="command", required=True)
+    for name in TRL_COMMANDS:  # their flags are TRL's script's: parsed by it (`hf-tree sft --help` lists them)
+        commands.add_parser(name, add_help=False, help=f"`trl {name}` with hf_tree's tree trainer (the same flags)")
+    commands.add_parser("train", add_help=False, help="the tree SFT launcher (= python launch/train.py; --help)")
     demo = commands.add_parser("demo", help="pack offline example trees and print their statistics")
     demo.add_argument("--seed", type=int, default=0)
     demo.add_argument("--prompt-tokens", type=int, default=512)
@@ -210,8 +220,25 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    args = build_parser().parse_args(argv)
-    args.run(args)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if args.command in TRL_COMMANDS:
+        from trl.cli.commands.base import CommandContext
+
+        from hf_tree.trl.cli import TreeTrainingCommand
+
+        raise SystemExit(TreeTrainingCommand(args.command).run(args, CommandContext(argv=argv)))
+    if args.command == "train":
+        from hf_tree.launcher import main as train
+
+        train(rest)
+        return
+    args = parser.parse_args(argv)  # the other commands' flags are strict
+    try:
+        args.run(args)
+    except ValueError as error:  # bad input or settings training would refuse: one line, exit status 1
+        raise SystemExit(f"hf-tree {args.command}: {error}") from None
 
 
 if __name__ == "__main__":

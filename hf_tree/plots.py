@@ -178,3 +178,23 @@ def plot_packed_row(
     fig.savefig(path, dpi=80)
     plt.close(fig)
     return path
+
+
+def plot_loss_curve(log_history: Sequence[dict[str, Any]], path: str | pathlib.Path, title: str) -> pathlib.Path:
+    """The training loss of each logging interval and every held-out loss (``Trainer.state.log_history``) against
+    the optimizer step, as a PNG at ``path``."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for key, style, label in (("loss", "o-", "training loss (logging interval)"), ("eval_loss", "s--", "held-out")):
+        points = [(log["step"], log[key]) for log in log_history if key in log]
+        if points:
+            ax.plot(*zip(*points), style, label=label)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("loss (per trained token)")
+    ax.set_title(title, fontsize=9)
+    if ax.get_legend_handles_labels()[0]:  # a run that logged no loss draws empty axes
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return pathlib.Path(path)

@@ -532,7 +532,9 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         return metrics
 
     def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
-        if "loss" in logs and self._tree_log_steps:  # a training log (eval logs carry "eval_loss")
+        # a training log ("loss"; eval logs carry "eval_loss"), or the end of training ("train_loss"), which closes the
+        # last interval: a run shorter than logging_steps reports its packing figures there
+        if ("loss" in logs or "train_loss" in logs) and self._tree_log_steps:
             logs.update(self.tree_metrics())
         super().log(logs, start_time)
 

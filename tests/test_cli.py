@@ -94,8 +94,18 @@ def test_stats_tokenizes_a_user_file_with_the_default_tokenizer(tmp_path, capsys
 
 
 def test_missing_data_is_explained(tmp_path):
-    with pytest.raises(ValueError, match=r"does not exist; pass a saved tree dataset folder"):
+    with pytest.raises(SystemExit, match=r"^hf-tree stats: data .* does not exist; pass a saved tree dataset folder"):
         main(["stats", str(tmp_path / "nothing.jsonl")])
+
+
+def test_stats_stops_where_training_would(saved_trees, capsys):
+    """The trainers' default overlong='error' stops `hf-tree stats` (exit status 1, one line) at a branch longer than
+    a row, as it would stop training; --overlong drop counts the drops instead."""
+    folder, _ = saved_trees
+    with pytest.raises(SystemExit, match=r"^hf-tree stats: training with these packing settings would stop: .*"):
+        main(["stats", folder, "--max-packed-tokens", "6"])
+    main(["stats", folder, "--max-packed-tokens", "6", "--overlong", "drop", "--json"])
+    assert json.loads(capsys.readouterr().out)["packing"]["num_dropped_branches"] == 2  # the 2 branches over 6
 
 
 def test_demo_still_runs(capsys):

@@ -5,11 +5,9 @@ YAML config). The no-argument default (SmolLM2 + LoRA, minutes) is the README's 
 from __future__ import annotations
 
 import copy
-import importlib.util
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import datasets
@@ -20,6 +18,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from hf_tree import launcher as train
 from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.data.formats import to_builder_rows
 from hf_tree.data.sources import AGENT_TEMPLATE, chat_template_file
@@ -28,10 +27,6 @@ from tests.helpers import QWEN3_TEMPLATE, SMOLLM2_VOCAB, launch_command, max_rel
 from tests.workloads import prompt_completion_dataset
 
 REPO = Path(__file__).resolve().parents[1]
-spec = importlib.util.spec_from_file_location("launch_train", REPO / "launch" / "train.py")
-train = importlib.util.module_from_spec(spec)
-sys.modules[spec.name] = train  # dataclasses look their module up while the file executes
-spec.loader.exec_module(train)
 
 
 @pytest.fixture(scope="module")
@@ -47,8 +42,9 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 def test_no_arguments_is_the_offline_lora_default():
     model, data, lora, config = train.parse_arguments([])
     assert model.model_name_or_path == train.OFFLINE_MODEL and data.dataset_name == train.SYNTHETIC_DATASET
-    peft_config = lora.to_peft_config(tiny_model())
-    assert lora.use_peft and peft_config.r == train.DEFAULT_RUN["lora_r"]
+    peft_config = train.peft_config(model, lora, tiny_model())
+    assert model.use_peft and peft_config.r == train.DEFAULT_RUN["lora_r"]
+    assert peft_config.layers_to_transform == train.DEFAULT_MODEL_RUN["lora_layers_to_transform"]
     assert set(peft_config.target_modules) == {
         "q_proj",
         "k_proj",
@@ -66,11 +62,86 @@ def test_no_arguments_is_the_offline_lora_default():
 def test_config_file_then_cli_flags(tmp_path):
     path = tmp_path / "run.json"
     path.write_text(json.dumps({"lora_r": 4, "use_peft": True, "max_steps": 7, "normalization": "sequence"}))
-    _, _, lora, config = train.parse_arguments(["--config", str(path), "--max_steps", "3"])
-    assert (lora.lora_r, lora.use_peft, config.max_steps, config.normalization) == (4, True, 3, "sequence")
+    model, _, _, config = train.parse_arguments(["--config", str(path), "--max_steps", "3"])
+    assert (model.lora_r, model.use_peft, config.max_steps, config.normalization) == (4, True, 3, "sequence")
     path.write_text(json.dumps({"lora_rank": 4}))
     with pytest.raises(ValueError, match="lora_rank"):
         train.parse_arguments(["--config", str(path)])
+
+
+def test_flags_refine_the_default_job():
+    """`--max_steps 4` is the default job with 4 steps; another model keeps the job but not SmolLM2's LoRA layers,
+    other data not the agent data's settings."""
+    model, data, lora, config = train.parse_arguments(["--max_steps", "4"])
+    default_model, default_data, default_lora, default_config = train.parse_arguments([])
+    assert config.max_steps == 4 and default_config.max_steps == train.DEFAULT_RUN["max_steps"]
+    assert (model, data, lora) == (default_model, default_data, default_lora)
+    assert {**config.to_dict(), "max_steps": 0} == {**default_config.to_dict(), "max_steps": 0}
+    model, data, lora, config = train.parse_arguments(["--model_name_or_path", "some/model", "--dataset_name", "x"])
+    assert model.use_peft and config.learning_rate == train.DEFAULT_RUN["learning_rate"]
+    assert lora.lora_layers_to_transform is None and data.dataset_test_split is None
+    assert config.messages_branches != "per_turn"
+
+
+def test_trl_model_config_flags():
+    """TRL's ModelConfig flags (those of `trl sft`) reach the PEFT and bitsandbytes configs through TRL's helpers."""
+    from trl import get_quantization_config
+
+    argv = ["--use_dora", "--lora_modules_to_save", "lm_head", "--lora_target_modules", "q_proj", "v_proj"]
+    argv += ["--load_in_4bit", "--bnb_4bit_quant_type", "fp4", "--attn_implementation", "eager"]
+    model, _, lora, _ = train.parse_arguments(argv)
+    peft_config = train.peft_config(model, lora, tiny_model())
+    assert peft_config.use_dora and peft_config.modules_to_save == ["lm_head"]
+    assert set(peft_config.target_modules) == {"q_proj", "v_proj"}
+    assert peft_config.layers_to_transform == [26, 27, 28, 29]
+    quantization = get_quantization_config(model)
+    assert quantization.load_in_4bit and quantization.bnb_4bit_quant_type == "fp4"
+
+
+@pytest.mark.parametrize("suffix", [".json", ".yaml"])
+def test_config_syntax_error_names_the_file_and_line(tmp_path, suffix):
+    path = tmp_path / f"run{suffix}"
+    path.write_text('{\n  "max_steps": 4,\n  "lora_r" 8\n}\n' if suffix == ".json" else "max_steps: 4\nlora_r: [8\n")
+    with pytest.raises(ValueError, match=rf"--config {path}, line [2-4]: .*not valid"):
+        train.parse_arguments(["--config", str(path)])
+
+
+def test_lora_output_loads_with_the_standard_api(tmp_path, tiny_model_dir):
+    """The saved adapter loads offline with AutoPeftModelForCausalLM (its base is a real checkpoint folder) and
+    generates; the run reports the held-out loss before and after and writes the loss curve beside the adapter;
+    a run shorter than logging_steps still reports its throughput."""
+    from peft import AutoPeftModelForCausalLM
+    from transformers import AutoTokenizer
+
+    out = tmp_path / "out"
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--synthetic_num_conversations", "2"]
+    argv += ["--max_steps", "2", "--learning_rate", "1e-2", "--output_dir", str(out)]
+    summary = train.main(argv)
+    assert summary["tree_tokens_per_second"] > 0  # logging_steps (4) > max_steps
+    assert summary["eval_loss"] < summary["eval_loss_before"]
+    assert (out / train.LOSS_CURVE).stat().st_size > 0
+    model = AutoPeftModelForCausalLM.from_pretrained(out)
+    tokenizer = AutoTokenizer.from_pretrained(out)
+    ids = tokenizer("Hello", return_tensors="pt").input_ids
+    assert model.generate(ids, max_new_tokens=3, do_sample=False).shape[1] == ids.shape[1] + 3
+
+
+def test_bad_input_gets_one_line_before_the_model_loads(tmp_path, tiny_model_dir):
+    """Preference rows name DPO/reward training; a missing data file or local model folder is named; a branch longer
+    than a row stops the run before training (at the packing plan, not inside the first step)."""
+    preference = tmp_path / "pairs.jsonl"
+    preference.write_text(json.dumps({"prompt": "Say hi.", "chosen": "Hi!", "rejected": "No."}) + "\n")
+    with pytest.raises(ValueError, match=r"preference rows .* `hf-tree dpo` .* `hf-tree reward`"):
+        train.main(["--dataset_name", str(preference)])
+    with pytest.raises(ValueError, match=r"data '.*missing.jsonl' does not exist"):
+        train.main(["--dataset_name", str(tmp_path / "missing.jsonl")])
+    with pytest.raises(ValueError, match=r"model_name_or_path='.*no-model' is not a folder"):
+        train.main(["--model_name_or_path", str(tmp_path / "no-model"), "--synthetic_num_conversations", "1"])
+    data = tmp_path / "data.jsonl"
+    prompt_completion_dataset().to_json(data)
+    argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data), "--max_packed_tokens", "16"]
+    with pytest.raises(ValueError, match=r"more than max_branch_tokens=16"):
+        train.main([*argv, "--output_dir", str(tmp_path / "out"), "--tree_self_check", "False"])
 
 
 def test_context_parallel_flags_reach_the_config():
@@ -122,6 +193,8 @@ def test_full_fine_tuning_run_in_process(tmp_path, tiny_model_dir):
         "1",
         "--dataset_test_split",
         "train",
+        "--use_peft",
+        "False",  # the default job's LoRA, refined to full fine-tuning
     ]
     summary = train.main(argv)
     assert summary["dedup_ratio"] > 1.0 and summary["tree_tokens_per_second"] > 0
@@ -348,7 +421,7 @@ def test_trees_larger_than_a_row_run_depth_first_from_the_launcher(tmp_path, tin
     argv += ["--synthetic_num_conversations", "4", "--synthetic_max_user_turns", "2", "--synthetic_max_tool_steps", "1"]
     argv += ["--messages_branches", "per_turn", "--tree_execution", "auto", "--max_packed_tokens", "256"]
     argv += ["--max_steps", "2", "--per_device_train_batch_size", "2", "--output_dir", str(out)]
-    argv += ["--report_to", "none", "--save_strategy", "no", "--max_length", "4096"]
+    argv += ["--report_to", "none", "--save_strategy", "no", "--max_length", "4096", "--use_peft", "False"]
     summary = train.main(argv)
     assert sum(calls) >= 1 and torch.isfinite(torch.tensor(summary["train_loss"]))
     assert (out / "model.safetensors").exists()

@@ -180,6 +180,20 @@ def builtin_rows(
     raise ValueError(f"unknown built-in source {name!r}; choose one of {BUILTIN_SOURCES}.")
 
 
+def looks_like_local_path(name: str) -> bool:
+    """Whether ``name`` can only mean a local path (absolute, ``./``, ``~``, more than one ``/``, or a data file
+    suffix), so that a missing one gets a clear error instead of a hub lookup ("Repo id must be in the form ...").
+    A hub id is ``name`` or ``owner/name``."""
+    path = pathlib.Path(name)
+    return (
+        path.exists()
+        or path.is_absolute()
+        or name.startswith((".", "~"))
+        or name.count("/") > 1
+        or path.suffix.lower() in (".jsonl", ".json", ".parquet", ".csv")
+    )
+
+
 def read_rows(
     source: str,
     *,
@@ -229,7 +243,7 @@ def read_rows(
         from hf_tree.data.formats import read_records, to_builder_rows
 
         return to_builder_rows(read_records(path), where=str(path))[0], None
-    if allow_hub:
+    if allow_hub and not looks_like_local_path(source):
         return datasets.load_dataset(source, dataset_config, split=split), None
     raise ValueError(
         f"data {source!r} does not exist; pass a saved tree dataset folder, a .jsonl/.json/.parquet "

