@@ -74,10 +74,11 @@ def varlen_tree_index(kv_end: torch.Tensor, device: torch.device | None = None) 
         starts, stops, subtree_ends = row_segments(rows[b])
         query_starts.append(starts + b * n)
         for s, e, runs in segment_ancestors(starts.tolist(), stops.tolist(), subtree_ends.tolist()):
-            path = (*runs, (s, e))
+            path = (*runs, (s, e))  # the ancestors' key runs, then the segment itself
+            lengths = [z - a for a, z in path]
             run_starts += [b * n + a for a, _ in path]
-            run_lengths += [z - a for a, z in path]
-            path_lengths.append(sum(z - a for a, z in path))
+            run_lengths += lengths
+            path_lengths.append(sum(lengths))
     starts_t, lengths_t = torch.tensor(run_starts), torch.tensor(run_lengths)
     # Run r covers key_index[offset_r : offset_r + length_r] = run_start_r + (position - offset_r).
     offsets = torch.cumsum(lengths_t, 0) - lengths_t
