@@ -19,6 +19,7 @@ from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.depth_first import DepthFirstConfig, depth_first_backward
 from hf_tree.models.check import check_model_for_trees, probe_tree_exactness
 from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
@@ -82,12 +83,18 @@ def dequantized_float64(model: torch.nn.Module) -> torch.nn.Module:
     return exact.double()
 
 
-def tree_and_branch_grads(model: torch.nn.Module, sequences, masks) -> tuple[float, dict, float, dict]:
-    """(tree loss, tree LoRA grads, per-branch loss, per-branch LoRA grads) of one tree on ``model``."""
-    batch = TreeDataCollator(max_packed_tokens=128)([Tree.from_sequences(sequences, masks).to_dict()])
+def tree_and_branch_grads(
+    model: torch.nn.Module, sequences, masks, depth_first: bool
+) -> tuple[float, dict, float, dict]:
+    """(tree loss, tree LoRA grads, per-branch loss, per-branch LoRA grads) of one tree on ``model``, the tree
+    packed or depth-first in units of at most 8 tokens."""
+    tree = Tree.from_sequences(sequences, masks)
     model.zero_grad()
-    tree_loss = tree_causal_lm_loss(model, batch)
-    tree_loss.backward()
+    if depth_first:
+        tree_loss = depth_first_backward(model, [tree], DepthFirstConfig(8))
+    else:
+        tree_loss = tree_causal_lm_loss(model, TreeDataCollator(max_packed_tokens=128)([tree.to_dict()]))
+        tree_loss.backward()
     tree_grads = grads_of(model)
     model.zero_grad()
     total, divisor = per_branch_loss(model, sequences, masks)
@@ -96,25 +103,25 @@ def tree_and_branch_grads(model: torch.nn.Module, sequences, masks) -> tuple[flo
     return float(tree_loss), tree_grads, float(branch_loss), grads_of(model)
 
 
+@pytest.mark.parametrize("depth_first", [False, True], ids=["packed", "depth_first"])
 @pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
-def test_tree_loss_and_grads_equal_per_branch(checkpoint, quantization):
+def test_tree_loss_and_grads_equal_per_branch(checkpoint, quantization, depth_first):
     model = quantized(checkpoint, quantization)
     model.train()
     sequences, masks = grpo_row()[0]
-    tree_loss, tree_grads, branch_loss, branch_grads = tree_and_branch_grads(model, sequences, masks)
-    exact_loss, _, _, exact_grads = tree_and_branch_grads(dequantized_float64(model), sequences, masks)
+    tree_loss, tree_grads, branch_loss, branch_grads = tree_and_branch_grads(model, sequences, masks, depth_first)
+    exact = dequantized_float64(model)
+    exact_loss, _, _, exact_grads = tree_and_branch_grads(exact, sequences, masks, depth_first=False)
     assert tree_grads.keys() == exact_grads.keys() and all("lora_" in name for name in tree_grads)
-    loss_floor = abs(branch_loss - exact_loss) / abs(exact_loss)
-    grad_floor = max_grad_relative_error(branch_grads, exact_grads)
-    print(
-        f"\n{quantization}: loss tree {abs(tree_loss - exact_loss) / abs(exact_loss):.2e} per-branch {loss_floor:.2e};"
-        f" grads tree {max_grad_relative_error(tree_grads, exact_grads):.2e} per-branch {grad_floor:.2e}"
-    )
+    loss_error, loss_floor = (abs(loss - exact_loss) / abs(exact_loss) for loss in (tree_loss, branch_loss))
+    grad_error, grad_floor = (max_grad_relative_error(grads, exact_grads) for grads in (tree_grads, branch_grads))
+    print(f"\n{quantization} depth_first={depth_first}: loss tree {loss_error:.2e} per-branch {loss_floor:.2e}", end="")
+    print(f"; grads tree {grad_error:.2e} per-branch {grad_floor:.2e}")
     assert 0 < grad_floor < 1e-5  # float32 rounding: the float64 oracle is the quantized model's own function
     # The tree's cross-entropy runs in float32 (the model's dtype), the per-branch reference's in float64: a few
     # float32 roundings of the loss; a missing or doubled token moves it by > 1e-3.
-    assert abs(tree_loss - exact_loss) / abs(exact_loss) <= max(2 * loss_floor, 1e-6)
-    assert max_grad_relative_error(tree_grads, exact_grads) <= 2 * grad_floor
+    assert loss_error <= max(2 * loss_floor, 1e-6)
+    assert grad_error <= 2 * grad_floor
 
 
 def training_logits(model: torch.nn.Module) -> torch.Tensor:
