@@ -139,9 +139,13 @@ def refuse_inference_packed_weights(model: PreTrainedModel) -> None:
         )
 
 
-def _dtype_of(causal_lm: PreTrainedModel, run: ProbeRun) -> torch.dtype:
-    """The dtype the layers computed in: the autocast dtype when the (wrapped) forward entered autocast."""
-    return run.autocast or causal_lm.get_input_embeddings().weight.dtype
+def _dtypes_of(causal_lm: PreTrainedModel, run: ProbeRun) -> tuple[torch.dtype, torch.dtype]:
+    """The dtype the layers computed in (the autocast dtype when the (wrapped) forward entered autocast, else the
+    embedding's), and the coarsest dtype some part rounds to: that or a floating parameter's, e.g. LoRA adapters
+    that TRL's QLoRA recipe keeps in bfloat16 on a float32 quantized base (PEFT rounds their inputs to it)."""
+    dtype = run.autocast or causal_lm.get_input_embeddings().weight.dtype
+    floating = {p.dtype for p in causal_lm.parameters() if p.dtype.is_floating_point}
+    return dtype, max(floating | {dtype}, key=lambda d: torch.finfo(d).eps)
 
 
 def probe_tree_exactness(model: torch.nn.Module, forward=None, length_limit: int | None = None) -> float:
@@ -171,9 +175,9 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None, length_limit: int
             f"{TREE_ATTENTION_NAME}, then its branches with the model's own attention): {type(error).__name__}: "
             f"{error}. This model cannot be trained on trees."
         ) from error
-    dtype = _dtype_of(causal_lm, run)
+    dtype, rounding = _dtypes_of(causal_lm, run)
     routed = routes_tokens(causal_lm.config)
-    results = verdicts(run, [n for n in modules if n in run.tree and n in run.alone], dtype, routed)
+    results = verdicts(run, [n for n in modules if n in run.tree and n in run.alone], dtype, routed, rounding=rounding)
     if "backbone" not in results:
         raise ValueError(f"{type(causal_lm).__name__}: the self-check could not read the backbone's last hidden state.")
     failing = [v for v in results.values() if not v.exact]
@@ -188,7 +192,7 @@ def probe_tree_exactness(model: torch.nn.Module, forward=None, length_limit: int
         what = (
             f"differs from its branches run alone with the model's own attention by up to {first.difference:.2e} "
             f"(per-token relative; bound {first.difference_bound:.1e} = {FLOOR_FACTOR:g} x the largest rounding "
-            f"floor measured for {dtype})"
+            f"floor measured for {rounding})"
         )
     else:
         what = (
@@ -211,9 +215,10 @@ def _leaking_submodules(
     modules = {n or type(layer).__name__: m for n, m in layer.named_modules()}
     run = measure(model, modules, shape, forward)
     names = [n for n in modules if n in run.tree and n in run.alone]
-    dtype = _dtype_of(causal_lm, run)
+    dtype, rounding = _dtypes_of(causal_lm, run)
     routed = routes_tokens(causal_lm.config)
-    outputs, inputs = verdicts(run, names, dtype, routed), verdicts(run, names, dtype, routed, which=0)
+    outputs = verdicts(run, names, dtype, routed, rounding=rounding)
+    inputs = verdicts(run, names, dtype, routed, which=0, rounding=rounding)
     measured_inputs = [n for n in names if inputs[n].difference == inputs[n].difference]  # not nan
     leaking = [
         f"{name} ({type(modules[name]).__name__})"

@@ -379,10 +379,21 @@ class Verdict:
         return not (self.difference > self.difference_bound or self.invariance > self.invariance_bound)
 
 
-def verdicts(run: ProbeRun, names: list[str], dtype: torch.dtype, routed: bool, which: int = 1) -> dict[str, Verdict]:
+def verdicts(
+    run: ProbeRun,
+    names: list[str],
+    dtype: torch.dtype,
+    routed: bool,
+    which: int = 1,
+    rounding: torch.dtype | None = None,
+) -> dict[str, Verdict]:
     """The ``Verdict`` of each module's output (``which=1``) or input (``0``). The difference floor is the largest
     measured over ``names`` (rounding accumulates through the layers, and one layer's floor is a noisy sample of
-    it); ``routed``: a mixture-of-experts model (see ``EXPERT_KEYS``)."""
+    it); ``routed``: a mixture-of-experts model (see ``EXPERT_KEYS``). ``rounding``: the coarsest dtype some part of
+    the model rounds to (default ``dtype``), whose unit roundoff is the difference check's minimum floor: a part
+    that rounds its inputs to it turns the attention engines' float32 rounding into a flip of its own last place,
+    which the padded batch (bit for bit the same inputs in row-independent kernels) does not measure. The
+    invariance check keeps ``dtype``: the kept tokens' inputs stay bit for bit the same, whatever a part rounds to."""
     floor = functools.reduce(_nan_max, [run.floor(name, which) for name in names], float("nan"))
     fraction = 1.0 if routed else INVARIANCE_FRACTION
     result = {}
@@ -391,7 +402,7 @@ def verdicts(run: ProbeRun, names: list[str], dtype: torch.dtype, routed: bool, 
         result[name] = Verdict(
             name,
             run.difference(name, which),
-            bound(floor, dtype),
+            bound(floor, rounding or dtype),
             tree_change,
             bound(padded_change, dtype, fraction),
         )
