@@ -287,15 +287,18 @@ def collate_branches(rows: list[dict]) -> dict[str, torch.Tensor]:
     return {"input_ids": input_ids, "attention_mask": attention_mask, "labels": labels}
 
 
-def branch_loss_func(normalization: str, branches_per_step: int):
+def branch_loss_func(normalization: str, branches_per_step: int, label_smoothing: float = 0.0):
     """Reference ``compute_loss_func`` in float64: token = HF's sum / num_items_in_batch (counted by Trainer
-    over the accumulated batch); sequence = per-branch means summed / branches in the step."""
+    over the accumulated batch); sequence = per-branch means summed / branches in the step. ``label_smoothing``:
+    transformers' ``LabelSmoother`` per token, ``(1 - eps) * CE + eps * mean over the vocabulary of -log p``."""
 
     def loss_func(outputs, labels, num_items_in_batch=None):
         logits = outputs.logits[:, :-1].to(torch.float64)
         targets = labels[:, 1:]
         trained = targets != -100
-        ce = F.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none") * trained
+        ce = F.cross_entropy(logits.transpose(1, 2), targets.clamp_min(0), reduction="none")
+        ce = (1 - label_smoothing) * ce - label_smoothing * torch.log_softmax(logits, -1).mean(-1)
+        ce = ce * trained
         if normalization == "token":
             return ce.sum() / num_items_in_batch
         return (ce.sum(1) / trained.sum(1)).sum() / branches_per_step

@@ -85,6 +85,30 @@ def test_depth_first_execution_trains_the_same_objective(tmp_path, tokenizer):
     assert first_loss(depth_first) == pytest.approx(first_loss(packed), rel=1e-5)
 
 
+@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+def test_depth_first_steps_equal_trl(tmp_path, tokenizer, loss_type):
+    """Two SGD steps (two micro-batches of 2 rows) of TreeSFTTrainer with every tree run depth-first (units of 8
+    tokens), float64, with clipping on (TRL's default 1.0; DFT's gradients are ~1e-4 here, so 1e-5), = TRL's
+    SFTTrainer (its cross-entropy runs on float32 logits even in a float64 model: 1e-5)."""
+    from tests.helpers import exact_sgd_args, train_and_measure_updates
+
+    clipping = 1.0 if loss_type == "nll" else 1e-5
+    settings = dict(max_steps=2, learning_rate=0.5, per_device_train_batch_size=2, max_grad_norm=clipping, bf16=False)
+    settings |= dict(train_sampling_strategy="sequential", loss_type=loss_type, use_cpu=True, max_length=None)
+    depth_first = dict(tree_execution="depth_first", max_packed_tokens=8, max_branch_tokens=64, group_by=GROUP_BY_ROW)
+    runs = {}
+    for name, (config, trainer) in {"trl": (SFTConfig, SFTTrainer), "tree": (TreeSFTConfig, TreeSFTTrainer)}.items():
+        args = config(**exact_sgd_args(str(tmp_path / name), **settings), **(depth_first if name == "tree" else {}))
+        model = tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float64, attn="sdpa")
+        run = trainer(model, args=args, train_dataset=prompt_completion_dataset(), processing_class=tokenizer)
+        runs[name] = (run, train_and_measure_updates(run))
+    (trl, trl_updates), (tree, tree_updates) = runs["trl"], runs["tree"]
+    trl_logs, tree_logs = ([h for h in t.state.log_history if "loss" in h] for t in (trl, tree))
+    assert max(h["grad_norm"] for h in trl_logs) > clipping  # clipping rescaled an update
+    assert [h["loss"] for h in tree_logs] == pytest.approx([h["loss"] for h in trl_logs], rel=1e-5)
+    assert max_grad_relative_error(tree_updates, trl_updates) <= 1e-5
+
+
 def test_default_grouping_merges_completions_of_one_prompt(tmp_path, tokenizer):
     trainer = trl_script(TreeSFTConfig, TreeSFTTrainer, tokenizer, prompt_completion_dataset(), str(tmp_path))
     assert len(trainer.train_dataset) == 2  # 4 rows, 2 prompts
