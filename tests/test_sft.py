@@ -157,13 +157,17 @@ def test_max_length_becomes_the_branch_limit():
     assert (
         TreeSFTConfig(output_dir="unused", bf16=False, max_length=None, max_packed_tokens=256).max_branch_tokens is None
     )
-    capped = TreeSFTConfig(output_dir="unused", bf16=False, max_length=8192, max_packed_tokens=1024)
+    capped = TreeSFTConfig(
+        output_dir="unused", bf16=False, max_length=8192, max_packed_tokens=1024, tree_execution="packed"
+    )
     assert capped.max_branch_tokens == 1024
     for execution in ("auto", "depth_first"):  # a longer branch runs depth-first: TRL's limit as it is
         uncapped = TreeSFTConfig(
             output_dir="unused", bf16=False, max_length=8192, max_packed_tokens=1024, tree_execution=execution
         )
         assert uncapped.max_branch_tokens == 8192
+    default = TreeSFTConfig(output_dir="unused", bf16=False, max_length=8192, max_packed_tokens=1024)
+    assert default.tree_execution == "auto" and default.max_branch_tokens == 8192
 
 
 def test_sft_config_is_refused_by_tree_trainer(tokenizer):

@@ -187,8 +187,12 @@ def test_branches_longer_than_a_row_train_depth_first_as_trl(path, trl_runs, exe
 def test_max_length_is_validated_as_the_depth_first_branch_limit():
     with pytest.raises(ValueError, match=r"max_length=1 .*tree_execution='auto'"):
         TreeSFTConfig(output_dir="unused", bf16=False, max_length=1, tree_execution="auto")
+    # "auto" (the default) lets a branch exceed the row; with "packed" every branch must fit one
+    TreeSFTConfig(output_dir="unused", bf16=False, max_length=64, max_packed_tokens=8, max_branch_tokens=64)
     with pytest.raises(ValueError, match=r"max_branch_tokens=64 must be an integer in \[2, max_packed_tokens=8\]"):
-        TreeSFTConfig(output_dir="unused", bf16=False, max_length=64, max_packed_tokens=8, max_branch_tokens=64)
+        TreeSFTConfig(
+            output_dir="unused", bf16=False, max_packed_tokens=8, max_branch_tokens=64, tree_execution="packed"
+        )
 
 
 def test_conversation_branch_is_trls_tokenization():

@@ -32,7 +32,9 @@ TOLERANCE = 1e-8
 
 
 def train_tree(tmp_path, groups, normalization, batch_size, accumulation, max_packed_tokens=24, **overrides):
+    """TreeTrainer; trees over ``max_packed_tokens`` are split (``"packed"``) unless ``overrides`` say otherwise."""
     model = tiny_model(vocab_size=VOCAB)
+    overrides = {"tree_execution": "packed", **overrides}
     args = TreeTrainingArguments(
         **common_args(
             tmp_path, f"tree-{normalization}-{batch_size}-{accumulation}", batch_size, accumulation, **overrides
@@ -136,7 +138,9 @@ def test_depth_first_trains_a_recurrent_hybrid_as_packed(tmp_path):
 
 def test_trees_are_split_across_rows_in_the_equivalence_setting():
     """max_packed_tokens=24 in the equivalence test forces splitting of the larger trees and several rows."""
-    args = TreeTrainingArguments(output_dir="unused", max_packed_tokens=24, use_cpu=True, report_to=[])
+    args = TreeTrainingArguments(
+        output_dir="unused", max_packed_tokens=24, use_cpu=True, report_to=[], tree_execution="packed"
+    )
     batch = args.make_tree_collator()(tree_dataset(branch_groups()).to_list())
     assert int(batch["num_split_trees"]) > 0 and batch["input_ids"].shape[0] > 1
 
@@ -259,7 +263,7 @@ def test_bf16_autocast_update_error_is_no_worse_than_plain_trainer(tmp_path):
     "field, value, message",
     [
         ("max_packed_tokens", 1, "max_packed_tokens=1"),
-        ("max_branch_tokens", 100, "max_branch_tokens=100"),
+        ("max_branch_tokens", 1, "max_branch_tokens=1"),
         ("overlong", "cut", "overlong='cut'"),
         ("normalization", "mean", "normalization='mean'"),
         ("pad_to_multiple_of", 0, "pad_to_multiple_of=0"),
