@@ -186,7 +186,7 @@ def read_config_file(path: str) -> dict[str, Any]:
 
 def parse_arguments(argv: list[str]) -> tuple[ModelConfig, DataArguments, LoraLayerArguments, TreeSFTConfig]:
     """``DEFAULT_RUN``, refined by ``--config FILE`` (YAML/JSON), refined by CLI flags."""
-    parser = HfArgumentParser(DATACLASSES)
+    parser = HfArgumentParser(DATACLASSES, prog="hf-tree train")
     pre = argparse.ArgumentParser(add_help=False)
     for name in ("--config", "--model_name_or_path", "--dataset_name"):
         pre.add_argument(name, default=None)
