@@ -149,8 +149,8 @@ DEFAULT_RUN: dict[str, Any] = {
     "max_length": None,  # no per-sample limit below the row capacity
     "seed": 0,
 }
-# Only while the model is the offline SmolLM2 (its 30 layers).
-DEFAULT_MODEL_RUN: dict[str, Any] = {"lora_layers_to_transform": list(range(26, 30))}
+# Only while the model is the offline SmolLM2: its 30 layers, trained in float32 (no bf16 autocast, on a GPU too).
+DEFAULT_MODEL_RUN: dict[str, Any] = {"lora_layers_to_transform": list(range(26, 30)), "bf16": False}
 # Only while the data is the built-in agent data: per-turn trees (not TRL's default single rendering): the Qwen3
 # template drops the reasoning of earlier turns, so each turn is trained in its own context and the turns fork into a
 # tree. assistant_only_loss stays False: True would make TRL swap in its qwen3_training template, which keeps every
