@@ -1,7 +1,8 @@
 """hf_tree: train causal LMs on tree-structured data (shared prefixes computed once) in the HF stack.
 
-Importing the package registers ``attn_implementation="tree_flash"`` with transformers. The trainers
-are imported lazily (they pull in ``transformers.Trainer`` and TRL, a few seconds).
+Importing the package registers ``attn_implementation="tree_flash"`` with transformers. The loss and the trainers
+are imported lazily (the loss's model checks pull in ``datasets``, the trainers ``transformers.Trainer`` and TRL: a
+few seconds that ``hf-tree --help`` or a data-only script need not pay).
 """
 
 import importlib
@@ -10,7 +11,6 @@ from typing import Any
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.attention.registration import register_tree_attention
 from hf_tree.collator import TreeDataCollator
-from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.models.mixers import install_tree_mixers
 from hf_tree.packing import PackingStats, pack_trees, split_tree
 from hf_tree.tree import Tree
@@ -19,6 +19,7 @@ register_tree_attention()
 install_tree_mixers()  # hybrid models' convolutions and scans read kv_end (hf_tree.models.mixers)
 
 _LAZY = {
+    "tree_causal_lm_loss": "hf_tree.loss",
     "TreeTrainer": "hf_tree.trainer",
     "TreeTrainingArguments": "hf_tree.trainer",
     "TreeSFTConfig": "hf_tree.trl.sft",
@@ -49,6 +50,5 @@ __all__ = [
     "TreeDataCollator",
     "pack_trees",
     "split_tree",
-    "tree_causal_lm_loss",
     *_LAZY,
 ]

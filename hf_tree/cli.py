@@ -11,9 +11,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
-from hf_tree.attention import render_mask
-from hf_tree.collator import TreeDataCollator, pop_packing_stats
-from hf_tree.data.sources import AGENT_TEMPLATE, BUILTIN_DATASETS
+from hf_tree.data.names import AGENT_TEMPLATE, BUILTIN_DATASETS
 from hf_tree.packing import PackingConfig
 from hf_tree.tree import Tree
 
@@ -24,6 +22,9 @@ TRL_COMMANDS = ("sft", "dpo", "grpo", "rloo", "kto", "reward")
 
 def _demo(args: argparse.Namespace) -> None:
     """Pack an offline GRPO-like group and a multi-turn trajectory and print what tree packing saves."""
+    from hf_tree.attention import render_mask
+    from hf_tree.collator import TreeDataCollator, pop_packing_stats
+
     rng = random.Random(args.seed)
     prompt = [rng.randrange(1000) for _ in range(args.prompt_tokens)]
     completions = [[rng.randrange(1000) for _ in range(rng.randint(8, args.completion_tokens))] for _ in range(8)]

@@ -105,6 +105,8 @@ def use_tree_attention(model: torch.nn.Module, name: str = "model") -> None:
             f"{name} ({type(base).__name__}) uses attn_implementation={current!r} and cannot be switched to "
             f"{TREE_ATTENTION_NAME!r}: {error}. Tree training needs a model whose attention transformers can swap."
         ) from error
+    if not base._supports_attention_backend:  # no attention through transformers' interface (Mamba, RWKV, Bloom):
+        return  # a "switched attention" line would mislead; the model checks say what such a model can do
     logger.warning(
         "hf_tree: switched %s from attn_implementation=%r to %r (packed trees need it; without kv_end it is exactly "
         "SDPA).",

@@ -98,6 +98,17 @@ def test_trl_model_config_flags():
     assert quantization.load_in_4bit and quantization.bnb_4bit_quant_type == "fp4"
 
 
+def test_hf_tree_train_is_the_launcher(capsys):
+    """`hf-tree train --help` is the launcher's help: TRL's model flags, the tree flags, the launcher's own."""
+    from hf_tree.cli import main as cli_main
+
+    with pytest.raises(SystemExit):
+        cli_main(["train", "--help"])
+    usage = capsys.readouterr().out
+    assert usage.startswith("usage: hf-tree train")
+    assert all(flag in usage for flag in ("--load_in_4bit", "--use_dora", "--max_packed_tokens", "--max_eval_samples"))
+
+
 @pytest.mark.parametrize("suffix", [".json", ".yaml"])
 def test_config_syntax_error_names_the_file_and_line(tmp_path, suffix):
     path = tmp_path / f"run{suffix}"

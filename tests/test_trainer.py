@@ -13,7 +13,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_tree import Tree, TreeDataCollator
-from hf_tree.trainer import STEP_SUM_KEYS, TreeTrainer, TreeTrainingArguments
+from hf_tree.trainer import STEP_SUM_KEYS, TreeTrainer, TreeTrainingArguments, use_tree_attention
 from tests.helpers import (
     VOCAB,
     branch_loss_func,
@@ -366,3 +366,14 @@ def test_depth_first_trees_count_in_num_input_tokens_seen(tmp_path, mode):
         forwarded_rows = sum(b["input_ids"].numel() for b in batches if len(b["loss_positions"]))
         expected = forwarded_rows + sum(t.num_tokens for b in batches for t in b.get("depth_first_trees", ()))
     assert trainer.state.num_input_tokens_seen == expected
+
+
+def test_no_attention_switch_message_for_a_model_without_attention(caplog):
+    """Mamba has no attention layer: switching it to tree_flash says nothing about attention (its refusal, if any,
+    comes from the model checks); a Llama on sdpa gets the one line."""
+    for family, expected in (("mamba", 0), ("llama", 1)):
+        caplog.clear()
+        model = tiny_model(family, dtype=torch.float32, attn="eager") if family == "mamba" else tiny_model(attn="sdpa")
+        with caplog.at_level("WARNING", logger="hf_tree"):
+            use_tree_attention(model)
+        assert sum("switched model from" in r.getMessage() for r in caplog.records) == expected

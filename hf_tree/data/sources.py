@@ -31,18 +31,14 @@ import datasets
 from transformers import PreTrainedTokenizerBase
 
 from hf_tree.builders import TREE_FEATURES, TreeBuildStats, build_tree_dataset, render_ids
+from hf_tree.data.names import AGENT_TEMPLATE, BUILTIN_DATASETS, BUILTIN_PREFIX, BUILTIN_SOURCES
 from hf_tree.data.packages import ConversionStats
 from hf_tree.tree import TREE_KEYS
 
 logger = logging.getLogger("hf_tree")
 
-BUILTIN_PREFIX = "builtin:"
-BUILTIN_SOURCES = ("champ", "bfcl", "synthetic-agent", "shapes")
-BUILTIN_DATASETS = tuple(BUILTIN_PREFIX + name for name in BUILTIN_SOURCES)
 # Older spellings that stay accepted (launch configs may hold them) -> the built-in name they mean.
 BUILTIN_ALIASES = {"synthetic:agent": "builtin:synthetic-agent"}
-# Built-in agent data needs a template that renders tool calls; SmolLM2's own ChatML template drops them.
-AGENT_TEMPLATE = "qwen3"
 _AGENT_SOURCES = ("bfcl", "synthetic-agent")
 SAVED_DATASET_FILES = ("dataset_info.json", "dataset_dict.json")
 """A folder holding one of these was written by ``save_to_disk`` (else it is read as a hub-style folder)."""
