@@ -1,11 +1,12 @@
 """QLoRA: bitsandbytes 4-bit NF4 (compute float32) and 8-bit bases with LoRA train exactly on trees.
 
-Oracle: the quantized model computes ``dequantized weight @ x`` in float32 (training kernels of bitsandbytes' CPU
-backend), so the same function in float64 (each quantized weight dequantized into a float64 ``nn.Linear``) is its
-exact value. The tree's loss and LoRA gradients may differ from it by at most twice what the quantized model's own
-per-branch run differs by (the project's low-precision rule: no worse than 2x the same-dtype per-branch error): both
-are float32 rounding, whose pattern depends on the row length.
-"""
+Oracles. Loss and gradients: the quantized model computes ``dequantized weight @ x`` in float32 (training kernels of
+bitsandbytes' CPU backend), so the same function in float64 (each quantized weight dequantized into a float64
+``nn.Linear``) is its exact value; the tree (packed and depth-first) may differ from it by at most twice what the
+quantized model's own per-branch run differs by (the project's low-precision rule): both are float32 rounding,
+whose pattern depends on the row length. Trainers: TRL's SFTTrainer and GRPOTrainer on the same quantized base,
+within twice what TRL's own step moves when only its padding changes. Self-check: no false alarm, no change to the
+training computation, leaks still refused."""
 
 from __future__ import annotations
 
