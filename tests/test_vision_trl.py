@@ -165,10 +165,12 @@ def unknown_image_input(inputs: dict, rows: int) -> tuple[str, dict]:
 
 
 @pytest.mark.parametrize("family", ["llava", "gemma3"])
-def test_vision_sft_step_matches_trl(tmp_path, family):
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_vision_sft_step_matches_trl(tmp_path, family, num_images):
     """TreeSFTTrainer on TRL's vision rows (``messages`` + ``images``, grouped into one tree by a column: the same
     question about two images forks at the image) = TRL's SFTTrainer (which tokenizes in its vision collator): one SGD
-    step, same loss and updates, on a LLaVA with a real processor."""
+    step, same loss and updates, on a LLaVA with a real processor. With two images per row (the row's, then the other
+    colour), LLaVA's placeholders of both form one run, split by each image's placeholder count."""
     Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
     from trl import SFTConfig, SFTTrainer
 
@@ -183,7 +185,8 @@ def test_vision_sft_step_matches_trl(tmp_path, family):
 
     rows = [(red, chat("w5 w6", "w7 w8")), (red, chat("w5 w6", "w9")), (blue, chat("w5 w6", "w7 w8"))]
     rows.append((red, chat("w10", "w11 w12 w13")))
-    dataset = Dataset.from_dict({"messages": [r[1] for r in rows], "images": [[r[0]] for r in rows], "group": [0] * 4})
+    images = [[r[0], blue if r[0] is red else red][:num_images] for r in rows]
+    dataset = Dataset.from_dict({"messages": [r[1] for r in rows], "images": images, "group": [0] * 4})
     path = str(tmp_path / family)
     tiny_vlm(family, attn="sdpa").save_pretrained(path)
     settings = dict(max_steps=1, learning_rate=1.0, per_device_train_batch_size=4, use_cpu=True, bf16=False)

@@ -112,19 +112,24 @@ class MediaTree:
         image_token_id: int,
         loss_masks: Sequence[Sequence[int]] | None = None,
         branch_fields: dict[str, Sequence[Any]] | None = None,
+        image_lengths: Sequence[Sequence[int]] | None = None,
     ) -> MediaTree:
         """Merge image-and-text samples into a tree.
 
         Args:
             sequences: token ids per sample, each image expanded to its placeholder run (as the processor writes it).
-            images: per sample, one dict of processor tensors per placeholder run, in order (see ``media``).
+            images: per sample, one dict of processor tensors per image, in order (see ``media``).
             image_token_id: the placeholder token.
             loss_masks, branch_fields: as ``Tree.from_sequences``.
+            image_lengths: per sample, the placeholder tokens of each of its images: a run holding several adjacent
+                images' placeholders (LLaVA's ``<image><image>``) is split by them (``split_runs``). ``None``: one
+                run per image.
 
         Raises:
-            ValueError: naming the sample when its placeholder runs and images differ in number (each image's
-                placeholders must be one run, separated from the next image's by another token), when ``images``
-                and ``sequences`` differ in length, or for anything ``Tree.from_sequences`` refuses.
+            ValueError: naming the sample when its placeholder runs do not hold its images (without
+                ``image_lengths``: each image's placeholders must be one run, separated from the next image's by
+                another token), when ``images`` and ``sequences`` differ in length, or for anything
+                ``Tree.from_sequences`` refuses.
         """
         if len(images) != len(sequences):
             raise ValueError(
@@ -137,6 +142,9 @@ class MediaTree:
         for b, (seq, sample_images) in enumerate(zip(sequences, images)):
             tokens = np.asarray(check_token_ids(seq, where=f"sequence {b}"), dtype=np.int64)
             runs = placeholder_runs(tokens, image_token_id)
+            if len(runs) != len(sample_images) and image_lengths is not None:
+                pieces = split_runs([(b, *run) for run in runs], image_lengths[b], f"sample {b}")
+                runs = [(start, end) for _, start, end in pieces]
             if len(runs) != len(sample_images):
                 raise ValueError(
                     f"sample {b} has {len(runs)} runs of image_token_id={image_token_id} but {len(sample_images)} "

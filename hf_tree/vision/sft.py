@@ -23,7 +23,7 @@ from trl.data_utils import prepare_multimodal_messages
 
 from hf_tree.builders.chat import conversation_branch, conversation_branches
 from hf_tree.packing import packed_fallback
-from hf_tree.vision.media_tree import MediaTree
+from hf_tree.vision.media_tree import MediaTree, placeholder_runs
 from hf_tree.vision.rows import check_token_types, split_images
 
 IMAGE_COLUMNS = ("image", "images")
@@ -132,10 +132,12 @@ class VisionBranches:
 
     def of_row(
         self, row: dict[str, Any], processor: ProcessorMixin
-    ) -> tuple[list[list[int]], list[list[int]], list[list[dict]]]:
-        """``(sequences, loss_masks, images)`` of one row's branches (``MediaTree.from_samples``' arguments)."""
+    ) -> tuple[list[list[int]], list[list[int]], list[list[dict]], list[list[int]]]:
+        """``(sequences, loss_masks, images, image_lengths)`` of one row's branches (``MediaTree.from_samples``'
+        arguments)."""
         messages = row_messages(row)
         ids, images = render_images(messages, processor)  # the images' tensors (and the rendering TRL trains)
+        lengths = image_lengths(messages, processor, ids, len(images))
         chat, template = ProcessorTemplate(processor), self.chat_template
         if self.messages_branches == "per_turn":
             sequences, masks, _ = conversation_branches(
@@ -146,12 +148,24 @@ class VisionBranches:
                     f"messages_branches='per_turn' but the conversation has no assistant message (roles: "
                     f"{[m['role'] for m in messages]}): there is nothing to train."
                 )
-            turns = [i for i, message in enumerate(messages) if message["role"] == "assistant"]
-            return sequences, masks, [images[: images_shown(messages[: i + 1])] for i in turns]
+            shown = [images_shown(messages[: i + 1]) for i, m in enumerate(messages) if m["role"] == "assistant"]
+            return sequences, masks, [images[:n] for n in shown], [lengths[:n] for n in shown]
         if self.assistant_only_loss:
             tokens, mask = conversation_branch(messages, chat, assistant_only_loss=True, chat_template=template)
-            return [tokens], [mask], [images]
-        return [ids], [[1] * len(ids)], [images]
+            return [tokens], [mask], [images], [lengths]
+        return [ids], [[1] * len(ids)], [images], [lengths]
+
+
+def image_lengths(messages: list[dict], processor: ProcessorMixin, ids: list[int], count: int) -> list[int]:
+    """The placeholder tokens of each of the ``count`` images of ``messages`` (rendered as ``ids``): each image's
+    placeholders when the processor renders it alone, where adjacent images share a run of placeholders (LLaVA's
+    ``<image><image>``); else each run's length."""
+    image_token_id = placeholder_token_id(processor)
+    runs = placeholder_runs(ids, image_token_id)
+    if len(runs) == count:
+        return [end - start for start, end in runs]
+    parts = [part for message in messages for part in message.get("content") or () if part.get("type") == "image"]
+    return [render_images([{"role": "user", "content": [part]}], processor)[0].count(image_token_id) for part in parts]
 
 
 def training_chat_template(processor: ProcessorMixin, assistant_only_loss: bool) -> str | None:
@@ -204,10 +218,10 @@ def build_media_tree_dataset(
         groups[index if group_by in (None, "<row>") else dataset[index][group_by]].append(index)
     rows = []
     for indices in groups.values():
-        sequences, masks, images = [], [], []
+        sequences, masks, images, lengths = [], [], [], []
         try:
             for i in indices:
-                row_sequences, row_masks, row_images = branches.of_row(dataset[i], processor)
+                row_sequences, row_masks, row_images, row_lengths = branches.of_row(dataset[i], processor)
                 longest = max(len(s) for s in row_sequences)
                 if max_branch_tokens is not None and longest > max_branch_tokens:
                     raise ValueError(
@@ -219,7 +233,8 @@ def build_media_tree_dataset(
                 sequences += row_sequences
                 masks += row_masks
                 images += row_images
-            tree = MediaTree.from_samples(sequences, images, image_token_id, masks)
+                lengths += row_lengths
+            tree = MediaTree.from_samples(sequences, images, image_token_id, masks, image_lengths=lengths)
         except ValueError as error:  # name the dataset rows, not the samples of one tree
             raise ValueError(f"the {name} dataset's rows {indices}: {error}") from error
         rows.append(tree.to_dict())
