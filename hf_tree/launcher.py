@@ -396,6 +396,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     if data_args.dataset_test_split:
         evaluation = first_rows(load_split(data_args, data_args.dataset_test_split), data_args.max_eval_samples)
     model, tokenizer = load_model_and_tokenizer(model_args, config.trust_remote_code)
+    # the held-out loss before training: Trainer's eval_on_start (after accelerate prepares the model, which FSDP2
+    # needs with the optimizer; an evaluate() before train() would prepare the model alone)
+    config.eval_on_start = config.eval_on_start or evaluation is not None
     trainer = TreeSFTTrainer(
         model=model,
         args=config,
@@ -416,11 +419,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             flush=True,
         )
     summary: dict[str, float] = {}
-    if evaluation is not None:
-        summary["eval_loss_before"] = trainer.evaluate()["eval_loss"]
     train_started = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
     train_seconds = time.perf_counter() - train_started
+    if evaluation is not None:  # eval_on_start's log, before the first step
+        before = next(log for log in trainer.state.log_history if "eval_loss" in log)
+        summary["eval_loss_before"] = before["eval_loss"]
+        train_seconds -= before["eval_runtime"]
     trainer.save_model(config.output_dir)
     if main_process:
         check_saved(trainer, config.output_dir, peft=model_args.use_peft)
