@@ -14,14 +14,10 @@ type, plugin, mixed precision), with a warning. Nothing changes otherwise.
 
 ``local_depth_first_model`` lets each rank run its depth-first units (``hf_tree.depth_first``) without collectives
 under DDP or FSDP2 (docs/depth_first.md, "Several processes").
-
-``end_process_group`` runs at exit (registered when this module is imported): a launched run whose script never
-destroyed its process group (``Trainer.end()``) then exits 0 instead of aborting (docs/training.md, "Clean exit").
 """
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import logging
@@ -159,20 +155,3 @@ def local_depth_first_model(model: torch.nn.Module) -> Iterator[torch.nn.Module]
             group.all_reduce_grads = all_reduce_grads
         for module in modules:
             module.reshard()
-
-
-def end_process_group() -> None:
-    """Destroy the default process group if the script left it alive (``Trainer.end()`` and TRL's scripts destroy it;
-    ``trainer.train()`` and ``save_model`` do not, since later calls may still need the other processes).
-
-    Why: a gloo process group still alive when the interpreter finalizes is torn down from C++ static destruction,
-    where a joinable ``std::thread`` of it is destroyed: ``std::terminate`` ("terminate called without an active
-    exception"), SIGABRT, exit code -6 after all work is done (seen in 4 of 5 two-rank launches of a plain torch script
-    doing 20 all-reduces; 0 of 5 with ``destroy_process_group()`` before exit). Runs at exit, after every collective
-    of the script: destroying the group is local to each process then.
-    """
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-
-
-atexit.register(end_process_group)
