@@ -431,6 +431,9 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         check_saved(trainer, config.output_dir, peft=model_args.use_peft)
     if evaluation is not None:
         summary["eval_loss"] = trainer.evaluate()["eval_loss"]
+    # The last step that needs the other processes: end the trackers and the process group (on gloo a group left
+    # alive at interpreter exit can abort the process after a finished run: docs/training.md, clean exit).
+    trainer.end()
     tree_logs = [log for log in trainer.state.log_history if "tree_tokens_per_second" in log]
     summary.update(
         train_loss=result.training_loss,
