@@ -17,11 +17,13 @@ def one_torch_thread():
 
 
 @pytest.fixture(scope="session")
-def deepspeed_extensions(request: pytest.FixtureRequest):
+def deepspeed_extensions(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     """``TORCH_EXTENSIONS_DIR`` for launched DeepSpeed workers, kept in pytest's cache: the first launch JIT-compiles
-    DeepSpeed's CPU communication op (~70 s), later launches and sessions reuse it. Skips without DeepSpeed."""
+    DeepSpeed's CPU communication op (~70 s), later launches and sessions reuse it (a session's temporary folder
+    under ``-p no:cacheprovider``). Skips without DeepSpeed."""
     pytest.importorskip("deepspeed")
-    return request.config.cache.mkdir("torch_extensions")
+    cache = getattr(request.config, "cache", None)
+    return tmp_path_factory.mktemp("torch_extensions") if cache is None else cache.mkdir("torch_extensions")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -85,10 +85,7 @@ def build(pair: str, tree: bool, model_path: str, output_dir: str):
         varied_reward,
         word_tokenizer,
     )
-    from tests.test_fsdp_trl import DPO_PAIRS
-    from tests.test_kto import ROWS as KTO_ROWS
-    from tests.test_reward import PAIRS as REWARD_PAIRS
-    from tests.workloads import branch_dataset, branch_groups, tree_dataset
+    from tests.workloads import KTO_ROWS, PREFERENCE_PAIRS, REWARD_PAIRS, branch_dataset, branch_groups, tree_dataset
 
     # ddp_backend: accelerate finds no backend on a machine without a GPU and would run each process alone (the
     # DeepSpeed engine then refuses the batch size); on GPUs it picks nccl itself
@@ -124,7 +121,7 @@ def build(pair: str, tree: bool, model_path: str, output_dir: str):
     twins = {
         "sft": (SFTConfig, SFTTrainer, TreeSFTConfig, TreeSFTTrainer, SFT_ROWS),
         "sft-lora": (SFTConfig, SFTTrainer, TreeSFTConfig, TreeSFTTrainer, SFT_ROWS),
-        "dpo": (DPOConfig, DPOTrainer, TreeDPOConfig, TreeDPOTrainer, DPO_PAIRS),
+        "dpo": (DPOConfig, DPOTrainer, TreeDPOConfig, TreeDPOTrainer, PREFERENCE_PAIRS),
         "kto": (KTOConfig, KTOTrainer, TreeKTOConfig, TreeKTOTrainer, KTO_ROWS),
         "reward": (RewardConfig, RewardTrainer, TreeRewardConfig, TreeRewardTrainer, REWARD_PAIRS),
         "grpo": (GRPOConfig, GRPOTrainer, TreeGRPOConfig, TreeGRPOTrainer, {"prompt": list(FIXED_COMPLETIONS)}),

@@ -29,11 +29,6 @@ from tests.helpers import finish_launched_worker, launch_command, max_relative_e
 # float32 on gloo; TRL's fused kernel rounds differently for the padded batch and the packed tree (seen: 2e-6). Before
 # the head was read after the backbone (hf_tree.trl.logprobs), the tree's lm_head update under FSDP2 was off by 0.85.
 TOLERANCE = 1e-4
-DPO_PAIRS = {
-    "prompt": ["w10 w11 w12 w13", "w14 w15", "w10 w11 w12 w13", "w16 w17 w18"],
-    "chosen": [" w20 w21", " w22", " w23 w24 w25", " w26 w27"],
-    "rejected": [" w20 w28 w29 w30", " w31 w32", " w33", " w26"],
-}
 
 
 def train_and_save(kind: str, tree: bool, lora: bool, model_path: str, output_dir: str) -> dict:
@@ -48,6 +43,7 @@ def train_and_save(kind: str, tree: bool, lora: bool, model_path: str, output_di
     from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
     from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer
     from tests.helpers import FIXED_COMPLETIONS, fixed_rollout, tiny_trl_config, varied_reward, word_tokenizer
+    from tests.workloads import PREFERENCE_PAIRS
 
     enable_fsdp2_on_cpu()  # the tree configs do it themselves; TRL's own runs get the same sharded path
     peft = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False) if lora else None
@@ -74,7 +70,7 @@ def train_and_save(kind: str, tree: bool, lora: bool, model_path: str, output_di
         trainer = trainer_class(
             model_path,
             args=args,
-            train_dataset=Dataset.from_dict(DPO_PAIRS),
+            train_dataset=Dataset.from_dict(PREFERENCE_PAIRS),
             processing_class=word_tokenizer(),
             peft_config=peft,
         )

@@ -24,13 +24,8 @@ from tests.helpers import (
     train_and_measure_updates,
     word_tokenizer,
 )
+from tests.workloads import KTO_ROWS
 
-# Each prompt's rows listed together (the order KTO's sequential sampling keeps), desirable and undesirable ones.
-ROWS = {
-    "prompt": ["w10 w11 w12 w13", "w10 w11 w12 w13", "w14 w15", "w14 w15", "w16 w17 w18", "w16 w17 w18"],
-    "completion": [" w20 w21", " w22", " w23 w24 w25", " w26", " w27 w28", " w27"],
-    "label": [True, False, True, False, False, True],
-}
 FIELDS = ("log_probs", "entropy", "mean_logits")
 
 
@@ -38,7 +33,7 @@ def make_trainer(cls, config_cls, path: str, peft: bool = False, **overrides):
     return cls(
         path,
         args=tiny_trl_config(config_cls, path, torch.float64, per_device_train_batch_size=3, **overrides),
-        train_dataset=Dataset.from_dict(ROWS),
+        train_dataset=Dataset.from_dict(KTO_ROWS),
         processing_class=word_tokenizer(),
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
     )

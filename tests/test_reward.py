@@ -29,21 +29,14 @@ from tests.helpers import (
     train_and_measure_updates,
     word_tokenizer,
 )
-
-# Two pairs share a prompt, one chosen/rejected pair starts alike; prompts and responses of unequal lengths.
-PAIRS = {
-    "prompt": ["w10 w11 w12 w13", "w14 w15", "w10 w11 w12 w13", "w16 w17 w18"],
-    "chosen": [" w20 w21", " w22", " w23 w24 w25", " w26 w27"],
-    "rejected": [" w20 w28 w29 w30", " w31 w32", " w33", " w26"],
-    "margin": [0.5, 0.0, 1.0, -0.25],
-}
+from tests.workloads import REWARD_PAIRS
 
 
 def make_trainer(cls, config_cls, path: str, pad_is_eos: bool = False, peft: bool = False, **overrides):
     tokenizer = word_tokenizer()
     if pad_is_eos:  # the model then pools the token before the appended EOS (EOS is "padding" to it)
         tokenizer.pad_token = tokenizer.eos_token
-    pairs = {k: v for k, v in PAIRS.items() if k != "margin" or overrides.pop("margin", False)}
+    pairs = {k: v for k, v in REWARD_PAIRS.items() if k != "margin" or overrides.pop("margin", False)}
     return cls(
         path,
         args=tiny_trl_config(config_cls, path, torch.float64, **overrides),
@@ -58,7 +51,7 @@ def test_rewards_match_trl(tmp_path, pad_is_eos):
     path = saved_tiny_model(tmp_path, torch.float64)
     trl = make_trainer(RewardTrainer, RewardConfig, path, pad_is_eos)
     tree = make_trainer(TreeRewardTrainer, TreeRewardConfig, path, pad_is_eos, max_packed_tokens=16)
-    batch = trl.data_collator([trl.train_dataset[i] for i in range(len(PAIRS["prompt"]))])
+    batch = trl.data_collator([trl.train_dataset[i] for i in range(len(REWARD_PAIRS["prompt"]))])
     with torch.no_grad(), float64_norms():
         theirs = trl.model(**batch, use_cache=False).logits
         ours = tree.model(**batch, use_cache=False).logits

@@ -217,3 +217,19 @@ def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     trees = [Tree.from_sequences(group), Tree.from_sequences(agent), Tree.from_sequences(answers)]
     batch = TreeDataCollator(max_packed_tokens=1024, pad_to_multiple_of=128)([t.to_dict() for t in trees])
     return batch["kv_end"], batch["position_ids"]
+
+
+# Word-tokenizer rows (tests.helpers.word_tokenizer) for the preference trainers, in-process and launched. Two pairs
+# share a prompt, one chosen/rejected pair starts alike; prompts and responses of unequal lengths.
+PREFERENCE_PAIRS = {
+    "prompt": ["w10 w11 w12 w13", "w14 w15", "w10 w11 w12 w13", "w16 w17 w18"],
+    "chosen": [" w20 w21", " w22", " w23 w24 w25", " w26 w27"],
+    "rejected": [" w20 w28 w29 w30", " w31 w32", " w33", " w26"],
+}
+REWARD_PAIRS = {**PREFERENCE_PAIRS, "margin": [0.5, 0.0, 1.0, -0.25]}
+# KTO: each prompt's rows listed together (the order KTO's sequential sampling keeps), desirable and undesirable ones.
+KTO_ROWS = {
+    "prompt": ["w10 w11 w12 w13", "w10 w11 w12 w13", "w14 w15", "w14 w15", "w16 w17 w18", "w16 w17 w18"],
+    "completion": [" w20 w21", " w22", " w23 w24 w25", " w26", " w27 w28", " w27"],
+    "label": [True, False, True, False, False, True],
+}
