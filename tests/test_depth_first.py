@@ -212,14 +212,14 @@ def test_recurrent_hybrids_match_per_branch(family):
 
 def assert_matches_packed(model, groups, loss: torch.Tensor, grads: dict, normalization: str = "token") -> None:
     """``loss``/``grads`` of a depth-first run equal the trees packed in one row (the same float64 tree ops; ``A_log``'s
-    gradient passes through the model's float32 exponential: ~2e-7)."""
+    gradient passes through the model's float32 exponential: ~2e-7, 1.9e-6 seen on a random forest in units of 3)."""
     model.zero_grad()
     trees = [Tree.from_sequences(s, m) for s, m in groups]
     collator = TreeDataCollator(max_packed_tokens=sum(t.num_tokens for t in trees), normalization=normalization)
     packed = tree_causal_lm_loss(model, collator(trees))
     packed.backward()
     assert relative_error(loss, packed) <= 1e-12
-    assert max_grad_relative_error(grads, grads_of(model)) <= 1e-6
+    assert max_grad_relative_error(grads, grads_of(model)) <= 1e-5
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
