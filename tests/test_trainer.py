@@ -217,8 +217,10 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
     overrides = dict(save_strategy="steps", save_steps=2, max_steps=4)
     full, _ = train_tree(tmp_path / "full", groups, "token", 2, 1, **overrides)
     model = tiny_model(vocab_size=VOCAB)
-    args = TreeTrainingArguments(
-        **common_args(tmp_path / "full", "tree-token-2-1", 2, 1, **overrides), max_packed_tokens=24
+    args = TreeTrainingArguments(  # the same settings as train_tree's run (which splits its larger trees)
+        **common_args(tmp_path / "full", "tree-token-2-1", 2, 1, **overrides),
+        max_packed_tokens=24,
+        tree_execution="packed",
     )
     resumed = TreeTrainer(model=model, args=args, train_dataset=tree_dataset(groups))
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "tree-token-2-1" / "checkpoint-2"))
