@@ -4,6 +4,11 @@ other decoder ops, loss head and backward engine, on real CHAMP groups at chosen
     python benchmarks/step_breakdown.py --model tiny                  # a small random Llama, real groups
     python benchmarks/step_breakdown.py --model smollm2 --repeats 3   # the real SmolLM2-135M (slow on 2 cores)
     python benchmarks/step_breakdown.py --quick                       # smoke test (tiny model, small vocab)
+    python benchmarks/step_breakdown.py --model smollm2 --dtype bfloat16   # bf16 weights (GPU users' loading)
+    python benchmarks/step_breakdown.py --model smollm2 --autocast         # float32 weights, CPU bf16 autocast
+
+``--autocast`` runs every step of both methods under ``torch.autocast("cpu", torch.bfloat16)``, what TRL's
+``bf16=True`` does on CPU (float32 master weights); ``--dtype bfloat16`` loads the weights in bfloat16 instead.
 
 One group (a prompt and its 4 CHAMP answers) per step, or ``--groups-per-step`` groups packed into rows of
 ``--max-tree-tokens``, forward + backward only (no optimizer). ``tree``: ``TreeDataCollator``'s rows and
@@ -171,11 +176,12 @@ def _inside_node(e) -> bool:
     return False
 
 
-def step(method: str, model: torch.nn.Module, batches: list[dict], num_items: int) -> None:
-    """Forward + backward of every micro-batch (gradients accumulate; no optimizer)."""
+def step(method: str, model: torch.nn.Module, batches: list[dict], num_items: int, autocast: bool = False) -> None:
+    """Forward + backward of every micro-batch (gradients accumulate; no optimizer), the forward under CPU bf16
+    autocast if asked (as the Trainer's ``autocast_smart_context_manager``: backward outside it)."""
     with record_function("hf::step"):
         for batch in batches:
-            with record_function("hf::forward"):
+            with record_function("hf::forward"), torch.autocast("cpu", torch.bfloat16, enabled=autocast):
                 loss = train_step.micro_batch_loss(method, model, batch, num_items)
             with record_function("hf::backward"):
                 loss.backward()
@@ -202,19 +208,21 @@ def measure(model: torch.nn.Module, work: train_step.Workload, args, pad_id: int
             model.set_attn_implementation("tree_flash" if m == "hf_tree" else "sdpa")
             model.zero_grad(set_to_none=False)
             start = time.perf_counter()
-            step(m, model, batches[m], work.num_trained)
+            step(m, model, batches[m], work.num_trained, args.autocast)
             if repeat:
                 figures[m].seconds.append(time.perf_counter() - start)
                 model.zero_grad(set_to_none=False)
                 ranges = Ranges(model)
                 with profile(activities=[ProfilerActivity.CPU]) as prof:
-                    step(m, model, batches[m], work.num_trained)
+                    step(m, model, batches[m], work.num_trained, args.autocast)
                 ranges.remove()
                 figures[m].parts.append(split(prof.events()))
     for m in METHODS:
         model.set_attn_implementation("tree_flash" if m == "hf_tree" else "sdpa")
         model.zero_grad(set_to_none=False)
-        figures[m].peak_bytes = cpu_peak_bytes(functools.partial(step, m, model, batches[m], work.num_trained))
+        figures[m].peak_bytes = cpu_peak_bytes(
+            functools.partial(step, m, model, batches[m], work.num_trained, args.autocast)
+        )
     set_attention_backend(None)
     return figures
 
@@ -265,10 +273,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--groups-per-step", type=int, default=1, help="groups per step (trees packed into rows of --max-tree-tokens)"
     )
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the weights' dtype")
+    parser.add_argument(
+        "--autocast", action="store_true", help="forward under CPU bfloat16 autocast (TRL's bf16=True on CPU)"
+    )
     parser.add_argument("--repeats", type=int, default=3, help="timed + profiled repeats per method")
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's); 1 on a busy host")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    if args.autocast and args.dtype != "float32":
+        parser.error(f"--autocast runs float32 weights under bf16 autocast; got --dtype {args.dtype}")
     if args.quick:
         args.model, args.repeats = "tiny", 1
     args.max_packed_tokens = args.max_tree_tokens  # the tree's row: one group per row (train_step's collate)
@@ -279,6 +293,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[tuple[train_step.Workload, dict[str, Figures]]]:
     """Measure and print every group's breakdown; returns ``[(group, {method: figures})]``."""
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     from hf_tree.assets import load_smollm2_tokenizer
 
     tokenizer = load_smollm2_tokenizer()
@@ -289,8 +305,8 @@ def main(argv: list[str] | None = None) -> list[tuple[train_step.Workload, dict[
     if args.quick:
         works = [w.remapped(train_step.QUICK_VOCAB) for w in works]
     print(
-        f"model={args.model} dtype={args.dtype} threads={torch.get_num_threads()} torch={torch.__version__} "
-        f"tree engine={select_backend(torch.device('cpu'))} repeats={args.repeats}",
+        f"model={args.model} dtype={args.dtype} autocast={args.autocast} threads={torch.get_num_threads()} "
+        f"torch={torch.__version__} tree engine={select_backend(torch.device('cpu'))} repeats={args.repeats}",
         flush=True,
     )
     out = []

@@ -79,9 +79,12 @@ def _linear_cross_entropy(
     """Weighted CE of ``hidden [M, D] @ weight.T [D, V]``, chunk by chunk, and only the gradients asked for.
 
     Returns the 0-dim float32/64 total, ``d total / d hidden`` ``[M, D]`` (if ``need_hidden``) and
-    ``d total / d weight`` ``[V, D]`` in the accumulation dtype (if ``need_weight``). With neither, each chunk
+    ``d total / d weight`` ``[V, D]`` in the weight's own dtype (if ``need_weight``). With neither, each chunk
     costs one matmul and no gradient buffer exists (evaluation).
     """
+    # The head gradient sums its chunks in the parameter's dtype, as per-branch training sums its branches into
+    # ``.grad``: bfloat16 weights in place (no float32 [vocab, D] copy), float32 weights under autocast in float32.
+    grad_weight_dtype = weight.dtype
     hidden, weight = autocast_inputs(hidden, weight)  # the matmuls in autocast's dtype, as the model's head runs
     with torch.autocast(hidden.device.type, enabled=False):  # explicit dtypes below (and out= matmuls)
         accumulate = torch.float64 if hidden.dtype == torch.float64 else torch.float32
@@ -89,7 +92,7 @@ def _linear_cross_entropy(
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         # The first chunk overwrites the head gradient (no zero fill); with no rows at all it is zero.
         new_grad = torch.empty if hidden.shape[0] else torch.zeros
-        grad_weight = new_grad(weight.shape, dtype=accumulate, device=weight.device) if need_weight else None
+        grad_weight = new_grad(weight.shape, dtype=grad_weight_dtype, device=weight.device) if need_weight else None
         # One [rows, vocab] buffer (two for half-precision weights) serves every chunk, and the gradient is written
         # over the scores: fresh buffers of this size are page-faulted in on every use, which cost as much as the
         # log-softmax itself on CPU (docs/data_and_benchmarks.md).
@@ -127,9 +130,9 @@ def _linear_cross_entropy(
                 grad_hidden[start : start + chunk_size] = grad @ weight
             if need_weight:
                 first = start == 0
-                if grad.dtype == accumulate:  # in place: no [vocab, D] temporary per chunk
+                if grad.dtype == grad_weight.dtype:  # in place: no [vocab, D] temporary per chunk
                     grad_weight.addmm_(grad.T, chunk, beta=0 if first else 1)
-                elif first:  # half precision: the matmul in the weights' dtype, summed in float32
+                elif first:  # autocast: the matmul in autocast's dtype, summed in the float32 parameter's
                     grad_weight.copy_(grad.T @ chunk)
                 else:
                     grad_weight.add_(grad.T @ chunk)
@@ -152,16 +155,16 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             hidden, weight, targets, weights, softcap, chunk_size, need_hidden, need_weight
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
-        ctx.weight_dtype = weight.dtype
         return total
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
         grad_hidden, grad_weight = ctx.saved_tensors
+        # A 0-dim float32 factor keeps the gradients' dtype and multiplies in float32 (not rounded to bf16 first).
         if grad_hidden is not None:
-            grad_hidden = grad_hidden * grad_total.to(grad_hidden.dtype)
+            grad_hidden = grad_hidden * grad_total
         if grad_weight is not None:
-            grad_weight = (grad_weight * grad_total).to(ctx.weight_dtype)
+            grad_weight = grad_weight * grad_total
         return grad_hidden, grad_weight, None, None, None, None
 
 

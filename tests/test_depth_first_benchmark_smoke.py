@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from importlib.util import find_spec
 
+import pytest
+
 from tests.helpers import run_benchmark
 
 METHODS = ["per_branch", "split", "packed", "depth_first"]
@@ -27,3 +29,15 @@ def test_depth_first_benchmark_quick_runs():
         assert float(cells[4]) > 0 and float(cells[6]) > 0
     verdicts = [line for line in result.stdout.splitlines() if "target" in line]
     assert len(verdicts) == 3 * len(workloads) and all(line.endswith(("met)", "missed)")) for line in verdicts)
+
+
+def test_depth_first_memory_benchmark_quick_runs():
+    """The memory-knob benchmark: every method's peak measured in its own process, then the speed table."""
+    if find_spec("champ_dataset") is None:
+        pytest.skip("its group is a CHAMP group: pip install --no-deps champ-dataset==1.0.0")
+    result = run_benchmark("depth_first_memory.py", "--quick", timeout=900)
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "method" not in line]
+    assert [cells[0][2:] for cells in rows] == ["per_branch", "packed", "depth_first"]
+    for cells in rows:  # peak MiB and step seconds parsed as non-negative / positive numbers
+        assert float(cells[3]) >= 0 and float(cells[5]) > 0
+    assert rows[0][4] == "1.00"
