@@ -9,7 +9,8 @@ noise hits every method alike), then measures each method's peak memory in separ
     python benchmarks/attention.py --threads 1 --dtype bfloat16   # other settings
 
 Methods, as transformers runs them in one attention layer:
-- ``tree_flash``: the engine ``select_backend`` picks for the device ("blocked" on CPU, "flex" on CUDA),
+- ``tree_flash``: the engine ``select_backend`` picks for the device ("cpu" off CUDA: segments or blocked; "cuda" on
+  CUDA: flash-attn where installed and exact, else flex),
   or the one named by ``--backend``.
 - ``dense_sdpa``: SDPA with the tree as a dense ``[N, N]`` bool mask and K/V repeated to all heads (what
   the ``sdpa`` implementation does with a 4D mask). The mask is built before the timed region, once per
