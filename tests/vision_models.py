@@ -437,3 +437,42 @@ def gemma3_processor() -> transformers.Gemma3Processor:
 
 # The families tested through TRL's trainers with a real processor, and their processors.
 PROCESSORS = {"llava": llava_processor, "gemma3": gemma3_processor}
+
+
+# The Qwen VL families' processors (Qwen3.5 uses Qwen3-VL's, as transformers' AutoProcessor maps it).
+QWEN_PROCESSOR_CLASSES = {
+    "qwen2_vl": "Qwen2VLProcessor",
+    "qwen2_5_vl": "Qwen2_5_VLProcessor",
+    "qwen3_vl": "Qwen3VLProcessor",
+    "qwen3_5": "Qwen3VLProcessor",
+}
+
+
+def qwen_processor(family: str, template: str | None = None) -> transformers.ProcessorMixin:
+    """The real processor of a tiny Qwen VL ``family`` for images only: its video processor needs torchvision (no
+    wheel matches this CPU torch), so it is left out (the processor's class check is skipped for that one ``None``);
+    Qwen2-VL's PIL image processor with the tiny tower's 2x2 patches, 2 frames and 2x2 merge (an 8x8 image: a 4x4
+    grid, 4 placeholders between vision start/end), the word-level tokenizer with Qwen's special tokens, a one-line
+    chat template (or ``template``). Images and texts go through the processor's own code (``replace_image_token``,
+    ``mm_token_type_ids``), so TRL's trainers and the tree trainers get the same inputs."""
+    cls = getattr(transformers, QWEN_PROCESSOR_CLASSES[family])
+
+    def check_argument_for_proper_class(self, name: str, argument: object) -> object:
+        if name == "video_processor" and argument is None:  # the one sub-processor left out
+            return None
+        return cls.check_argument_for_proper_class(self, name, argument)
+
+    image_only = type(cls.__name__, (cls,), {"check_argument_for_proper_class": check_argument_for_proper_class})
+    special = {
+        IMAGE_TOKEN: ("image_token", "<|image_pad|>"),
+        101: ("video_token", "<|video_pad|>"),
+        VISION_START: ("vision_start_token", "<|vision_start|>"),
+        VISION_END: ("vision_end_token", "<|vision_end|>"),
+    }
+    return image_only(
+        image_processor=transformers.Qwen2VLImageProcessorPil(
+            patch_size=2, temporal_patch_size=2, merge_size=2, size={"shortest_edge": 16, "longest_edge": 256}
+        ),
+        tokenizer=word_level_tokenizer(special),
+        chat_template=template or chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
+    )

