@@ -23,19 +23,33 @@ from tests.helpers import (
     tiny_trl_config,
     train_and_measure_updates,
 )
-from tests.vision_models import FLOAT32_INTERNALS, float64_vision_rotary, qwen_processor, tiny_vlm
+from tests.vision_models import (
+    FLOAT32_INTERNALS,
+    float64_vision_rotary,
+    llava_next_processor,
+    qwen_processor,
+    tiny_vlm,
+)
 
 Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
 CLIPPED = dict(max_grad_norm=1.0)  # TRL's default: the exactness below holds with clipping on
 RED, BLUE = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
-WIDE = Image.new("RGB", (16, 8), (30, 200, 30))  # another grid (Qwen: 4x8 patches, 8 placeholders)
+WIDE = Image.new("RGB", (16, 10), (30, 200, 30))  # another grid (Qwen: 4x8 patches; LLaVA-Next: 5 tiles)
 
 
-def assert_same_update(family: str, trl_updates: dict, tree_updates: dict, tolerance: float) -> None:
-    """Every parameter moved as TRL moved it (the vision tower too); GatedDeltaNet's float32 decay internals
-    (Qwen3.5) are measured against their float32 floor."""
+def processor(family: str):
+    """The family's real processor (tests/vision_models.py)."""
+    return llava_next_processor() if family == "llava_next" else qwen_processor(family)
+
+
+def assert_same_update(family: str, trl, trl_updates: dict, tree, tree_updates: dict, tolerance: float) -> None:
+    """Both clipped the same gradient norm (over 1: clipping rescaled the step) and moved every parameter as TRL
+    moved it (the vision tower too); GatedDeltaNet's float32 decay internals (Qwen3.5) are measured against their
+    float32 floor."""
+    trl_norm, tree_norm = trl.state.log_history[0]["grad_norm"], tree.state.log_history[0]["grad_norm"]
+    assert tree_norm > 1 and tree_norm == pytest.approx(trl_norm, rel=1e-6)
     assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
     assert any("visual" in n or "vision_tower" in n for n, u in tree_updates.items() if u.norm() > 0)
     if family in FLOAT32_INTERNALS:
@@ -58,10 +72,11 @@ def chat(question: list[dict] | str, answer: str) -> list[dict]:
     return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
 
 
-@pytest.mark.parametrize("family", QWEN_FAMILIES)
+@pytest.mark.parametrize("family", [*QWEN_FAMILIES, "llava_next"])
 def test_vision_sft_step_on_qwen_matches_trl(tmp_path, family):
     """TreeSFTTrainer on ``messages`` + ``images`` rows grouped into one tree (the same question about two images
-    forks at the image; a row with two images of two grid sizes) = TRL's SFTTrainer: one clipped SGD step."""
+    forks at the image; a row with two images of two grid sizes, LLaVA-Next: of 3 and 5 tiles) = TRL's SFTTrainer:
+    one clipped SGD step."""
     from trl import SFTConfig, SFTTrainer
 
     from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
@@ -80,14 +95,13 @@ def test_vision_sft_step_on_qwen_matches_trl(tmp_path, family):
         return config(**exact_sgd_args(str(tmp_path / config.__name__), **settings), **tree)
 
     classes = ((SFTTrainer, SFTConfig), (TreeSFTTrainer, TreeSFTConfig))
-    (trl, trl_updates), (tree, tree_updates) = run_both(
-        classes, path, lambda: qwen_processor(family), dataset, make_args
-    )
-    assert len(tree.train_dataset) == 1 and len(tree.train_dataset[0]["media"]) == 3  # one tree, each image once
+    (trl, trl_updates), (tree, tree_updates) = run_both(classes, path, lambda: processor(family), dataset, make_args)
+    # one tree, each image once; LLaVA-Next's red image shown beside the wide one carries its processor's zero tiles
+    # (padded to the row's most), so it is stored apart from its unpadded copy (correct, encoded twice)
+    assert len(tree.train_dataset) == 1 and len(tree.train_dataset[0]["media"]) == 3 + (family == "llava_next")
     # TRL's loss runs its cross-entropy on float32 logits (tests/test_vision_trl.py: 1e-7 loss, 4.5e-7 updates)
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=1e-6)
-    assert trl.state.log_history[0]["grad_norm"] == pytest.approx(tree.state.log_history[0]["grad_norm"], rel=1e-6)
-    assert_same_update(family, trl_updates, tree_updates, 1e-5)
+    assert_same_update(family, trl, trl_updates, tree, tree_updates, 1e-5)
 
 
 def preference_rows(trainer: str) -> Dataset:
@@ -112,7 +126,7 @@ def preference_rows(trainer: str) -> Dataset:
 
 
 @pytest.mark.parametrize(
-    "trainer, family", [("dpo", f) for f in QWEN_FAMILIES] + [("kto", "qwen2_vl")], ids=lambda x: x
+    "trainer, family", [("dpo", f) for f in (*QWEN_FAMILIES, "llava_next")] + [("kto", "qwen2_vl")], ids=lambda x: x
 )
 def test_preference_step_on_qwen_image_prompts_matches_trl(tmp_path, trainer, family):
     """TreeDPOTrainer (TreeKTOTrainer, its KL pass included) on image prompts = TRL's DPOTrainer (KTOTrainer): one
@@ -132,12 +146,10 @@ def test_preference_step_on_qwen_image_prompts_matches_trl(tmp_path, trainer, fa
 
     def make_args(config):
         return tiny_trl_config(
-            config, path, torch.float64, max_steps=1, learning_rate=1.0, max_length=None, **CLIPPED
-        )
+            config, path, torch.float64, max_steps=1, learning_rate=1.0, max_length=None, beta=1.0, **CLIPPED
+        )  # beta 1: a gradient norm over 1, which the clipping rescales
 
-    (trl, trl_updates), (tree, tree_updates) = run_both(
-        classes, path, lambda: qwen_processor(family), dataset, make_args
-    )
+    (trl, trl_updates), (tree, tree_updates) = run_both(classes, path, lambda: processor(family), dataset, make_args)
     assert tree.model.hf_tree_layout_stats.dedup_ratio > 1  # rows shared their image prompt
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
-    assert_same_update(family, trl_updates, tree_updates, TRL_STEP_TOLERANCE)
+    assert_same_update(family, trl, trl_updates, tree, tree_updates, TRL_STEP_TOLERANCE)

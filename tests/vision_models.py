@@ -476,3 +476,21 @@ def qwen_processor(family: str, template: str | None = None) -> transformers.Pro
         tokenizer=word_level_tokenizer(special),
         chat_template=template or chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
     )
+
+
+def llava_next_processor(template: str | None = None) -> transformers.LlavaNextProcessor:
+    """A real ``LlavaNextProcessor`` for the tiny LLaVA-Next (no torchvision needed): the word-level tokenizer with
+    ``<image>``, its PIL image processor with 8x8 tiles on the tiny config's pinpoints (an 8x8 image: 10 placeholders,
+    a 16x10 (w x h) image: 14, as ``placeholders`` counts them), a one-line chat template (or ``template``)."""
+    return transformers.LlavaNextProcessor(
+        image_processor=transformers.LlavaNextImageProcessorPil(
+            size={"shortest_edge": 8},
+            crop_size={"height": 8, "width": 8},
+            image_grid_pinpoints=CONFIGS["llava_next"]().image_grid_pinpoints,
+        ),
+        tokenizer=word_level_tokenizer({IMAGE_TOKEN: ("image_token", "<image>")}),
+        patch_size=4,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+        chat_template=template or chat_template("<image>"),
+    )

@@ -27,8 +27,17 @@ from hf_tree.vision.media_tree import MediaTree, placeholder_runs
 from hf_tree.vision.rows import check_token_types, split_images
 
 IMAGE_COLUMNS = ("image", "images")
-# What a processor's rendering of a row may hold: tokens, the mask (all ones, one row) and the images' tensors.
-RENDERED_KEYS = {"input_ids", "attention_mask", "pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids"}
+# What a processor's rendering of a row may hold: tokens, the mask (all ones, one row) and the images' tensors
+# (LLaVA-Next: tiles ``[images, tiles, C, H, W]`` with ``image_sizes``).
+RENDERED_KEYS = {
+    "input_ids",
+    "attention_mask",
+    "pixel_values",
+    "image_grid_thw",
+    "image_sizes",
+    "mm_token_type_ids",
+    "token_type_ids",
+}
 
 
 def placeholder_token_id(processor: ProcessorMixin) -> int | None:
@@ -99,14 +108,15 @@ def render_images(messages: list[dict], processor: ProcessorMixin) -> tuple[list
     if other:
         raise ValueError(
             f"{type(processor).__name__} returns {other} besides the image tensors hf_tree.vision's SFT rows keep "
-            f"({sorted(RENDERED_KEYS)}); such inputs (tiles, image sizes, masks) are not supported for vision SFT."
+            f"({sorted(RENDERED_KEYS)}); such inputs (pixel masks, split-image tiles) are not supported for vision SFT."
         )
     name = f"{type(processor).__name__}'s rendering"
     check_token_types(
         output, output["input_ids"], placeholder_token_id(processor), name, "vision SFT trees support images only."
     )
     count = images_shown(messages)
-    tensors = split_images(output["pixel_values"], output.get("image_grid_thw"), count) if count else []
+    grid, sizes = output.get("image_grid_thw"), output.get("image_sizes")
+    tensors = split_images(output["pixel_values"], grid, count, image_sizes=sizes) if count else []
     return output["input_ids"][0].tolist(), tensors
 
 
