@@ -153,3 +153,44 @@ def test_preference_step_on_qwen_image_prompts_matches_trl(tmp_path, trainer, fa
     assert tree.model.hf_tree_layout_stats.dedup_ratio > 1  # rows shared their image prompt
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
     assert_same_update(family, trl, trl_updates, tree, tree_updates, TRL_STEP_TOLERANCE)
+
+
+def test_launcher_fully_fine_tunes_a_saved_vision_language_model(tmp_path):
+    """``hf-tree train`` (hf_tree.launcher.main) with ``--use_peft False`` on a tiny LLaVA saved with its processor and
+    the offline image questions (``builtin:shapes``, one tree per image): it trains every weight, saves the full
+    model and processor, and the saved folder loads as an image-text-to-text model whose weights (vision tower, text
+    model, projector) moved from the initial ones."""
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from hf_tree import launcher
+    from tests.vision_models import llava_processor
+
+    path, out = tmp_path / "llava", tmp_path / "out"
+    initial = tiny_vlm("llava", dtype=torch.float32, attn="sdpa")
+    initial.save_pretrained(path)
+    llava_processor().save_pretrained(path)
+    argv = ["--model_name_or_path", str(path), "--dataset_name", "builtin:shapes", "--group_by", "image_id"]
+    argv += [
+        "--max_train_samples",
+        "8",
+        "--max_steps",
+        "2",
+        "--per_device_train_batch_size",
+        "2",
+        "--use_peft",
+        "False",
+    ]
+    argv += ["--learning_rate", "1e-2", "--output_dir", str(out), "--report_to", "none", "--save_strategy", "no"]
+    argv += ["--max_packed_tokens", "512"]
+    summary = launcher.main(argv)
+    assert torch.isfinite(torch.tensor(summary["train_loss"])) and summary["dedup_ratio"] > 1
+    saved = AutoModelForImageTextToText.from_pretrained(out, dtype=torch.float32)
+    assert (
+        type(saved) is type(initial)
+        and AutoProcessor.from_pretrained(out).image_token_id == initial.config.image_token_id
+    )
+    before, after = initial.state_dict(), saved.state_dict()
+    assert before.keys() == after.keys()
+    moved = {name for name in before if not torch.equal(before[name], after[name])}
+    for part in ("vision_tower", "multi_modal_projector", "language_model", "lm_head"):
+        assert any(part in name for name in moved), part
