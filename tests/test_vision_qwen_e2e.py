@@ -45,11 +45,11 @@ def processor(family: str):
 
 
 def assert_same_update(family: str, trl, trl_updates: dict, tree, tree_updates: dict, tolerance: float) -> None:
-    """Both clipped the same gradient norm (over 1: clipping rescaled the step) and moved every parameter as TRL
-    moved it (the vision tower too); GatedDeltaNet's float32 decay internals (Qwen3.5) are measured against their
-    float32 floor."""
+    """Both clipped the same gradient norm (over ``max_grad_norm``: clipping rescaled the step) and moved every
+    parameter as TRL moved it (the vision tower too); GatedDeltaNet's float32 decay internals (Qwen3.5) are measured
+    against their float32 floor."""
     trl_norm, tree_norm = trl.state.log_history[0]["grad_norm"], tree.state.log_history[0]["grad_norm"]
-    assert tree_norm > 1 and tree_norm == pytest.approx(trl_norm, rel=1e-6)
+    assert tree_norm > tree.args.max_grad_norm > 0 and tree_norm == pytest.approx(trl_norm, rel=1e-6)
     assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
     assert any("visual" in n or "vision_tower" in n for n, u in tree_updates.items() if u.norm() > 0)
     if family in FLOAT32_INTERNALS:
@@ -194,3 +194,34 @@ def test_launcher_fully_fine_tunes_a_saved_vision_language_model(tmp_path):
     moved = {name for name in before if not torch.equal(before[name], after[name])}
     for part in ("vision_tower", "multi_modal_projector", "language_model", "lm_head"):
         assert any(part in name for name in moved), part
+
+
+@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5", "llava_next"])
+def test_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, family):
+    """TreeGRPOTrainer = TRL's GRPOTrainer through the family's real processor: two prompts with the same text and
+    images of two sizes, completions sampled by both from the same seed and weights (no ``rollout_func``), old-policy,
+    reference and policy passes (2 micro-batches, 2 iterations per generation), one clipped SGD step."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
+    from tests.helpers import trainer_args, varied_reward
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    path = str(tmp_path / family)
+    tiny_vlm(family, attn="sdpa").save_pretrained(path)
+    question = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "w5 w6 w7"}]}]
+    dataset = Dataset.from_dict({"prompt": [question, question], "image": [RED, WIDE]})
+    # max_grad_norm 0.5: these policy gradients' norms lie near 1, the clipping must bite
+    settings = dict(gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0, max_grad_norm=0.5)
+    results = []
+    for cls, config in ((GRPOTrainer, GRPOConfig), (TreeGRPOTrainer, TreeGRPOConfig)):
+        args = trainer_args(config, path, torch.float64, seed=0, **settings)
+        prompts = processor(family)
+        prompts.tokenizer.padding_side = "left"  # as TRL loads it: mm_token_type_ids must line up with its prompts
+        trainer = cls(path, varied_reward, args, train_dataset=dataset, processing_class=prompts)
+        with float64_vision_rotary():
+            results.append((trainer, train_and_measure_updates(trainer)))
+    (trl, trl_updates), (tree, tree_updates) = results
+    assert "tree/dedup_ratio" in tree.state.log_history[0]  # the policy pass ran on trees
+    assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
+    assert_same_update(family, trl, trl_updates, tree, tree_updates, TRL_STEP_TOLERANCE)
