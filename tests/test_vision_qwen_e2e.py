@@ -1,10 +1,12 @@
-"""Vision paths end to end that tests/test_vision_trl.py leaves out: SFT and DPO on the Qwen VL families, KTO on
-Qwen2-VL, LLaVA-Next through its real processor, and the launcher fully fine-tuning a saved VLM.
+"""Vision paths end to end that tests/test_vision_trl.py leaves out: SFT and DPO on the Qwen VL families and
+LLaVA-Next through their real processors, KTO on Qwen2-VL, GRPO on Qwen2-VL, Qwen3.5 and LLaVA-Next, and the launcher
+fully fine-tuning a saved VLM.
 
 Oracle: TRL's own trainer (SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer) on the same saved tiny model, dataset and
-processor; one SGD step in float64 with clipping on (``max_grad_norm=1.0``, TRL's default), compared by the update of
-every parameter. The Qwen processors are the real ones with their video processor left out (it needs torchvision, which
-has no wheel for this CPU torch; ``tests/vision_models.qwen_processor``).
+processor; one SGD step in float64 with clipping on and biting (``max_grad_norm=1.0``, TRL's default; GRPO: 0.5, its
+gradient norms lie near 1), compared by the logged gradient norm and the update of every parameter. The Qwen
+processors are the real ones with their video processor left out (it needs torchvision, which has no wheel for this
+CPU torch; ``tests/vision_models.qwen_processor``).
 """
 
 from __future__ import annotations
@@ -58,22 +60,23 @@ def assert_same_update(family: str, trl, trl_updates: dict, tree, tree_updates: 
         assert max_grad_relative_error(tree_updates, trl_updates) <= tolerance
 
 
-def run_both(classes, path: str, processor, dataset: Dataset, make_args) -> list[tuple]:
-    """Each ``(trainer, config)`` class pair built on the saved model at ``path`` and trained one step."""
+def run_both(classes, path: str, family: str, dataset: Dataset, make_args) -> list[tuple]:
+    """Each ``(trainer, config)`` class pair built on the saved model at ``path`` with ``family``'s processor and
+    trained one step."""
     results = []
     for cls, config in classes:
-        trainer = cls(path, args=make_args(config), train_dataset=dataset, processing_class=processor())
+        trainer = cls(path, args=make_args(config), train_dataset=dataset, processing_class=processor(family))
         with float64_vision_rotary():
             results.append((trainer, train_and_measure_updates(trainer)))
     return results
 
 
-def chat(question: list[dict] | str, answer: str) -> list[dict]:
+def chat(question: str, answer: str) -> list[dict]:
     return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
 
 
 @pytest.mark.parametrize("family", [*QWEN_FAMILIES, "llava_next"])
-def test_vision_sft_step_on_qwen_matches_trl(tmp_path, family):
+def test_vision_sft_step_on_qwen_and_llava_next_matches_trl(tmp_path, family):
     """TreeSFTTrainer on ``messages`` + ``images`` rows grouped into one tree (the same question about two images
     forks at the image; a row with two images of two grid sizes, LLaVA-Next: of 3 and 5 tiles) = TRL's SFTTrainer:
     one clipped SGD step."""
@@ -95,7 +98,7 @@ def test_vision_sft_step_on_qwen_matches_trl(tmp_path, family):
         return config(**exact_sgd_args(str(tmp_path / config.__name__), **settings), **tree)
 
     classes = ((SFTTrainer, SFTConfig), (TreeSFTTrainer, TreeSFTConfig))
-    (trl, trl_updates), (tree, tree_updates) = run_both(classes, path, lambda: processor(family), dataset, make_args)
+    (trl, trl_updates), (tree, tree_updates) = run_both(classes, path, family, dataset, make_args)
     # one tree, each image once; LLaVA-Next's red image shown beside the wide one carries its processor's zero tiles
     # (padded to the row's most), so it is stored apart from its unpadded copy (correct, encoded twice)
     assert len(tree.train_dataset) == 1 and len(tree.train_dataset[0]["media"]) == 3 + (family == "llava_next")
@@ -128,7 +131,7 @@ def preference_rows(trainer: str) -> Dataset:
 @pytest.mark.parametrize(
     "trainer, family", [("dpo", f) for f in (*QWEN_FAMILIES, "llava_next")] + [("kto", "qwen2_vl")], ids=lambda x: x
 )
-def test_preference_step_on_qwen_image_prompts_matches_trl(tmp_path, trainer, family):
+def test_preference_step_on_qwen_and_llava_next_matches_trl(tmp_path, trainer, family):
     """TreeDPOTrainer (TreeKTOTrainer, its KL pass included) on image prompts = TRL's DPOTrainer (KTOTrainer): one
     clipped SGD step, same loss and updates; the rows sharing a prompt and image merged."""
     from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer
@@ -149,7 +152,7 @@ def test_preference_step_on_qwen_image_prompts_matches_trl(tmp_path, trainer, fa
             config, path, torch.float64, max_steps=1, learning_rate=1.0, max_length=None, beta=1.0, **CLIPPED
         )  # beta 1: a gradient norm over 1, which the clipping rescales
 
-    (trl, trl_updates), (tree, tree_updates) = run_both(classes, path, lambda: processor(family), dataset, make_args)
+    (trl, trl_updates), (tree, tree_updates) = run_both(classes, path, family, dataset, make_args)
     assert tree.model.hf_tree_layout_stats.dedup_ratio > 1  # rows shared their image prompt
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
     assert_same_update(family, trl, trl_updates, tree, tree_updates, TRL_STEP_TOLERANCE)
