@@ -228,3 +228,15 @@ def test_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, family):
     assert "tree/dedup_ratio" in tree.state.log_history[0]  # the policy pass ran on trees
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
     assert_same_update(family, trl, trl_updates, tree, tree_updates, TRL_STEP_TOLERANCE)
+
+
+def test_vision_sft_refuses_a_processor_with_other_image_inputs(tmp_path):
+    """Idefics3's processor returns a ``pixel_attention_mask``, which vision SFT rows do not carry: refused at set-up,
+    naming it, instead of training without it."""
+    from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+    from tests.vision_models import idefics3_processor
+
+    dataset = Dataset.from_dict({"messages": [chat("w3", "w4")], "images": [[RED]]})
+    args = TreeSFTConfig(str(tmp_path), max_packed_tokens=64, use_cpu=True, report_to=[])
+    with pytest.raises(ValueError, match=r"Idefics3Processor returns \['pixel_attention_mask'\]"):
+        TreeSFTTrainer(tiny_vlm("idefics3"), args=args, train_dataset=dataset, processing_class=idefics3_processor())

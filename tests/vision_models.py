@@ -494,3 +494,22 @@ def llava_next_processor(template: str | None = None) -> transformers.LlavaNextP
         num_additional_image_tokens=1,
         chat_template=template or chat_template("<image>"),
     )
+
+
+def idefics3_processor() -> transformers.Idefics3Processor:
+    """A real ``Idefics3Processor`` for the tiny Idefics3/SmolVLM: the word-level tokenizer with ``<image>`` and its
+    image wrappers, its PIL image processor on unsplit 8x8 images (4 placeholders each, and a
+    ``pixel_attention_mask``), a one-line chat template."""
+    special = {
+        IMAGE_TOKEN: ("image_token", "<image>"),
+        101: ("fake_image_token", "<fake_token_around_image>"),
+        VISION_START: ("global_image_token", "<global-img>"),
+    }
+    return transformers.Idefics3Processor(
+        image_processor=transformers.Idefics3ImageProcessorPil(
+            do_image_splitting=False, size={"longest_edge": 8}, max_image_size={"longest_edge": 8}
+        ),
+        tokenizer=word_level_tokenizer(special),
+        image_seq_len=4,
+        chat_template=chat_template("<image>"),
+    )

@@ -108,7 +108,8 @@ def render_images(messages: list[dict], processor: ProcessorMixin) -> tuple[list
     if other:
         raise ValueError(
             f"{type(processor).__name__} returns {other} besides the image tensors hf_tree.vision's SFT rows keep "
-            f"({sorted(RENDERED_KEYS)}); such inputs (pixel masks, split-image tiles) are not supported for vision SFT."
+            f"({sorted(RENDERED_KEYS)}); such inputs (pixel masks, split-image tiles) are not supported for vision "
+            "SFT: build hf_tree.vision.MediaTree rows and train them with TreeTrainer and MediaTreeCollator instead."
         )
     name = f"{type(processor).__name__}'s rendering"
     check_token_types(
