@@ -448,12 +448,12 @@ QWEN_PROCESSOR_CLASSES = {
 }
 
 
-def qwen_processor(family: str, template: str | None = None) -> transformers.ProcessorMixin:
+def qwen_processor(family: str) -> transformers.ProcessorMixin:
     """The real processor of a tiny Qwen VL ``family`` for images only: its video processor needs torchvision (no
     wheel matches this CPU torch), so it is left out (the processor's class check is skipped for that one ``None``);
     Qwen2-VL's PIL image processor with the tiny tower's 2x2 patches, 2 frames and 2x2 merge (an 8x8 image: a 4x4
     grid, 4 placeholders between vision start/end), the word-level tokenizer with Qwen's special tokens, a one-line
-    chat template (or ``template``). Images and texts go through the processor's own code (``replace_image_token``,
+    chat template. Images and texts go through the processor's own code (``replace_image_token``,
     ``mm_token_type_ids``), so TRL's trainers and the tree trainers get the same inputs."""
     cls = getattr(transformers, QWEN_PROCESSOR_CLASSES[family])
 
@@ -474,14 +474,14 @@ def qwen_processor(family: str, template: str | None = None) -> transformers.Pro
             patch_size=2, temporal_patch_size=2, merge_size=2, size={"shortest_edge": 16, "longest_edge": 256}
         ),
         tokenizer=word_level_tokenizer(special),
-        chat_template=template or chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
+        chat_template=chat_template("<|vision_start|><|image_pad|><|vision_end|>"),
     )
 
 
-def llava_next_processor(template: str | None = None) -> transformers.LlavaNextProcessor:
+def llava_next_processor() -> transformers.LlavaNextProcessor:
     """A real ``LlavaNextProcessor`` for the tiny LLaVA-Next (no torchvision needed): the word-level tokenizer with
     ``<image>``, its PIL image processor with 8x8 tiles on the tiny config's pinpoints (an 8x8 image: 10 placeholders,
-    a 16x10 (w x h) image: 14, as ``placeholders`` counts them), a one-line chat template (or ``template``)."""
+    a 16x10 (w x h) image: 14, as ``placeholders`` counts them), a one-line chat template."""
     return transformers.LlavaNextProcessor(
         image_processor=transformers.LlavaNextImageProcessorPil(
             size={"shortest_edge": 8},
@@ -492,7 +492,7 @@ def llava_next_processor(template: str | None = None) -> transformers.LlavaNextP
         patch_size=4,
         vision_feature_select_strategy="default",
         num_additional_image_tokens=1,
-        chat_template=template or chat_template("<image>"),
+        chat_template=chat_template("<image>"),
     )
 
 
