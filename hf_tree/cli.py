@@ -165,7 +165,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         "--limit",
         type=int,
         default=None,
-        help="builtin sources: CHAMP problems, BFCL tasks or synthetic conversations to read",
+        help="builtin sources: CHAMP problems, BFCL tasks or synthetic conversations to read (synthetic-agent: the "
+        "main job's data, 24 conversations unless given)",
     )
     parser.add_argument("--num-proc", type=int, default=None, help="tokenizing worker processes")
     _add_packing_arguments(parser)

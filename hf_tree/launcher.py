@@ -68,6 +68,7 @@ from hf_tree.data.sources import (
     looks_like_local_path,
     read_rows,
 )
+from hf_tree.data.synthetic_agent import MAIN_JOB_CONVERSATIONS, MAIN_JOB_OPTIONS
 from hf_tree.stats import plan_rows
 from hf_tree.tree import dedup_ratio
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
@@ -156,9 +157,9 @@ DEFAULT_MODEL_RUN: dict[str, Any] = {"lora_layers_to_transform": list(range(26, 
 # tree. assistant_only_loss stays False: True would make TRL swap in its qwen3_training template, which keeps every
 # turn's reasoning (no forks). A held-out split (another seed) gives the loss before and after training.
 DEFAULT_DATA_RUN: dict[str, Any] = {
-    "synthetic_num_conversations": 24,
-    "synthetic_max_user_turns": 2,
-    "synthetic_max_tool_steps": 1,
+    "synthetic_num_conversations": MAIN_JOB_CONVERSATIONS,
+    "synthetic_max_user_turns": MAIN_JOB_OPTIONS["max_user_turns"],
+    "synthetic_max_tool_steps": MAIN_JOB_OPTIONS["max_tool_steps"],
     "messages_branches": "per_turn",
     "assistant_only_loss": False,
     "dataset_test_split": "test",

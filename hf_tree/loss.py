@@ -16,7 +16,7 @@ from transformers import PreTrainedModel
 
 from hf_tree.attention.mask import autocast_inputs, compute_dtype
 from hf_tree.attention.names import TREE_ATTENTION_NAME
-from hf_tree.models.check import check_model_for_trees
+from hf_tree.models.check import check_model_for_trees, refuse_not_tree_aware
 from hf_tree.models.head import LogitHead, forward_then_score, gathered_head
 from hf_tree.models.introspection import capture_last_hidden_state, causal_lm_of
 from hf_tree.models.length_rope import check_rope_lengths
@@ -336,6 +336,7 @@ def checked_tree_model(
     """
     config = extract_model_from_parallel(model).config
     if config._attn_implementation != TREE_ATTENTION_NAME:
+        refuse_not_tree_aware(causal_lm_of(model))  # a family refused by name: say why, not "load it with tree_flash"
         raise ValueError(
             f"the model uses attn_implementation={config._attn_implementation!r}, which ignores kv_end and "
             f"would let sibling branches see each other. Load it with attn_implementation="

@@ -40,7 +40,7 @@ from hf_tree.config import TreeArguments
 from hf_tree.depth_first import DepthFirstConfig, depth_first_backward, refuse_for_depth_first
 from hf_tree.distributed import enable_fsdp2_on_cpu, local_depth_first_model
 from hf_tree.loss import TreeLosses, tree_losses
-from hf_tree.models.check import check_model_for_trees, self_check_setting
+from hf_tree.models.check import check_model_for_trees, refuse_not_tree_aware, self_check_setting
 from hf_tree.models.introspection import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
@@ -86,8 +86,9 @@ def use_tree_attention(model: torch.nn.Module, name: str = "model") -> None:
     another implementation (``sdpa``, ``eager``, ...) is switched with one warning.
 
     Raises:
-        ValueError: when ``model`` is not a transformers ``PreTrainedModel`` (optionally PEFT-wrapped), or when
-            transformers refuses the switch for this model class.
+        ValueError: when ``model`` is not a transformers ``PreTrainedModel`` (optionally PEFT-wrapped), is of a
+            family refused by name (``hf_tree.models.check.refuse_not_tree_aware``), or when transformers refuses the
+            switch for this model class.
     """
     base = model.get_base_model() if isinstance(model, PeftModel) else model
     if not isinstance(base, PreTrainedModel):
@@ -98,6 +99,7 @@ def use_tree_attention(model: torch.nn.Module, name: str = "model") -> None:
     current = base.config._attn_implementation
     if current == TREE_ATTENTION_NAME:
         return
+    refuse_not_tree_aware(base)  # a family refused by name says why now, not "load it with tree_flash" at batch one
     try:
         base.set_attn_implementation(TREE_ATTENTION_NAME)
     except (ValueError, ImportError, NotImplementedError) as error:

@@ -225,7 +225,8 @@ def tiny_config(model_type: str, level: int = 0) -> transformers.PretrainedConfi
 
 
 def build_tiny(model_type: str, dtype: torch.dtype, level: int = 0) -> torch.nn.Module:
-    """The tiny causal LM on ``tree_flash`` (deterministic init), in eval mode (no dropout)."""
+    """The tiny causal LM on ``tree_flash`` (deterministic init), in eval mode (no dropout); ``RefusedOnLoad`` for a
+    family hf_tree refuses by name (``hf_tree.models.families``)."""
     try:
         config = tiny_config(model_type, level)
     except Exception as error:  # noqa: BLE001 - any failure means: cannot be built tiny
@@ -236,6 +237,8 @@ def build_tiny(model_type: str, dtype: torch.dtype, level: int = 0) -> torch.nn.
             copy.deepcopy(config), attn_implementation="tree_flash", dtype=dtype
         )
     except Exception as error:  # noqa: BLE001
+        if isinstance(error, ValueError) and raised_by_hf_tree(error):  # a family refused by name on load
+            raise RefusedOnLoad(f"load: {first_line(error, 400)}") from error
         raise NotBuildable(f"build: {type(error).__name__}: {first_line(error)}") from error
     return model.eval()
 

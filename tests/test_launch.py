@@ -18,6 +18,7 @@ from peft import PeftModel
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM
 
+from hf_tree import Tree
 from hf_tree import launcher as train
 from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.data.formats import to_builder_rows
@@ -325,33 +326,46 @@ TOOL_CALL_RECORDS = [
 ]
 
 
-def test_launcher_and_hf_tree_stats_build_the_same_trees_from_one_file(tmp_path):
-    """The launcher's data path (load_split -> TreeSFTTrainer) and `hf-tree stats --save-trees` on one messages
-    file give identical trees: both read it through hf_tree.data.sources."""
+@pytest.mark.parametrize("data", ["file", "default job"])
+def test_launcher_and_hf_tree_stats_build_the_same_trees(tmp_path, capsys, data):
+    """The launcher's data path (load_split -> TreeSFTTrainer) and `hf-tree stats --save-trees` give identical
+    trees (both read the data through hf_tree.data.sources): on one messages file, and on the main job's data, where
+    `hf-tree stats builtin:synthetic-agent` with its defaults reports the dedup and branch count the job trains."""
     from hf_tree.cli import main as cli_main
     from hf_tree.tree import TREE_KEYS
     from hf_tree.trl.sft import TreeSFTTrainer
 
-    path = tmp_path / "agent.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in TOOL_CALL_RECORDS) + "\n")
     saved = tmp_path / "stats-trees"
-    cli_main(["stats", str(path), "--chat-template", "qwen3", "--json", "--save-trees", str(saved)])
+    argv = ["--output_dir", str(tmp_path / "out"), "--report_to", "none"]
+    if data == "file":
+        path = tmp_path / "agent.jsonl"
+        path.write_text("\n".join(json.dumps(r) for r in TOOL_CALL_RECORDS) + "\n")
+        cli_main(["stats", str(path), "--chat-template", "qwen3", "--json", "--save-trees", str(saved)])
+        # what `hf-tree stats` builds (the trainer's default is TRL's rows)
+        argv += ["--dataset_name", str(path), "--messages_branches", "per_turn"]
+    else:
+        cli_main(["stats", train.SYNTHETIC_DATASET, "--json", "--save-trees", str(saved)])
+    reported = json.loads(capsys.readouterr().out)
     from_stats = datasets.load_from_disk(str(saved)).select_columns(list(TREE_KEYS)).to_list()
 
     tokenizer = load_smollm2_tokenizer()
-    model_args, data_args, _, config = train.parse_arguments(
-        ["--dataset_name", str(path), "--output_dir", str(tmp_path / "out"), "--report_to", "none"]
-        + ["--messages_branches", "per_turn"]  # what `hf-tree stats` builds (the trainer's default is TRL's rows)
-    )
+    model_args, data_args, _, config = train.parse_arguments(argv)
     config.chat_template_path = train.default_chat_template_path(model_args, data_args)  # as main() does: qwen3
+    rows = train.first_rows(train.load_split(data_args, data_args.dataset_train_split), data_args.max_train_samples)
     trainer = TreeSFTTrainer(
         model=tiny_model(vocab_size=len(tokenizer), dtype=torch.float32),
         args=config,
-        train_dataset=train.load_split(data_args, data_args.dataset_train_split),
+        train_dataset=rows,
         processing_class=copy.deepcopy(tokenizer),
     )
     from_launcher = trainer.train_dataset.select_columns(list(TREE_KEYS)).to_list()
-    assert len(from_stats) == 2 and from_launcher == from_stats
+    expected_trees = 2 if data == "file" else train.DEFAULT_DATA_RUN["synthetic_num_conversations"]
+    assert len(from_stats) == expected_trees and from_launcher == from_stats
+    trees = [Tree.from_dict(row) for row in trainer.train_dataset]  # what main() reports
+    assert reported["num_branches"] == sum(t.num_branches for t in trees)
+    assert reported["dedup_ratio"] == pytest.approx(
+        sum(t.num_branch_tokens for t in trees) / sum(t.num_tokens for t in trees), rel=1e-12
+    )
 
 
 def test_builtin_datasets_and_their_template_in_the_launcher():

@@ -10,15 +10,18 @@ from transformers.masking_utils import AttentionMaskInterface
 from hf_tree.attention import tree_attention_forward
 from hf_tree.attention.dual import tree_mask_function
 from hf_tree.attention.names import TREE_ATTENTION_NAME
+from hf_tree.models.families import refuse_family
 
 
 def _allow_tree_flash(check):
     """transformers treats any name containing "flash" as a flash-attn kernel to import and fails to load
-    it; let exactly ``tree_flash`` through and leave every other name to the original check."""
+    it; let exactly ``tree_flash`` through (refusing the families of ``hf_tree.models.families`` by name) and leave
+    every other name to the original check."""
 
     @functools.wraps(check)
     def wrapper(self, attn_implementation, *args, **kwargs):
         if attn_implementation == TREE_ATTENTION_NAME:
+            refuse_family(self.config, type(self).__name__)
             return TREE_ATTENTION_NAME
         return check(self, attn_implementation, *args, **kwargs)
 

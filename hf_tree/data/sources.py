@@ -33,6 +33,7 @@ from transformers import PreTrainedTokenizerBase
 from hf_tree.builders import TREE_FEATURES, TreeBuildStats, build_tree_dataset, render_ids
 from hf_tree.data.names import AGENT_TEMPLATE, BUILTIN_DATASETS, BUILTIN_PREFIX, BUILTIN_SOURCES
 from hf_tree.data.packages import ConversionStats
+from hf_tree.data.synthetic_agent import MAIN_JOB_CONVERSATIONS, MAIN_JOB_OPTIONS
 from hf_tree.tree import TREE_KEYS
 
 logger = logging.getLogger("hf_tree")
@@ -264,11 +265,16 @@ def load_tree_rows(
         tokenizer: the tokenizer, or a function returning it (called only when the data needs tokenizing).
         chat_template: a template file or TRL template name (see ``chat_template_file``).
         group_by, num_proc: passed to ``build_tree_dataset``.
+        subset, limit: as in ``builtin_rows``; ``builtin:synthetic-agent`` is the main job's data (its
+            ``MAIN_JOB_CONVERSATIONS`` unless ``limit`` is given, and its ``MAIN_JOB_OPTIONS``).
 
     Raises:
         ValueError: as ``read_rows``, or when a tokenizer is needed but not given.
     """
-    rows, conversion = read_rows(source, subset=subset, limit=limit)
+    options = None
+    if builtin_name(source) == "synthetic-agent":  # the main job's data (hf_tree.launcher), sized as it sizes it
+        limit, options = limit or MAIN_JOB_CONVERSATIONS, MAIN_JOB_OPTIONS
+    rows, conversion = read_rows(source, subset=subset, limit=limit, synthetic_options=options)
     if is_tree_dataset(rows):
         return LoadedTrees(rows)
     from hf_tree.vision.sft import is_vision_dataset  # here: it imports TRL, which reading tree rows never needs

@@ -19,6 +19,11 @@ from typing import Any
 
 import datasets
 
+# The main job's data (hf_tree.launcher's defaults for builtin:synthetic-agent), which `hf-tree stats
+# builtin:synthetic-agent` reports on too: the same trees as the job trains.
+MAIN_JOB_CONVERSATIONS = 24
+MAIN_JOB_OPTIONS = {"max_user_turns": 2, "max_tool_steps": 1}
+
 CITIES = ["Paris", "Lisbon", "Osaka", "Toronto", "Nairobi", "Oslo", "Lima", "Hanoi", "Krakow", "Denver"]
 TICKERS = {"ACME": "Acme Corp", "GLBX": "Globex", "INTC": "Initech", "UMBR": "Umbrella", "STRK": "Stark Industries"}
 TABLES = {

@@ -33,6 +33,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
+from hf_tree.models.families import refuse_family
 from hf_tree.models.head import LogitHead, detect_logit_head
 from hf_tree.models.introspection import causal_lm_of, raised_by_hf_tree
 from hf_tree.models.length_rope import longest_exact_branch
@@ -96,10 +97,10 @@ def self_check_enabled(self_check: bool | None) -> bool:
     return os.environ.get(SELF_CHECK_ENV_VAR, "1").strip().lower() not in ("0", "false", "no", "off")
 
 
-def refuse_known_unsupported(model: PreTrainedModel) -> None:
-    """The name-based first line: ``ValueError`` for modules in ``NOT_TREE_AWARE_MODULES``, MoE router losses
-    of another form than transformers' ``load_balancing_loss_func`` (``hf_tree.models.router_loss``), and 4-bit
-    weights repacked for inference (``refuse_inference_packed_weights``)."""
+def refuse_not_tree_aware(model: PreTrainedModel) -> None:
+    """``ValueError`` naming the family and why for a model refused by name: a family of
+    ``hf_tree.models.families``, or modules in ``NOT_TREE_AWARE_MODULES``."""
+    refuse_family(model.config, type(model).__name__)
     found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in NOT_TREE_AWARE_MODULES})
     if found:
         reasons = "; ".join(f"{name}: {NOT_TREE_AWARE_MODULES[name]}" for name in found)
@@ -108,6 +109,13 @@ def refuse_known_unsupported(model: PreTrainedModel) -> None:
             "packed tree would leak into each other. This model cannot be trained on trees yet; train it on flat "
             "sequences instead."
         )
+
+
+def refuse_known_unsupported(model: PreTrainedModel) -> None:
+    """The name-based first line: ``refuse_not_tree_aware``, MoE router losses of another form than transformers'
+    ``load_balancing_loss_func`` (``hf_tree.models.router_loss``), and 4-bit weights repacked for inference
+    (``refuse_inference_packed_weights``)."""
+    refuse_not_tree_aware(model)
     if router_aux_loss_coef(model):
         load_balancing_function(model)  # refuses a router loss the tree cannot weight by multiplicity
     refuse_inference_packed_weights(model)

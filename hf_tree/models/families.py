@@ -1,0 +1,53 @@
+"""Model families refused by name, from the first message: architectures that compute with their attention mask
+outside the attention function, which ``tree_flash`` cannot honour (it builds the tree mask inside attention).
+
+The model zoo (hf_tree.zoo, docs/models.md) finds them "refused by the attention function": under ``tree_flash`` any
+forward of theirs fails. Refusing them by ``model_type`` when they are loaded with ``tree_flash`` or handed to a tree
+trainer says what is wrong at once, instead of "load it with tree_flash" and then "load it with sdpa or eager".
+Families refused for other reasons (recurrent mixers, heads, positions) are refused by ``hf_tree.models.check``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+_OWN_ATTENTION = "its own attention code adds the mask to the scores, outside transformers' attention interface"
+_ALIBI = "ALiBi: a position bias added to the attention mask outside the attention function"
+
+# model_type -> (family, why).
+REFUSED_FAMILIES: dict[str, tuple[str, str]] = {
+    "bloom": ("Bloom", _ALIBI),
+    "mpt": ("MPT", "ALiBi: a position bias added to the attention scores in its own attention code"),
+    "xglm": ("XGLM", _OWN_ATTENTION),
+    "big_bird": ("BigBird", _OWN_ATTENTION),
+    "megatron-bert": ("Megatron-BERT", _OWN_ATTENTION),
+    "rembert": ("RemBERT", _OWN_ATTENTION),
+    "roformer": ("RoFormer", _OWN_ATTENTION),
+    "mvp": ("MVP", _OWN_ATTENTION),
+    "trocr": ("TrOCR", _OWN_ATTENTION),
+    "gpt_neox_japanese": ("GPT-NeoX-Japanese", _OWN_ATTENTION),
+    "doge": ("Doge", "dynamic mask attention: the layer computes its mask from the attention mask itself"),
+    "hy_v4": ("HY-v4", "indexed attention: the layer selects its keys from the attention mask itself"),
+}
+
+
+def refused_family(config: Any) -> tuple[str, str] | None:
+    """``(family, why)`` when hf_tree refuses the model of ``config`` (a transformers ``PretrainedConfig``) by name;
+    Falcon only with ``alibi=True``."""
+    model_type = getattr(config, "model_type", "")
+    if model_type == "falcon" and getattr(config, "alibi", False):
+        return "Falcon with alibi=True", _ALIBI
+    return REFUSED_FAMILIES.get(model_type)
+
+
+def refuse_family(config: Any, model_name: str) -> None:
+    """``ValueError`` naming the family and why when ``refused_family(config)``; ``model_name`` is the class."""
+    refused = refused_family(config)
+    if refused is None:
+        return
+    family, why = refused
+    raise ValueError(
+        f"hf_tree refuses {family} models ({model_name}, model_type={config.model_type!r}) for tree training: {why}, "
+        "so attn_implementation='tree_flash' cannot keep sibling branches apart (any forward with it fails). Train "
+        "this model on flat sequences, with attn_implementation='sdpa' or 'eager', without hf_tree."
+    )
