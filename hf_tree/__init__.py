@@ -1,24 +1,44 @@
 """hf_tree: train causal LMs on tree-structured data (shared prefixes computed once) in the HF stack.
 
-Importing the package registers ``attn_implementation="tree_flash"`` with transformers. The loss and the trainers
-are imported lazily (the loss's model checks pull in ``datasets``, the trainers ``transformers.Trainer`` and TRL: a
-few seconds that ``hf-tree --help`` or a data-only script need not pay).
+Importing the package registers ``attn_implementation="tree_flash"`` with transformers and the tree-aware mixers of
+hybrid models, each at the moment transformers' own code for it is imported (``transformers.modeling_utils``, a
+hybrid's modeling module; at once where it already is: ``hf_tree.post_import``). So ``import hf_tree`` itself imports
+neither torch nor transformers, and every public name below is imported on first use: ``hf-tree --help`` and
+data-only scripts skip the seconds of torch, ``torch._dynamo`` (which ``transformers.modeling_utils`` imports), the
+trainers and TRL.
 """
 
 import importlib
+from types import ModuleType
 from typing import Any
 
-from hf_tree.attention.names import TREE_ATTENTION_NAME
-from hf_tree.attention.registration import register_tree_attention
-from hf_tree.collator import TreeDataCollator
-from hf_tree.models.mixers import install_tree_mixers
-from hf_tree.packing import PackingStats, pack_trees, split_tree
-from hf_tree.tree import Tree
+from hf_tree.models.hybrid_modules import TREE_MIXER_MODULES, modeling_module
+from hf_tree.post_import import when_imported
 
-register_tree_attention()
-install_tree_mixers()  # hybrid models' convolutions and scans read kv_end (hf_tree.models.mixers)
+
+def _register_attention(_: ModuleType) -> None:
+    from hf_tree.attention.registration import register_tree_attention
+
+    register_tree_attention()
+
+
+def _install_mixers(module: ModuleType) -> None:
+    from hf_tree.models.mixers.install import install_module_mixers
+
+    install_module_mixers(module)  # hybrid models' convolutions and scans read kv_end
+
+
+when_imported("transformers.modeling_utils", _register_attention)
+for _name in TREE_MIXER_MODULES:
+    when_imported(modeling_module(_name), _install_mixers)
 
 _LAZY = {
+    "TREE_ATTENTION_NAME": "hf_tree.attention.names",
+    "Tree": "hf_tree.tree",
+    "TreeDataCollator": "hf_tree.collator",
+    "PackingStats": "hf_tree.packing",
+    "pack_trees": "hf_tree.packing",
+    "split_tree": "hf_tree.packing",
     "tree_causal_lm_loss": "hf_tree.loss",
     "TreeTrainer": "hf_tree.trainer",
     "TreeTrainingArguments": "hf_tree.trainer",
@@ -43,12 +63,4 @@ def __getattr__(name: str) -> Any:
     raise AttributeError(f"module 'hf_tree' has no attribute {name!r}")
 
 
-__all__ = [
-    "TREE_ATTENTION_NAME",
-    "PackingStats",
-    "Tree",
-    "TreeDataCollator",
-    "pack_trees",
-    "split_tree",
-    *_LAZY,
-]
+__all__ = list(_LAZY)

@@ -12,12 +12,14 @@ import bisect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import Literal, get_args
+from typing import TYPE_CHECKING, Literal, get_args
 
 import numpy as np
-import torch
 
 from hf_tree.tree import Tree, dedup_ratio
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger("hf_tree")
 
@@ -323,6 +325,8 @@ def lay_out(
         ``loss_positions``, ``loss_targets`` ``[M]`` int64; ``loss_weights`` ``[M]`` float64; ``num_loss_items``
         0-dim float64).
     """
+    import torch  # here, not at module level: the CLI's flags and `hf-tree stats` read this module without torch
+
     num_rows, longest = len(plan.rows), plan.row_length
     input_ids = np.full((num_rows, longest), pad_token_id, dtype=np.int64)
     position_ids = np.zeros((num_rows, longest), dtype=np.int64)

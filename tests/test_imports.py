@@ -1,5 +1,7 @@
-"""The package has no import cycle between its modules and subpackages (issue 17: ``tree`` <-> ``validation``,
-``attention`` -> ``parallel`` -> ``attention``). Read from the source with ``ast``: no imports run, so it is fast.
+"""Imports: no import cycle between the package's modules and subpackages (issue 17: ``tree`` <-> ``validation``,
+``attention`` -> ``parallel`` -> ``attention``), no test module importing another, and (at the end) the start-up
+cost of ``import hf_tree`` and ``hf-tree --help`` (fresh interpreters). The cycles are read from the source with
+``ast``: no imports run, so that check is fast.
 
 Nodes are hf_tree's top-level modules and subpackages (``hf_tree.attention.mask`` counts as
 ``hf_tree.attention``); an edge is an import at module level (``if TYPE_CHECKING:`` blocks included: a
@@ -9,7 +11,12 @@ cycle there is still a design cycle). Imports inside functions are deferred on p
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 PACKAGE_DIR = Path(__file__).resolve().parents[1] / "hf_tree"  # read, not imported
 ROOT = "hf_tree"
@@ -91,7 +98,7 @@ def test_package_graph_has_the_known_edges():
     graph = package_graph()
     assert "hf_tree.attention" in graph["hf_tree.parallel"]
     assert "hf_tree.validation" in graph["hf_tree.tree"]
-    assert "hf_tree.attention" in graph[ROOT]
+    assert "hf_tree.post_import" in graph[ROOT]
 
 
 def test_no_package_import_cycle():
@@ -156,3 +163,83 @@ def test_no_test_module_imports_another():
         f"test modules import other test modules: {found}. Move the shared piece into tests/helpers.py (models, "
         "oracles, training plumbing) or tests/workloads.py (data and tree workloads) and import it from there."
     )
+
+
+# ------------------------------------------------------------------------------- start-up cost (issue 34)
+# Checked in fresh interpreters (this one has everything imported) by what lands in sys.modules, not by time.
+REPO_ROOT = TESTS_DIR.parent
+# torch._dynamo and torch._inductor: seconds each (transformers.modeling_utils imports both); peft imports
+# torch._inductor where bitsandbytes is installed
+HEAVY_MODULES = ("torch", "torch._dynamo", "torch._inductor", "transformers", "peft", "trl", "datasets", "accelerate")
+
+
+def run_fresh(code: str) -> str:
+    """The output of a fresh interpreter running ``code`` in the repository root (this checkout's hf_tree)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO_ROOT, env=env, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+def modules_after(code: str) -> set[str]:
+    """The ``HEAVY_MODULES`` in ``sys.modules`` after a fresh interpreter runs ``code``."""
+    output = run_fresh(f"{code}\nimport sys\nprint([m for m in {HEAVY_MODULES!r} if m in sys.modules])")
+    return set(ast.literal_eval(output.splitlines()[-1]))
+
+
+def test_import_hf_tree_imports_nothing_heavy():
+    """``import hf_tree`` sets up tree_flash and the hybrid mixers for later (``hf_tree.post_import``), importing no
+    torch, no transformers and none of the trainers' stacks."""
+    assert modules_after("import hf_tree") == set()
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["stats", "--help"], ["show", "--help"], ["demo", "--help"]])
+def test_cli_help_imports_no_torch(argv):
+    """``hf-tree --help`` and the help of its own subcommands are built from light modules (<= 1 s)."""
+    code = f"from hf_tree.cli import main\ntry:\n    main({argv!r})\nexcept SystemExit:\n    pass"
+    assert modules_after(code) == set()
+
+
+# After FIRST, a tiny float64 Bamba (attention and Mamba2 mixers): the loss of a packed tree through tree_flash
+# (registered when transformers.modeling_utils loads) and the tree-aware mixers (installed when modeling_bamba
+# loads) against the same model run branch by branch with sdpa (the first use's self-check is off: it costs more than
+# the rest and this oracle is stricter).
+TREE_FLASH_CHECK = """
+import sys
+from transformers.models.bamba import modeling_bamba  # imports transformers.modeling_utils
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+stacks = {"peft", "trl", "datasets"} & set(sys.modules)
+assert not stacks, f"setting up tree_flash and the mixers imported {stacks}"
+import hf_tree
+from hf_tree.attention import tree_attention_forward
+from tests.helpers import FLOAT32_FLOOR, hybrid_model, per_branch_forest_loss, relative_error
+from tests.workloads import grpo_row
+
+assert ALL_ATTENTION_FUNCTIONS["tree_flash"] is tree_attention_forward
+assert hasattr(modeling_bamba.mamba2_chunk_scan, "__hf_tree_original__")
+model = hybrid_model("bamba")
+assert model.config._attn_implementation == "tree_flash"
+groups = grpo_row()
+collator = hf_tree.TreeDataCollator(max_packed_tokens=64)
+batch = collator([hf_tree.Tree.from_sequences(s, m).to_dict() for s, m in groups])
+loss = hf_tree.tree_causal_lm_loss(model, batch, self_check=False)
+error = relative_error(loss, per_branch_forest_loss(model, groups))
+assert error <= FLOAT32_FLOOR, error
+"""
+
+
+@pytest.mark.parametrize(
+    "first",
+    [
+        "import hf_tree",  # the usual order: set up as transformers' modeling code loads
+        "import hf_tree.attention.registration",  # hf_tree's attention package first
+        "import transformers.models.bamba.modeling_bamba\nimport hf_tree",  # already loaded: set up at once
+    ],
+)
+def test_tree_flash_and_mixers_work_right_after_import(first):
+    """A model loaded with ``attn_implementation="tree_flash"`` right after ``import hf_tree`` trains trees exactly
+    (hybrid mixers included), whichever is imported first; setting up imports none of peft, trl, datasets."""
+    run_fresh(f"{first}\n{TREE_FLASH_CHECK}")

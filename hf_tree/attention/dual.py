@@ -20,7 +20,6 @@ import sys
 from collections.abc import Callable
 
 import torch
-from transformers import PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import eager_mask, sdpa_mask
 
@@ -114,6 +113,10 @@ def tree_mask_function(
 def _modeling_module_refuses_sdpa(attention_class: type) -> bool:
     """Whether a ``PreTrainedModel`` of the attention class's modeling module refuses sdpa (so transformers
     would load the model with ``eager``)."""
+    # imported here: transformers.modeling_utils registers tree_flash on import (hf_tree.post_import), which needs
+    # this package fully imported
+    from transformers import PreTrainedModel
+
     namespace = vars(sys.modules[attention_class.__module__])
     return any(
         isinstance(obj, type)

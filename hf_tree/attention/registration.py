@@ -1,11 +1,9 @@
-"""Registers ``attn_implementation="tree_flash"`` with transformers (done on ``import hf_tree``)."""
+"""Registers ``attn_implementation="tree_flash"`` with transformers (``import hf_tree`` does it as soon as
+``transformers.modeling_utils`` is imported: ``hf_tree.post_import``)."""
 
 from __future__ import annotations
 
 import functools
-
-from transformers import AttentionInterface, PreTrainedModel
-from transformers.masking_utils import AttentionMaskInterface
 
 from hf_tree.attention import tree_attention_forward
 from hf_tree.attention.dual import tree_mask_function
@@ -31,6 +29,10 @@ def _allow_tree_flash(check):
 
 def register_tree_attention() -> None:
     """Idempotent: register the attention and mask functions and the narrow loading override."""
+    # imported here: importing transformers.modeling_utils calls this function (hf_tree.post_import)
+    from transformers import AttentionInterface, PreTrainedModel
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(TREE_ATTENTION_NAME, tree_attention_forward)
     AttentionMaskInterface.register(TREE_ATTENTION_NAME, tree_mask_function)
     check = PreTrainedModel._check_and_adjust_attn_implementation

@@ -16,7 +16,7 @@ import weakref
 from collections.abc import Iterator
 
 import torch
-from accelerate.utils import extract_model_from_parallel, is_peft_model
+from accelerate.utils import extract_model_from_parallel
 from transformers import PreTrainedModel
 
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep  # hf_tree/
@@ -26,7 +26,10 @@ _backbones: weakref.WeakKeyDictionary[PreTrainedModel, torch.nn.Module] = weakre
 def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:
     """The ``PreTrainedModel`` inside DDP/FSDP/compile and PEFT wrappers (FSDP2 keeps the module itself)."""
     unwrapped = extract_model_from_parallel(model)
-    return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+    # a PEFT model has imported peft; not importing it for the others saves seconds (with bitsandbytes installed,
+    # peft imports torch._inductor), as accelerate's is_peft_model would not
+    peft = sys.modules.get("peft")
+    return unwrapped.get_base_model() if peft is not None and isinstance(unwrapped, peft.PeftModel) else unwrapped
 
 
 def remember_backbone(causal_lm: PreTrainedModel, backbone: torch.nn.Module) -> None:

@@ -1,4 +1,5 @@
-"""Plug the tree-aware mixer ops into transformers' hybrid models (done on ``import hf_tree``; idempotent).
+"""Plug the tree-aware mixer ops into transformers' hybrid models (``import hf_tree`` does it for each covered
+modeling module as it is imported; idempotent).
 
 The mixers of these models call module-level functions that transformers lets kernels replace
 (``use_kernel_func_from_hub_with_fallback``) and pass them the model's keyword arguments, ``kv_end`` included.
@@ -11,31 +12,16 @@ from __future__ import annotations
 import functools
 import importlib
 from collections.abc import Callable
+from types import ModuleType
 
 import torch
 
+from hf_tree.models.hybrid_modules import TREE_MIXER_MODULES, modeling_module
 from hf_tree.models.mixers.conv import tree_causal_conv1d
 from hf_tree.models.mixers.delta_rule import tree_chunk_gated_delta_rule
 from hf_tree.models.mixers.ssd import tree_mamba2_chunk_scan
 from hf_tree.models.mixers.topology import tree_topology
 from hf_tree.parallel.context import active_context_parallel
-
-# Modeling modules whose every sequence-mixing op below is covered (their models train exactly on trees).
-TREE_MIXER_MODULES = (
-    "qwen3_next",
-    "qwen3_5",
-    "qwen3_5_moe",
-    "lfm2",
-    "lfm2_moe",
-    "mamba2",
-    "nemotron_h",
-    "falcon_h1",
-    "bamba",
-    "granitemoehybrid",
-    "zamba2",
-    "olmo_hybrid",
-    "lfm3",
-)
 
 
 def _skip_fused(*args, **kwargs) -> None:
@@ -84,20 +70,25 @@ def tree_dispatch(original: Callable[..., object], tree_op: Callable[..., object
     return dispatch
 
 
+def install_module_mixers(module: ModuleType) -> None:
+    """Rebind the mixer ops (``TREE_OPS``) that one modeling module defines. Idempotent."""
+    for op_name, tree_op in TREE_OPS.items():
+        original = getattr(module, op_name, None)
+        if original is None or hasattr(original, "__hf_tree_original__"):
+            continue
+        setattr(module, op_name, tree_dispatch(original, tree_op))
+
+
 def install_tree_mixers(modules: tuple[str, ...] = TREE_MIXER_MODULES) -> list[str]:
-    """Rebind the mixer ops of ``transformers.models.<name>.modeling_<name>`` for each name; returns the modules
-    patched. Idempotent; a module missing from the installed transformers is skipped."""
+    """Import ``transformers.models.<name>.modeling_<name>`` for each name and rebind its mixer ops; returns the
+    modules patched. Idempotent; a module missing from the installed transformers is skipped."""
     patched = []
     for name in modules:
         try:
-            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            module = importlib.import_module(modeling_module(name))
         except ImportError:
             continue
-        for op_name, tree_op in TREE_OPS.items():
-            original = getattr(module, op_name, None)
-            if original is None or hasattr(original, "__hf_tree_original__"):
-                continue
-            setattr(module, op_name, tree_dispatch(original, tree_op))
+        install_module_mixers(module)
         patched.append(name)
     return patched
 
@@ -106,7 +97,7 @@ def uninstall_tree_mixers(modules: tuple[str, ...] = TREE_MIXER_MODULES) -> None
     """Restore the original functions (tests use it to compare behaviour before and after installing)."""
     for name in modules:
         try:
-            module = importlib.import_module(f"transformers.models.{name}.modeling_{name}")
+            module = importlib.import_module(modeling_module(name))
         except ImportError:
             continue
         for op_name in TREE_OPS:
