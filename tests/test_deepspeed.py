@@ -5,7 +5,9 @@ from the same saved tiny model, ``TreeTrainer`` and its oracle ``Trainer`` on th
 TRL's ``SFTTrainer``, ``TreeGRPOTrainer`` and TRL's ``GRPOTrainer`` (fixed completions through ``rollout_func``), and
 saves each final model with ``save_model``. Oracle: the twin's update under the same config. The saved files (ZeRO-3
 gathers the partitioned parameters for them) must hold every tensor of the model, and the tree update must equal the
-twin's within ``TOLERANCE``. Only ``--num_processes 2 --mixed_precision no`` change TRL's files.
+twin's within ``TOLERANCE``. Only ``--num_processes 2 --mixed_precision no`` change TRL's files (the offload test
+also sets both offload devices to ``cpu``). Further launches: resume from a ZeRO checkpoint (oracle: the uninterrupted
+run) per stage, and SFT under ZeRO-3 with CPU offload (oracle: TRL's ``SFTTrainer``).
 """
 
 from __future__ import annotations
