@@ -37,10 +37,15 @@ from transformers.trainer_utils import EvalLoopOutput
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
-from hf_tree.depth_first import DepthFirstConfig, depth_first_backward, refuse_for_depth_first
+from hf_tree.depth_first import DepthFirstConfig, check_depth_first, depth_first_backward, refuse_for_depth_first
 from hf_tree.distributed import enable_fsdp2_on_cpu, local_depth_first_model
 from hf_tree.loss import TreeLosses, tree_losses
-from hf_tree.models.check import check_model_for_trees, refuse_not_tree_aware, self_check_setting
+from hf_tree.models.check import (
+    check_model_for_trees,
+    refuse_not_tree_aware,
+    self_check_enabled,
+    self_check_setting,
+)
 from hf_tree.models.introspection import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
@@ -253,13 +258,15 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
 
     def _depth_first_config(self) -> DepthFirstConfig | None:
         """The depth-first options of the collator's ``tree_execution`` (``None`` when trees run packed), decided
-        before the first step. Where this setup cannot run depth-first, ``"auto"`` (the default) runs packed with one
-        log line naming why (``hf_tree.packing.packed_fallback``), and ``"depth_first"`` is refused.
+        before the first step (the depth-first self-check probe included). Where this setup cannot run depth-first,
+        ``"auto"`` (the default) runs packed with one log line naming why (``hf_tree.packing.packed_fallback``), and
+        ``"depth_first"`` is refused.
 
         Raises:
             ValueError: naming ``tree_execution``, the reason and the fix, for ``"depth_first"`` on several processes
                 other than DDP or FSDP2 (FSDP1, HSDP, tensor parallel, ...), under context parallel or DeepSpeed, with
-                fp16 loss scaling, reentrant gradient checkpointing or an MoE router loss.
+                fp16 loss scaling, reentrant gradient checkpointing or an MoE router loss, or for a model whose
+                depth-first probe differs from its packed pass.
         """
         packing = getattr(self.data_collator, "packing", None)
         if packing is None or packing.tree_execution == "packed":
@@ -307,6 +314,24 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         try:
             refuse_for_depth_first(causal_lm_of(self.model))
         except ValueError as error:  # a model depth-first units would train wrongly (MoE router loss, ...)
+            return str(error)
+        return self._depth_first_probe_failure()
+
+    def _depth_first_probe_failure(self) -> str | None:
+        """The depth-first self-check probe (``hf_tree.depth_first.probe_depth_first``), run now rather than at the
+        first tree larger than a row, so that ``"auto"`` decides (and ``"depth_first"`` refuses) before the first
+        step: why it failed, or ``None``. Skipped with the self-check off, and under FSDP, whose ranks may hold no
+        weights before the first step (the probe then runs at the first depth-first tree, on every rank). A model the
+        packed self-check refuses is left to that check, which refuses it at its first batch whatever the execution."""
+        if not self_check_enabled(self.tree_self_check) or self.is_fsdp_enabled:
+            return None
+        try:
+            logit_head = check_model_for_trees(self.model, self.tree_self_check)
+        except ValueError:
+            return None
+        try:
+            check_depth_first(self.model, causal_lm_of(self.model), logit_head, self.tree_self_check)
+        except ValueError as error:
             return str(error)
         return None
 

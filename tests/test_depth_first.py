@@ -428,26 +428,58 @@ def test_prefix_attention_is_the_attention_of_the_whole_row(engine, unit_kind, n
         assert relative_error(got_grad, expected_grad) <= 1e-12
 
 
-def test_probe_refuses_a_model_whose_units_lose_their_context(monkeypatch):
-    """The first-use probe compares a depth-first run with the packed one: with the ancestors' cache dropped
-    (attention over the unit alone, as a model with its own cache-less context path would compute), it refuses."""
-    import hf_tree.attention as attention
+def _attention_without_prefix(query, key, value, prefix_key, prefix_value, prefix, engine, **options):
+    """``prefix_tree_attention`` with the ancestors' cache dropped: attention over the unit alone, as a model with
+    its own cache-less context path would compute."""
+    return engine(
+        query,
+        key,
+        value,
+        prefix.row_kv_end[:, -query.shape[2] :] - (prefix.row_kv_end.shape[1] - query.shape[2]),
+        position_ids=prefix.row_position_ids[:, -query.shape[2] :],
+        **options,
+    )
 
-    def without_prefix(query, key, value, prefix_key, prefix_value, prefix, engine, **options):
-        return engine(
-            query,
-            key,
-            value,
-            prefix.row_kv_end[:, -query.shape[2] :] - (prefix.row_kv_end.shape[1] - query.shape[2]),
-            position_ids=prefix.row_position_ids[:, -query.shape[2] :],
-            **options,
-        )
+
+def test_probe_refuses_a_model_whose_units_lose_their_context(monkeypatch):
+    """The first-use probe compares a depth-first run with the packed one: with the ancestors' cache dropped, it
+    refuses."""
+    import hf_tree.attention as attention
 
     model = tiny_model(vocab_size=VOCAB, dtype=torch.float32)
     assert depth_first_module.probe_depth_first(model, model, detect_logit_head(model)) < 1e-5
-    monkeypatch.setattr(attention, "prefix_tree_attention", without_prefix)
+    monkeypatch.setattr(attention, "prefix_tree_attention", _attention_without_prefix)
     with pytest.raises(ValueError, match=r"depth_first' is not exact for LlamaForCausalLM"):
         depth_first_module.probe_depth_first(model, model, detect_logit_head(model))
+
+
+def test_trainer_decides_depth_first_at_init(tmp_path, monkeypatch, caplog):
+    """The depth-first probe runs when the trainer is built, not at the first tree larger than a row: a model that
+    fails it is refused by ``"depth_first"`` and runs packed under ``"auto"`` (one log line naming why) before any
+    step; a model that passes it runs depth-first."""
+    import hf_tree.attention as attention
+    from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
+    from tests import workloads
+    from tests.helpers import exact_sgd_args
+
+    def trainer(execution: str) -> TreeTrainer:
+        settings = dict(max_steps=1, per_device_train_batch_size=4, use_cpu=True)
+        args = TreeTrainingArguments(
+            **exact_sgd_args(str(tmp_path / execution), **settings), max_packed_tokens=24, tree_execution=execution
+        )
+        model = tiny_model(vocab_size=VOCAB, dtype=torch.float32)
+        return TreeTrainer(model=model, args=args, train_dataset=workloads.tree_dataset(workloads.branch_groups(5, 4)))
+
+    assert trainer("auto").tree_depth_first is not None  # the control: the probe passes, depth-first it is
+    monkeypatch.setattr(attention, "prefix_tree_attention", _attention_without_prefix)
+    with pytest.raises(ValueError, match=r"tree_execution='depth_first' cannot run here: .*not exact for LlamaForCa"):
+        trainer("depth_first")
+    with caplog.at_level("WARNING", logger="hf_tree"):
+        auto = trainer("auto")
+    assert auto.tree_depth_first is None and auto.data_collator.packing.tree_execution == "packed"
+    assert "tree_execution='auto' runs as 'packed' here (tree_execution='depth_first' is not exact" in caplog.text
+    auto.train()  # packed: trees larger than the row are split by their branches
+    assert auto.state.global_step == 1
 
 
 def test_depth_first_refuses_a_scoped_attention_engine():
