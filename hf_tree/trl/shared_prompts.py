@@ -160,17 +160,19 @@ class SharedPromptPolicyMixin:
     def _refuse_shared_prompts(self) -> None:
         """``ValueError`` naming the option for what the shared policy pass cannot do on this trainer."""
         causes = self.args.shared_prompt_config_causes()
-        accelerator = self.accelerator
+        accelerator, distributed_type = self.accelerator, self.accelerator.distributed_type
+        data_parallel = distributed_type in DATA_PARALLEL_TYPES or (
+            distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
+        )
+        if accelerator.num_processes > 1 and not data_parallel and distributed_type != DistributedType.DEEPSPEED:
+            causes.append(
+                f"{accelerator.num_processes} processes under {distributed_type} (DDP and FSDP2 are supported)"
+            )
+        parallelism = getattr(accelerator, "parallelism_config", None)
+        if parallelism is not None and (parallelism.dp_replicate_size > 1 or parallelism.tp_size > 1):
+            causes.append("FSDP2 with replicated shards (HSDP, dp_replicate_size > 1) or tensor parallel (untested)")
         if getattr(self, "is_deepspeed_enabled", False):
             causes.append("DeepSpeed (its engine owns the backward)")
-        elif accelerator.num_processes > 1:
-            distributed_type = accelerator.distributed_type
-            fsdp2 = distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
-            if distributed_type not in DATA_PARALLEL_TYPES and not fsdp2:
-                causes.append(f"{accelerator.num_processes} processes under {distributed_type} (DDP and FSDP2 are)")
-            parallelism = getattr(accelerator, "parallelism_config", None)
-            if parallelism is not None and (parallelism.dp_replicate_size > 1 or parallelism.tp_size > 1):
-                causes.append("FSDP2 with replicated shards (HSDP) or tensor parallel (untested)")
         if getattr(self, "aux_loss_enabled", False) or router_aux_loss_coef(self._shared_causal_lm()):
             causes.append("an MoE router load-balancing loss (a mean over the micro-batch's tokens)")
         config = self._shared_causal_lm().config
