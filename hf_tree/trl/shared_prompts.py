@@ -23,6 +23,10 @@ step and shared by the micro-batches, with the depth-first executor's machinery 
   ``sync_gradients`` is set: before clipping and the optimizer step) every piece is backpropagated once with
   ``torch.autograd.backward([*entries], [*entry_leaf.grad])``; the parameters' ``.grad`` are
   then what TRL's per-row passes accumulate. The next optimizer step forwards its prompts again (new weights).
+- **Several processes (DDP, FSDP2).** That backward needs the last micro-batch's leaf gradients, so it cannot precede
+  the last micro-batch's synchronizing backward. Every micro-batch runs on ``local_depth_first_model`` instead
+  (gradients accumulate unreduced, no collective), then the pieces' backward, then ``_reduce_gradients``: one
+  token's zero-loss forward and backward through the wrapped model, which reduces the whole step as DDP/FSDP2 do.
 
 The old-policy and reference passes (no gradients) keep the packed pass: they are exact as they are.
 """
@@ -66,10 +70,13 @@ class TreeRolloutArguments(TreeLogProbArguments):
         metadata={
             "help": "Policy pass: forward each prompt shared by several micro-batches of one optimizer step once "
             "(its keys/values are cached and backpropagated once after the step's last micro-batch) instead of once "
-            "per micro-batch. Exact (tests/test_grpo_depth_first.py). None (default): on where supported and where a "
-            "micro-batch shares a prompt with another, else the per-micro-batch pass (exact too). True: on, and "
-            "refused (ValueError) with several processes, DeepSpeed, fp16, an MoE router loss, a vision-language "
-            "model, reentrant gradient checkpointing or tree_logprobs=False. False: off."
+            "per micro-batch. Exact on one process (tests/test_grpo_depth_first.py) and on several under DDP or FSDP2, "
+            "where the step's gradients are reduced after the prompts' backward (tests/test_shared_prompts_"
+            "distributed.py). None (default): on where supported and where a micro-batch shares a prompt with "
+            "another, else the per-micro-batch pass (exact too; logged where unsupported). True: on, and refused "
+            "(ValueError) with several processes other than DDP/FSDP2 (FSDP1, HSDP, tensor parallel), DeepSpeed, "
+            "fp16, an MoE router loss, a vision-language model, reentrant gradient checkpointing or "
+            "tree_logprobs=False. False: off."
         },
     )
 
