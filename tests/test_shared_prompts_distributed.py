@@ -111,6 +111,60 @@ def train(kind: str, tree: bool, model_path: str, output_dir: str) -> dict:
     }
 
 
+@pytest.mark.parametrize(
+    ("distributed_type", "fsdp2", "replicate", "refused"),
+    [
+        ("MULTI_CPU", False, 1, None),
+        ("MULTI_GPU", False, 1, None),
+        ("FSDP", True, 1, None),
+        ("FSDP", False, 1, "under DistributedType.FSDP"),  # FSDP1
+        ("FSDP", True, 2, "HSDP"),
+        ("XLA", False, 1, "under DistributedType.XLA"),
+        ("DEEPSPEED", False, 1, "DeepSpeed"),
+    ],
+)
+def test_shares_on_two_processes_where_it_can(
+    tmp_path, monkeypatch, caplog, distributed_type, fsdp2, replicate, refused
+):
+    """``_check_shared_prompts`` on 2 processes of each kind (a stand-in accelerator; the launched test runs DDP and
+    FSDP2): the default shares and defers the gradient reduction under DDP/FSDP2; elsewhere it is off with one log
+    line naming why, and ``True`` is refused."""
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+    from datasets import Dataset
+
+    from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
+    from tests.helpers import saved_tiny_model, tiny_trl_config, word_tokenizer, zero_reward
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    path = saved_tiny_model(tmp_path / "model", torch.float32)
+    args = tiny_trl_config(TreeGRPOConfig, path, torch.float32, num_generations=4, max_completion_length=4)
+    setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
+    trainer = TreeGRPOTrainer(path, zero_reward, args, **setup)
+    parallelism = SimpleNamespace(dp_replicate_size=replicate, tp_size=1)
+    for name, value in (
+        ("num_processes", 2),
+        ("distributed_type", getattr(DistributedType, distributed_type)),
+        ("is_fsdp2", fsdp2),
+        ("parallelism_config", parallelism),
+    ):
+        monkeypatch.setattr(Accelerator, name, property(lambda self, value=value: value))
+    monkeypatch.setattr(trainer, "is_deepspeed_enabled", distributed_type == "DEEPSPEED", raising=False)
+    with caplog.at_level("INFO", logger="hf_tree"):
+        trainer._check_shared_prompts()
+    lines = [r.getMessage() for r in caplog.records if "shared-prompt policy pass is off" in r.getMessage()]
+    if refused is None:
+        assert trainer._shares_prompts() and trainer._defers_gradient_sync and not lines
+        return
+    assert not trainer._shares_prompts() and not trainer._defers_gradient_sync
+    assert len(lines) == 1 and refused in lines[0]
+    trainer.args.tree_share_across_microbatches = True
+    with pytest.raises(ValueError, match=f"tree_share_across_microbatches.*{refused}"):
+        trainer._check_shared_prompts()
+
+
 def launch_config(tmp_path: Path, engine: str) -> Path:
     if engine == "ddp":
         config = tmp_path / "ddp.json"
