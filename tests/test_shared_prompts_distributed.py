@@ -24,7 +24,6 @@ if __name__ == "__main__":  # launched as a script: make `hf_tree` and `tests` i
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
-from safetensors.torch import load_file  # noqa: E402
 
 from tests.helpers import (  # noqa: E402
     TRL_TOLERANCE,
@@ -49,12 +48,13 @@ DDP_CONFIG = {
 }
 
 
-def train(kind: str, tree: bool, model_path: str, output_dir: str) -> dict:
-    """``STEPS`` SGD steps of GRPO or RLOO (TRL's class or the tree one) on the saved tiny model; every rank's
-    trained parameters (full tensors), the logged losses and (tree) every rank's ``shared_prompt_stats``."""
+def train(kind: str, tree: bool, lora: bool, model_path: str, output_dir: str) -> dict:
+    """``STEPS`` SGD steps of GRPO or RLOO (TRL's class or the tree one) on the saved tiny model, full or LoRA; every
+    rank's trained parameters (full tensors), the logged losses and (tree) every rank's ``shared_prompt_stats``."""
     from dataclasses import asdict
 
     from datasets import Dataset
+    from peft import LoraConfig
     from torch.distributed.tensor import DTensor
     from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -92,19 +92,28 @@ def train(kind: str, tree: bool, model_path: str, output_dir: str) -> dict:
         tiny_trl_config(config_class, output_dir, torch.float64, **settings),
         train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
         processing_class=word_tokenizer(),
+        peft_config=LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+        if lora
+        else None,
         **({"rollout_func": fixed_rollout} if kind == "grpo" else {}),
     )
+
+    def trainable() -> dict[str, torch.Tensor]:
+        named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
+        return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu().clone() for n, p in named}
+
+    initial = trainable()
     with float64_norms():  # HF's RMSNorm upcasts to float32 only
         trainer.train()
-    named = [(n, p) for n, p in trainer.model.named_parameters() if p.requires_grad]
-    params = {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in named}
+    params = trainable()
     stats = asdict(trainer.shared_prompt_stats) if tree else None
     per_rank = [None] * trainer.accelerator.num_processes
     torch.distributed.all_gather_object(per_rank, (params, stats))
     return {
         "distributed_type": str(trainer.accelerator.distributed_type),
         "num_processes": trainer.accelerator.num_processes,
-        "sharded": all(isinstance(p, DTensor) for _, p in named),
+        "sharded": all(isinstance(p, DTensor) for p in trainer.model.parameters() if p.requires_grad),
+        "updates": {n: p - initial[n] for n, p in params.items()},
         "params": [p for p, _ in per_rank],
         "stats": [s for _, s in per_rank],
         "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
@@ -170,18 +179,20 @@ def launch_config(tmp_path: Path, engine: str) -> Path:
         config = tmp_path / "ddp.json"
         config.write_text(json.dumps(DDP_CONFIG))
         return config
-    return REPO / "fsdp_configs" / "fsdp2_full.json"
+    return REPO / "fsdp_configs" / f"{engine.replace('-', '_')}.json"
 
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("engine", ["ddp", "fsdp2-full", "fsdp2-lora"])
 def test_shared_prompts_on_two_processes_match_trl(tmp_path, engine):
     from tests.helpers import FIXED_COMPLETIONS, free_port, saved_tiny_model
 
     model_path = saved_tiny_model(tmp_path / "model", torch.float64)
     report = tmp_path / "report.pt"
-    command = [*launch_command(launch_config(tmp_path, engine)), __file__, model_path, str(tmp_path), str(report)]
+    lora = engine.endswith("lora")
+    worker = [__file__, model_path, str(tmp_path), str(report), str(lora)]
+    command = [*launch_command(launch_config(tmp_path, engine)), *worker]
     command[command.index("--main_process_port") + 1] = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TRL_EXPERIMENTAL_SILENCE": "1"}
     if engine == "ddp":  # torchrun-launched processes without an accelerator: DDP on gloo (MULTI_CPU)
@@ -190,9 +201,8 @@ def test_shared_prompts_on_two_processes_match_trl(tmp_path, engine):
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
     runs = torch.load(report)
 
-    initial = load_file(Path(model_path) / "model.safetensors")
     piece_tokens = STEPS * sum(len(prompt.split()) - 1 for prompt in FIXED_COMPLETIONS)  # one prompt per rank
-    for kind in KINDS:
+    for kind in ("grpo",) if lora else KINDS:
         trl, tree = runs[kind]["trl"], runs[kind]["tree"]
         for run in (trl, tree):
             assert run["num_processes"] == 2
@@ -205,25 +215,21 @@ def test_shared_prompts_on_two_processes_match_trl(tmp_path, engine):
         # sharing ran on each rank: one piece (its group's prompt) per optimizer step
         assert [s["pieces"] for s in tree["stats"]] == [STEPS, STEPS], tree["stats"]
         assert sum(s["piece_tokens"] for s in tree["stats"]) == piece_tokens
-        updates = {
-            name: {n: p - initial[n] for n, p in run["params"][0].items()}
-            for name, run in (("trl", trl), ("tree", tree))
-        }
-        assert all(u.norm() > 0 for u in updates["trl"].values())  # every parameter moved: not trivially equal
-        error = max_relative_error(updates["tree"], updates["trl"])
+        assert all(u.norm() > 0 for u in trl["updates"].values())  # every parameter moved: not trivially equal
+        error = max_relative_error(tree["updates"], trl["updates"])
         print(f"{engine} {kind}: update vs TRL on 2 processes: relative {error:.2e}")
         assert error <= TRL_TOLERANCE, kind
         assert tree["losses"] == pytest.approx(trl["losses"], rel=TRL_TOLERANCE)
 
 
 if __name__ == "__main__":
-    model_path, output_dir, report = sys.argv[1:4]
+    model_path, output_dir, report, lora = sys.argv[1:5]
     out = {
         kind: {
-            name: train(kind, name == "tree", model_path, str(Path(output_dir) / kind / name))
+            name: train(kind, name == "tree", lora == "True", model_path, str(Path(output_dir) / kind / name))
             for name in ("trl", "tree")
         }
-        for kind in KINDS
+        for kind in (("grpo",) if lora == "True" else KINDS)
     }
     if int(os.environ.get("RANK", "0")) == 0:
         torch.save(out, report)
