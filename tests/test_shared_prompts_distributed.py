@@ -1,5 +1,5 @@
 """``tree_share_across_microbatches`` (default ``None``) under ``accelerate launch`` with 2 CPU processes (gloo): plain
-DDP and FSDP2 (``fsdp_configs/fsdp2_full.json``), issue 35 item 3.
+DDP and FSDP2 (``fsdp_configs/fsdp2_full.json``), full and LoRA (``fsdp2_lora.json``, GRPO only), issue 35 item 3.
 
 The file is also the launched worker (``__main__``). One launch trains, in turn, TRL's ``GRPOTrainer`` (fixed
 completions through TRL's ``rollout_func``), ``TreeGRPOTrainer``, TRL's ``RLOOTrainer`` (sampled completions: same
@@ -8,6 +8,7 @@ rank in float64 (RMSNorm too), so each rank holds one group of 4 cut across its 
 Oracle: TRL's trainer in the same launch (the tree passes change how log-probs are computed, nothing else): the same
 update, and the same parameters on both ranks. That sharing ran is asserted from each rank's
 ``shared_prompt_stats``: one prompt piece per optimizer step, holding the rank's prompt minus its last token.
+TRL's default non-reentrant gradient checkpointing is on.
 """
 
 from __future__ import annotations
@@ -175,7 +176,7 @@ def test_shares_on_two_processes_where_it_can(
 
 
 def launch_config(tmp_path: Path, engine: str) -> Path:
-    if engine == "ddp":
+    if engine.startswith("ddp"):
         config = tmp_path / "ddp.json"
         config.write_text(json.dumps(DDP_CONFIG))
         return config
@@ -184,7 +185,7 @@ def launch_config(tmp_path: Path, engine: str) -> Path:
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["ddp", "fsdp2-full", "fsdp2-lora"])
+@pytest.mark.parametrize("engine", ["ddp", "ddp-lora", "fsdp2-full", "fsdp2-lora"])
 def test_shared_prompts_on_two_processes_match_trl(tmp_path, engine):
     from tests.helpers import FIXED_COMPLETIONS, free_port, saved_tiny_model
 
@@ -195,7 +196,7 @@ def test_shared_prompts_on_two_processes_match_trl(tmp_path, engine):
     command = [*launch_command(launch_config(tmp_path, engine)), *worker]
     command[command.index("--main_process_port") + 1] = str(free_port())
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), "TRL_EXPERIMENTAL_SILENCE": "1"}
-    if engine == "ddp":  # torchrun-launched processes without an accelerator: DDP on gloo (MULTI_CPU)
+    if engine.startswith("ddp"):  # torchrun-launched processes without an accelerator: DDP on gloo (MULTI_CPU)
         env["ACCELERATE_USE_CPU"] = "true"
     result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-6000:]
@@ -206,7 +207,7 @@ def test_shared_prompts_on_two_processes_match_trl(tmp_path, engine):
         trl, tree = runs[kind]["trl"], runs[kind]["tree"]
         for run in (trl, tree):
             assert run["num_processes"] == 2
-            if engine == "ddp":
+            if engine.startswith("ddp"):
                 assert run["distributed_type"] == "DistributedType.MULTI_CPU"
             else:
                 assert run["distributed_type"] == "DistributedType.FSDP" and run["sharded"]
