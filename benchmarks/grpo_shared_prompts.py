@@ -12,6 +12,9 @@ included, the same for every method).
     PYTHONPATH=. python benchmarks/grpo_shared_prompts.py            # 256 + 8 x 32, micro-batches of 2, GA 4
     PYTHONPATH=. python benchmarks/grpo_shared_prompts.py --quick    # smoke test
 
+Under ``accelerate launch --num_processes 2`` (DDP; on CPU with ``ACCELERATE_USE_CPU=true``) each rank trains its own
+group of ``--generations`` and prints its own table.
+
 The model is a random float32 Llama (speed does not depend on the weights), one thread.
 """
 

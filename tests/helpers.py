@@ -13,6 +13,7 @@ import copy
 import importlib.resources
 import json
 import os
+import socket
 import subprocess
 import sys
 from collections.abc import Iterator, Sequence
@@ -624,6 +625,13 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     """Largest relative error between same-named tensors (state dicts, saved files)."""
     assert a.keys() == b.keys()
     return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)) for n in a)
+
+
+def free_port() -> int:
+    """A free local port, so launches in a row never share ``--main_process_port``."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
 
 
 def launch_command(config: Path) -> list[str]:

@@ -23,12 +23,17 @@ step and shared by the micro-batches, with the depth-first executor's machinery 
   ``sync_gradients`` is set: before clipping and the optimizer step) every piece is backpropagated once with
   ``torch.autograd.backward([*entries], [*entry_leaf.grad])``; the parameters' ``.grad`` are
   then what TRL's per-row passes accumulate. The next optimizer step forwards its prompts again (new weights).
+- **Several processes (DDP, FSDP2).** That backward needs the last micro-batch's leaf gradients, so it cannot precede
+  the last micro-batch's synchronizing backward. Every micro-batch runs on ``local_depth_first_model`` instead
+  (gradients accumulate unreduced, no collective), then the pieces' backward, then ``_reduce_gradients``: one
+  token's zero-loss forward and backward through the wrapped model, which reduces the whole step as DDP/FSDP2 do.
 
 The old-policy and reference passes (no gradients) keep the packed pass: they are exact as they are.
 """
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections import defaultdict
 from collections.abc import Hashable
@@ -37,14 +42,16 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import is_peft_model
+from accelerate.utils import DistributedType, is_peft_model
 
 from hf_tree.attention.prefix import PrefixCache
 from hf_tree.depth_first import check_depth_first, refuse_for_depth_first
+from hf_tree.distributed import local_depth_first_model
 from hf_tree.models.check import check_model_for_trees, self_check_setting
 from hf_tree.models.introspection import backbone_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
+from hf_tree.trainer import DATA_PARALLEL_TYPES
 from hf_tree.tree import Tree
 from hf_tree.trl.glue import TreeLogProbArguments
 from hf_tree.trl.logprobs import fused_head_values, scatter_to_rows
@@ -63,10 +70,13 @@ class TreeRolloutArguments(TreeLogProbArguments):
         metadata={
             "help": "Policy pass: forward each prompt shared by several micro-batches of one optimizer step once "
             "(its keys/values are cached and backpropagated once after the step's last micro-batch) instead of once "
-            "per micro-batch. Exact (tests/test_grpo_depth_first.py). None (default): on where supported and where a "
-            "micro-batch shares a prompt with another, else the per-micro-batch pass (exact too). True: on, and "
-            "refused (ValueError) with several processes, DeepSpeed, fp16, an MoE router loss, a vision-language "
-            "model, reentrant gradient checkpointing or tree_logprobs=False. False: off."
+            "per micro-batch. Exact on one process (tests/test_grpo_depth_first.py) and on several under DDP or FSDP2, "
+            "where the step's gradients are reduced after the prompts' backward (tests/test_shared_prompts_"
+            "distributed.py). None (default): on where supported and where a micro-batch shares a prompt with "
+            "another, else the per-micro-batch pass (exact too; logged where unsupported). True: on, and refused "
+            "(ValueError) with several processes other than DDP/FSDP2 (FSDP1, HSDP, tensor parallel), DeepSpeed, "
+            "fp16, an MoE router loss, a vision-language model, reentrant gradient checkpointing or "
+            "tree_logprobs=False. False: off."
         },
     )
 
@@ -127,6 +137,8 @@ class SharedPromptPolicyMixin:
     _shared_pieces: dict[tuple[int, ...], _Piece]
     shared_prompt_stats: SharedPromptStats
     _share_prompts: bool = False
+    _defers_gradient_sync: bool = False
+    """Several processes with sharing on: decided once, the same on every rank (``training_step``)."""
 
     def _shares_prompts(self) -> bool:
         return self._share_prompts
@@ -149,19 +161,25 @@ class SharedPromptPolicyMixin:
             logger.info(
                 "hf_tree: the shared-prompt policy pass is off (%s); each micro-batch packs its own rows.", error
             )
+        # kept even if the first shared pass's model probe turns sharing off on some rank: exact either way
+        self._defers_gradient_sync = self._share_prompts and self.accelerator.num_processes > 1
 
     def _refuse_shared_prompts(self) -> None:
         """``ValueError`` naming the option for what the shared policy pass cannot do on this trainer."""
         causes = self.args.shared_prompt_config_causes()
-        if self.accelerator.num_processes > 1:
+        accelerator, distributed_type = self.accelerator, self.accelerator.distributed_type
+        data_parallel = distributed_type in DATA_PARALLEL_TYPES or (
+            distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
+        )
+        if accelerator.num_processes > 1 and not data_parallel and distributed_type != DistributedType.DEEPSPEED:
             causes.append(
-                f"{self.accelerator.num_processes} processes (DDP/FSDP: the pieces' own backward runs "
-                "outside the gradient reduction)"
+                f"{accelerator.num_processes} processes under {distributed_type} (DDP and FSDP2 are supported)"
             )
+        parallelism = getattr(accelerator, "parallelism_config", None)
+        if parallelism is not None and (parallelism.dp_replicate_size > 1 or parallelism.tp_size > 1):
+            causes.append("FSDP2 with replicated shards (HSDP, dp_replicate_size > 1) or tensor parallel (untested)")
         if getattr(self, "is_deepspeed_enabled", False):
             causes.append("DeepSpeed (its engine owns the backward)")
-        if getattr(self, "is_fsdp_enabled", False):
-            causes.append("FSDP")
         if getattr(self, "aux_loss_enabled", False) or router_aux_loss_coef(self._shared_causal_lm()):
             causes.append("an MoE router load-balancing loss (a mean over the micro-batch's tokens)")
         config = self._shared_causal_lm().config
@@ -222,15 +240,33 @@ class SharedPromptPolicyMixin:
 
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
         """TRL's step; after the optimizer step's last micro-batch (accelerate's ``sync_gradients``, set by
-        ``Trainer`` before clipping and the optimizer step), backpropagate the step's prompt pieces once."""
+        ``Trainer`` before clipping and the optimizer step), backpropagate the step's prompt pieces once.
+
+        Under several processes (DDP, FSDP2) every micro-batch, the last one included, runs on
+        ``local_depth_first_model`` (no collective in its forwards and backwards: each rank holds its own pieces and
+        units; gradients accumulate unreduced), then the pieces' backward, then ``_reduce_gradients`` reduces the
+        whole step's gradients as DDP/FSDP2 reduce TRL's."""
+        defer = self._defers_gradient_sync
         try:
-            output = super().training_step(model, inputs, num_items_in_batch)
+            with local_depth_first_model(model) if defer else contextlib.nullcontext(model) as local:
+                output = super().training_step(local, inputs, num_items_in_batch)
+                if getattr(self, "_shared_pieces", None) and self.accelerator.sync_gradients:
+                    self.backward_shared_prompts()
         except BaseException:
             self._shared_pieces = {}
             raise
-        if getattr(self, "_shared_pieces", None) and self.accelerator.sync_gradients:
-            self.backward_shared_prompts()
+        if defer and self.accelerator.sync_gradients:
+            self._reduce_gradients(model)
         return output
+
+    def _reduce_gradients(self, model: torch.nn.Module) -> None:
+        """The engine's own gradient reduction of everything the step accumulated: one synchronizing forward and
+        backward of one token with a zero loss on every rank (DDP all-reduces, FSDP2 reduce-scatters, each averaging
+        over ranks exactly as after TRL's last micro-batch; adding the zero gradient changes nothing)."""
+        token = torch.zeros((1, 1), dtype=torch.long, device=self.accelerator.device)
+        with self.accelerator.autocast():
+            logits = model(input_ids=token, use_cache=False).logits
+        self.accelerator.backward(logits.float().sum() * 0.0)
 
     def backward_shared_prompts(self) -> None:
         """Backpropagate every prompt piece of the step with its leaves' accumulated gradients, once."""
