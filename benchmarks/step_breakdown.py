@@ -236,7 +236,9 @@ def report(work: train_step.Workload, figures: dict[str, Figures]) -> list[str]:
         f"{work.name}: dedup {work.dedup_ratio:.2f}, {work.num_tree_tokens} tree / {work.num_branch_tokens} branch "
         f"tokens, {len(work.sequences)} branches; step s per_branch {statistics.median(base.seconds):.3f}, "
         f"tree {statistics.median(tree.seconds):.3f}: speedup {speedup:.2f}x = {speedup / work.dedup_ratio:.2f} R; "
-        f"step s per repeat per_branch {_seconds(base.seconds)}, tree {_seconds(tree.seconds)}"
+        f"step s per repeat per_branch {_seconds(base.seconds)}, tree {_seconds(tree.seconds)} (speedups "
+        f"{_seconds([b / t for b, t in zip(base.seconds, tree.seconds, strict=True)])}: under load, the median of "
+        "these interleaved pairs is steadier than the ratio of medians)"
     ]
     if base.parts:
         lines += _part_rows(work, base, tree)
