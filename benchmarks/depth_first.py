@@ -121,12 +121,25 @@ def rows_of(tree: Tree) -> tuple[int, int | None]:
 
 
 # ------------------------------------------------------------------------------------------------ methods
-def per_branch(model: torch.nn.Module, tree: Tree, divisor: float) -> None:
-    for b in range(tree.num_branches):
-        ids = torch.tensor([tree.branch_tokens(b)])
-        mask = torch.tensor(tree.branch_loss_mask(b)[1:], dtype=torch.float32)
-        logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
-        (F.cross_entropy(logits, ids[0, 1:], reduction="none") * mask).sum().div(divisor).backward()
+def branch_tensors(tree: Tree, device: torch.device | str) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each branch of ``tree`` on ``device``: its token ids ``[L]`` (int64) and the loss mask of its targets
+    ``[L - 1]`` (float32)."""
+    return [
+        (
+            torch.tensor(tree.branch_tokens(b), device=device),
+            torch.tensor(tree.branch_loss_mask(b)[1:], dtype=torch.float32, device=device),
+        )
+        for b in range(tree.num_branches)
+    ]
+
+
+def per_branch(model: torch.nn.Module, branches: list[tuple[torch.Tensor, torch.Tensor]], divisor: float) -> None:
+    """Every branch alone through ``model`` (its current attention), one backward per branch: the shifted
+    cross-entropy of its trained targets over ``divisor``, on float32 logits as transformers' loss upcasts them.
+    ``branches``: ``branch_tensors`` on the model's device."""
+    for ids, mask in branches:
+        logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1]
+        (F.cross_entropy(logits.float(), ids[1:], reduction="none") * mask).sum().div(divisor).backward()
 
 
 def packed_rows(model: torch.nn.Module, tree: Tree, divisor: float, row: int) -> None:
@@ -148,7 +161,7 @@ def depth_first(model: torch.nn.Module, tree: Tree, divisor: float, row: int) ->
 
 def methods(tree: Tree, row: int, quarter: int | None) -> dict[str, Callable[[torch.nn.Module, float], None]]:
     runs = {
-        "per_branch": lambda m, d: per_branch(m, tree, d),
+        "per_branch": lambda m, d: per_branch(m, branch_tensors(tree, m.device), d),
         "split": lambda m, d: packed_rows(m, tree, d, row),
         "packed": lambda m, d: packed_rows(m, tree, d, tree.num_tokens),
         "depth_first": lambda m, d: depth_first(m, tree, d, row),

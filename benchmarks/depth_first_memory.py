@@ -65,7 +65,7 @@ def run(name: str, model: torch.nn.Module, tree: Tree) -> None:
     divisor = float(tree.token_weights.sum())
     row = int(tree.branch_lengths.max())  # depth-first units of about one branch
     if name == "per_branch":
-        depth_first.per_branch(model, tree, divisor)
+        depth_first.per_branch(model, depth_first.branch_tensors(tree, model.device), divisor)
     elif name == "packed":
         depth_first.packed_rows(model, tree, divisor, tree.num_tokens)
     else:

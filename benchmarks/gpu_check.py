@@ -369,10 +369,7 @@ def speed_methods(tree: Tree, device: torch.device) -> dict[str, Callable[[torch
     """Forward + backward of the tree's loss (summed weighted CE / trained tokens) per method."""
     divisor = float(tree.token_weights.sum())
     batch = {k: v.to(device) for k, v in TreeDataCollator(max_packed_tokens=tree.num_tokens)([tree.to_dict()]).items()}
-    branches = [torch.tensor(tree.branch_tokens(b), device=device) for b in range(tree.num_branches)]
-    masks = [
-        torch.tensor(tree.branch_loss_mask(b)[1:], device=device, dtype=torch.float32) for b in range(tree.num_branches)
-    ]
+    branches = depth_first.branch_tensors(tree, device)
 
     def tree_step(engine: str) -> Callable[[torch.nn.Module], None]:
         def step(model) -> None:
@@ -383,15 +380,13 @@ def speed_methods(tree: Tree, device: torch.device) -> dict[str, Callable[[torch
 
     def per_branch(model) -> None:
         with attention(model, "sdpa"):
-            for ids, mask in zip(branches, masks, strict=True):
-                logits = model(input_ids=ids[None], use_cache=False).logits[0, :-1]
-                (F.cross_entropy(logits.float(), ids[1:], reduction="none") * mask).sum().div(divisor).backward()
+            depth_first.per_branch(model, branches, divisor)
 
     def padding_free(model) -> None:
-        ids = torch.cat(branches)[None]
-        positions = torch.cat([torch.arange(len(b), device=device) for b in branches])[None]
+        ids = torch.cat([ids for ids, _ in branches])[None]
+        positions = torch.cat([torch.arange(len(ids), device=device) for ids, _ in branches])[None]
         # a branch's last token predicts nothing: its target is the next branch's first token, weight 0
-        weights = torch.cat([torch.cat([m, m.new_zeros(1)]) for m in masks])[:-1]
+        weights = torch.cat([torch.cat([m, m.new_zeros(1)]) for _, m in branches])[:-1]
         with attention(model, "flash_attention_2"):
             logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
             (F.cross_entropy(logits.float(), ids[0, 1:], reduction="none") * weights).sum().div(divisor).backward()

@@ -30,10 +30,11 @@ from hf_tree.attention.segments import (
     segment_tree_attention,
 )
 from tests.helpers import detached64, relative_error, run
-from tests.workloads import HEAD_DIM, long_segment_rows, packed_rows, qkv
+from tests.workloads import HEAD_DIM, long_segment_rows, long_segment_trees, packed_rows, qkv
 
 TOLERANCE = 1e-9
 HEADS = [(4, 4), (4, 2), (6, 1)]  # MHA, GQA, MQA
+GPU_HEAD_DIM = 16  # flex's Triton kernels refuse head dims below 16 (HEAD_DIM is 8)
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 
@@ -297,8 +298,8 @@ def test_backend_selection(monkeypatch):
 def test_cuda_engines_within_twice_eager_in_float32(engine, case):
     kv_end, position_ids = packed_rows(seed=21, num_trees=12, max_packed_tokens=400, pad_to_multiple_of=128)
     kv_end, position_ids = kv_end.cuda(), position_ids.cuda()
-    q, k, v = qkv(kv_end, (4, 2), torch.float32, device="cuda")
-    options = dict(scaling=HEAD_DIM**-0.5, **with_sinks(case, 4, torch.float32, device="cuda"))
+    q, k, v = qkv(kv_end, (4, 2), torch.float32, device="cuda", head_dim=GPU_HEAD_DIM)
+    options = dict(scaling=GPU_HEAD_DIM**-0.5, **with_sinks(case, 4, torch.float32, device="cuda"))
     exact = run(reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **in64(options))
     exact_out, exact_grads = exact
     out, grads = run(ENGINES[engine], q, k, v, kv_end, position_ids, **options)
@@ -312,7 +313,7 @@ def test_cuda_engines_within_twice_eager_in_float32(engine, case):
 def test_cuda_blocked_matches_reference_in_float64():
     kv_end, position_ids = packed_rows(seed=22, num_trees=12, max_packed_tokens=400)
     kv_end, position_ids = kv_end.cuda(), position_ids.cuda()
-    q, k, v = qkv(kv_end, (4, 2), torch.float64, device="cuda")
+    q, k, v = qkv(kv_end, (4, 2), torch.float64, device="cuda", head_dim=GPU_HEAD_DIM)
     out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, scaling=0.3, sliding_window=5)
     ref, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.3, sliding_window=5)
     assert relative_error(out, ref) <= TOLERANCE
@@ -369,6 +370,57 @@ def test_segments_low_precision_error_within_twice_eager(dtype, case):
     for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads, strict=True):
         assert grad.dtype == dtype
         assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
+
+
+def _per_branch_sdpa(tree, q, k, v, grad_outs, scaling: float):
+    """Each branch of ``tree`` alone through causal SDPA (the model's own path), on copies of its tokens of
+    ``q/k/v [1, H*, N, D]`` (new leaves), with the output gradient ``grad_outs[b] [1, H, L_b, D]``: the branches'
+    outputs concatenated ``[H, sum L_b, D]`` and their q/k/v gradients summed onto the packed tokens (float64)."""
+    outs, grads = [], [torch.zeros(x.shape, dtype=torch.float64) for x in (q, k, v)]
+    for b, grad_out in enumerate(grad_outs):
+        index = torch.from_numpy(tree.branch_flat_indices(b))
+        leaves = [x.detach()[:, :, index].requires_grad_() for x in (q, k, v)]
+        out = torch.nn.functional.scaled_dot_product_attention(*leaves, is_causal=True, scale=scaling, enable_gqa=True)
+        for total, grad in zip(grads, torch.autograd.grad(out, leaves, grad_out), strict=True):
+            total.index_add_(2, index, grad.double())
+        outs.append(out.detach()[0])
+    return torch.cat(outs, dim=1), grads
+
+
+@pytest.mark.parametrize("mode", ["bfloat16", "autocast"])
+@pytest.mark.parametrize("heads", [(4, 2), (6, 1)], ids=lambda h: f"{h[0]}x{h[1]}")
+def test_segments_bfloat16_error_within_twice_per_branch_sdpa(mode, heads):
+    """The segments engine in bf16 (bf16 tensors, or float32 ones under CPU bf16 autocast) against the branches run
+    alone through SDPA: its output and gradients, err against float64 per-branch SDPA, at most twice per-branch
+    SDPA's own err in the same precision. The engine keeps the model's dtype for outputs and gradients (a
+    token's parts merged and summed there, as per-branch training sums its branches' gradients in the weights'
+    dtype) and only the softmax statistics in float32."""
+    scaling = HEAD_DIM**-0.5
+    for seed, tree in enumerate(long_segment_trees(seed=2)):
+        kv_end = torch.from_numpy(tree.kv_end)[None]
+        dtype = torch.bfloat16 if mode == "bfloat16" else torch.float32
+        q, k, v = qkv(kv_end, heads, dtype, seed=seed)
+        # Output gradients of eighths: exact in bf16, and so are their sums over the branches sharing a token.
+        generator = torch.Generator().manual_seed(seed)
+        grad_outs = [
+            torch.randint(-8, 9, (1, heads[0], n, HEAD_DIM), generator=generator, dtype=torch.float64) / 8
+            for n in tree.branch_lengths.tolist()
+        ]
+        grad_tree = torch.zeros(q.shape, dtype=torch.float64)
+        for b, grad_out in enumerate(grad_outs):
+            grad_tree.index_add_(2, torch.from_numpy(tree.branch_flat_indices(b)), grad_out)
+        with torch.autocast("cpu", torch.bfloat16, enabled=mode == "autocast"):
+            out = segment_tree_attention(q, k, v, kv_end, scaling=scaling)
+            low = _per_branch_sdpa(tree, q, k, v, [g.to(out.dtype) for g in grad_outs], scaling)
+        assert out.dtype == torch.bfloat16
+        grads = torch.autograd.grad(out, (q, k, v), grad_tree.to(out.dtype).transpose(1, 2))
+        exact = _per_branch_sdpa(tree, *detached64((q, k, v)), grad_outs, scaling)
+        flat = torch.cat([torch.from_numpy(tree.branch_flat_indices(b)) for b in range(tree.num_branches)])
+        tree_out = out[0].transpose(0, 1)[:, flat]  # [H, sum L_b, D], each branch's tokens in its order
+        assert relative_error(tree_out, exact[0]) <= 2 * relative_error(low[0], exact[0])
+        for grad, low_grad, exact_grad in zip(grads, low[1], exact[1], strict=True):
+            assert grad.dtype == dtype
+            assert relative_error(grad, exact_grad) <= 2 * relative_error(low_grad, exact_grad)
 
 
 def test_segments_refuse_what_the_fused_kernel_lacks():

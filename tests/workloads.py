@@ -197,10 +197,10 @@ def qkv(
     return leaf(heads[0]), leaf(heads[1]), leaf(heads[1])
 
 
-def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """``kv_end``/``position_ids`` of rows of long segments: a GRPO group (prompt, answers sharing a first
-    sentence), an agent-like chain whose later turns fork off after earlier siblings' subtrees (ancestors that are
-    not one contiguous range), a short prompt with long answers, one-token leaves, and padding."""
+def long_segment_trees(seed: int = 0) -> list[Tree]:
+    """Trees of long segments: a GRPO group (prompt, answers sharing a first sentence), an agent-like chain whose
+    later turns fork off after earlier siblings' subtrees (ancestors that are not one contiguous range), a short
+    prompt with long answers; one-token leaves among them."""
     rng = random.Random(seed)
 
     def tokens(n: int) -> list[int]:
@@ -214,7 +214,12 @@ def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     agent = [t + tokens(60) for t in turns] + turns[-1:]
     short = tokens(30)  # low dedup: a short prompt, long answers
     answers = [short + tokens(200), short + tokens(180), short + tokens(150)]
-    trees = [Tree.from_sequences(group), Tree.from_sequences(agent), Tree.from_sequences(answers)]
+    return [Tree.from_sequences(group), Tree.from_sequences(agent), Tree.from_sequences(answers)]
+
+
+def long_segment_rows(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``kv_end``/``position_ids`` of ``long_segment_trees`` packed by the real collator, with padding."""
+    trees = long_segment_trees(seed)
     batch = TreeDataCollator(max_packed_tokens=1024, pad_to_multiple_of=128)([t.to_dict() for t in trees])
     return batch["kv_end"], batch["position_ids"]
 

@@ -205,9 +205,16 @@ def _token_buffer(
 
 
 def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
-    """``out [..., L, D]``, ``lse [..., L]`` (in place) := the softmax over their keys and a part's other keys."""
+    """``out [..., L, D]``, ``lse [..., L]`` (in place) := the softmax over their keys and a part's other keys.
+
+    ``lse`` is in the softmax statistics' dtype (float32 for half outputs, as the kernel returns it); a half
+    ``out`` is merged in that dtype and rounded once, as the kernel rounds its own output."""
     merged = torch.logaddexp(lse, part_lse)
-    out.mul_((lse - merged).exp_().unsqueeze(-1)).add_(part_out * (part_lse - merged).exp_().unsqueeze(-1))
+    keep, take = (lse - merged).exp_().unsqueeze(-1), (part_lse - merged).exp_().unsqueeze(-1)
+    if out.dtype == lse.dtype:
+        out.mul_(keep).add_(part_out * take)
+    else:
+        out.copy_(out * keep + part_out * take)
     lse.copy_(merged)
 
 
@@ -215,19 +222,20 @@ class _SegmentTreeAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, query, key, value, sinks, plan: SegmentPlan, scaling: float):
         batch, heads, n, dim = query.shape
-        acc_dtype = compute_dtype(query.dtype)
-        options = dict(dtype=acc_dtype, device=query.device)
-        # Every query's first part (a causal part or the one-token call) writes, later ones merge.
-        out_tokens = _token_buffer(batch, heads, n, dim, **options, zeroed=False)  # [B, N, H, D], returned
-        lse_tokens = _token_buffer(batch, heads, n, **options, zeroed=False)
+        # The output in the model's dtype, as SDPA returns it; only the softmax statistics (log-sum-exps) are
+        # float32 for half inputs, as the kernel keeps them. Every query's first part (a causal part or the
+        # one-token call) writes, later ones merge.
+        stats_dtype = compute_dtype(query.dtype)
+        out_tokens = _token_buffer(batch, heads, n, dim, dtype=query.dtype, device=query.device, zeroed=False)
+        lse_tokens = _token_buffer(batch, heads, n, dtype=stats_dtype, device=query.device, zeroed=False)
         out, lse = out_tokens.transpose(1, 2), lse_tokens.transpose(1, 2)  # [B, H, N, D], [B, H, N] views
         if plan.singletons.numel():  # each query's first part: written, not merged
             flat = plan.singletons
             part_out, part_lse = _flash_forward(
                 _tokens_as_batch(query, flat), _tokens_as_batch(key, flat), _tokens_as_batch(value, flat), scale=scaling
             )
-            out_tokens.view(batch * n, heads, dim).index_copy_(0, flat, part_out.squeeze(2).to(acc_dtype))
-            lse_tokens.view(batch * n, heads).index_copy_(0, flat, part_lse.squeeze(2).to(acc_dtype))
+            out_tokens.view(batch * n, heads, dim).index_copy_(0, flat, part_out.squeeze(2))
+            lse_tokens.view(batch * n, heads).index_copy_(0, flat, part_lse.squeeze(2).to(stats_dtype))
         for part in plan.parts:
             rows = slice(part.q0, part.q1)
             part_out, part_lse = _flash_forward(
@@ -244,21 +252,22 @@ class _SegmentTreeAttention(torch.autograd.Function):
             else:
                 _merge(target, target_lse, part_out[0], part_lse[0])
         if sinks is not None:  # one more softmax column per head, with a zero value
-            _merge(out, lse, torch.zeros_like(out), sinks.detach().to(acc_dtype).view(1, heads, 1).expand_as(lse))
-        result = out_tokens.to(query.dtype)
-        ctx.save_for_backward(query, key, value, sinks, result, lse_tokens)
+            _merge(out, lse, torch.zeros_like(out), sinks.detach().to(stats_dtype).view(1, heads, 1).expand_as(lse))
+        ctx.save_for_backward(query, key, value, sinks, out_tokens, lse_tokens)
         ctx.plan, ctx.scaling = plan, scaling
-        return result
+        return out_tokens
 
     @staticmethod
     def backward(ctx, grad_result):
         query, key, value, sinks, result, lse_tokens = ctx.saved_tensors
         plan, scaling = ctx.plan, ctx.scaling
         batch, heads, n, dim = query.shape
-        options = dict(dtype=compute_dtype(query.dtype), device=query.device)
+        # Token-major accumulators of the query, key and value gradients, in the model's dtype as SDPA's backward
+        # writes them: a token's parts (at most two for a query, its own and its descendants' for a key) add up
+        # there, as per-branch training adds each branch's gradients up in the weights' dtype.
         grad_tokens = [
-            _token_buffer(batch, x.shape[1], n, dim, **options) for x in (query, key, value)
-        ]  # token-major accumulators of the query, key and value gradients
+            _token_buffer(batch, x.shape[1], n, dim, dtype=x.dtype, device=x.device) for x in (query, key, value)
+        ]
         grads = [g.transpose(1, 2) for g in grad_tokens]
         grad_out, out, lse = grad_result.transpose(1, 2), result.transpose(1, 2), lse_tokens.transpose(1, 2)
         for part in plan.parts:
@@ -279,7 +288,7 @@ class _SegmentTreeAttention(torch.autograd.Function):
                 if isinstance(part.keys, slice):
                     total[b, part.keys] += part_grad[0].transpose(0, 1)
                 else:  # token-major: whole [Hkv, D] rows per index
-                    total[b].index_add_(0, part.keys, part_grad[0].transpose(0, 1).to(total.dtype))
+                    total[b].index_add_(0, part.keys, part_grad[0].transpose(0, 1))
         if plan.singletons.numel():
             flat = plan.singletons
             part_grads = _flash_backward(
@@ -290,14 +299,14 @@ class _SegmentTreeAttention(torch.autograd.Function):
                 scale=scaling,
             )
             for total, part_grad in zip(grad_tokens, part_grads, strict=True):
-                total.view(batch * n, *total.shape[2:]).index_add_(0, flat, part_grad.squeeze(2).to(total.dtype))
+                total.view(batch * n, *total.shape[2:]).index_add_(0, flat, part_grad.squeeze(2))
         grad_sinks = None
         if sinks is not None:  # d(sink) = -sum over queries of P_sink * rowsum(dO * O)
             # A sum over every query of the batch: accumulated in float64 (cheap, [B, H, N]).
             row_dot = (grad_out.double() * out.double()).sum(-1)
             sink_probs = (sinks.double().view(1, heads, 1) - lse.double()).exp()
             grad_sinks = -(sink_probs * row_dot).sum((0, 2)).to(sinks.dtype)
-        return (*(g.to(x.dtype) for g, x in zip(grads, (query, key, value), strict=True)), grad_sinks, None, None)
+        return (*grads, grad_sinks, None, None)
 
 
 @torch.compiler.disable  # data-dependent plans: run eagerly inside a compiled model
