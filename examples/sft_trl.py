@@ -45,6 +45,7 @@ def main() -> None:
     trainer = SFTTrainer(model=model, args=args, train_dataset=dataset, processing_class=tokenizer)
     trainer.train()
     trainer.save_model()
+    trainer.end()  # ends the process group under `accelerate launch` (as TRL's own scripts do)
 
 
 if __name__ == "__main__":
