@@ -100,6 +100,39 @@ def enable_fsdp2_on_cpu() -> bool:
     return True
 
 
+# Multi-process accelerate types that wrap the model in DDP (local_depth_first_model supports them and FSDP2).
+DATA_PARALLEL_TYPES = frozenset(
+    getattr(DistributedType, name)
+    for name in (
+        "MULTI_CPU",
+        "MULTI_GPU",
+        "MULTI_NPU",
+        "MULTI_MLU",
+        "MULTI_SDAA",
+        "MULTI_MUSA",
+        "MULTI_XPU",
+        "MULTI_HPU",
+    )
+    if hasattr(DistributedType, name)
+)
+
+
+def unsupported_process_layout(accelerator: accelerate.Accelerator) -> str | None:
+    """Why several processes cannot run ``local_depth_first_model`` (depth-first units, shared prompts), or ``None``
+    where they can: one process, DDP, or FSDP2 without replicated shards or tensor parallel. DeepSpeed is left to
+    the callers, which name it with their own reason."""
+    distributed_type = accelerator.distributed_type
+    data_parallel = distributed_type in DATA_PARALLEL_TYPES or (
+        distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
+    )
+    if accelerator.num_processes > 1 and not data_parallel and distributed_type != DistributedType.DEEPSPEED:
+        return f"{accelerator.num_processes} processes under {distributed_type} (DDP and FSDP2 are supported)"
+    parallelism = getattr(accelerator, "parallelism_config", None)
+    if parallelism is not None and (parallelism.dp_replicate_size > 1 or parallelism.tp_size > 1):
+        return "FSDP2 with replicated shards (HSDP, dp_replicate_size > 1) or tensor parallel (untested)"
+    return None
+
+
 @contextlib.contextmanager
 def local_depth_first_model(model: torch.nn.Module) -> Iterator[torch.nn.Module]:
     """The module to run depth-first units on under several processes: forwards and backwards on it issue no

@@ -29,7 +29,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from accelerate.utils import DistributedType
 from peft import PeftModel
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import EvalLoopOutput
@@ -38,7 +37,7 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
 from hf_tree.depth_first import DepthFirstConfig, check_depth_first, depth_first_backward, refuse_for_depth_first
-from hf_tree.distributed import enable_fsdp2_on_cpu, local_depth_first_model
+from hf_tree.distributed import enable_fsdp2_on_cpu, local_depth_first_model, unsupported_process_layout
 from hf_tree.loss import TreeLosses, tree_losses
 from hf_tree.models.check import (
     check_model_for_trees,
@@ -60,21 +59,6 @@ logger = logging.getLogger("hf_tree")
 
 # Per-step sums taken from each batch, all-reduced together with the loss divisor (index 0).
 STEP_SUM_KEYS = ("num_loss_items", "num_rows", *STATS_KEYS)
-# Multi-process accelerate types that wrap the model in DDP (depth-first execution supports them and FSDP2).
-DATA_PARALLEL_TYPES = frozenset(
-    getattr(DistributedType, name)
-    for name in (
-        "MULTI_CPU",
-        "MULTI_GPU",
-        "MULTI_NPU",
-        "MULTI_MLU",
-        "MULTI_SDAA",
-        "MULTI_MUSA",
-        "MULTI_XPU",
-        "MULTI_HPU",
-    )
-    if hasattr(DistributedType, name)
-)
 # Counts of branches packing changed or left out: reported as running totals, never silently lost.
 LOSS_OF_DATA_KEYS = ("num_truncated_branches", "num_dropped_branches", "num_dropped_trees")
 
@@ -286,20 +270,11 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     def _depth_first_obstacle(self) -> str | None:
         """Why this setup cannot run depth-first execution, or ``None`` when it can (one process, DDP or FSDP2,
         without loss scaling, context parallel, reentrant checkpointing or an MoE router loss)."""
-        accelerator = self.accelerator
-        distributed_type = accelerator.distributed_type
-        data_parallel = distributed_type in DATA_PARALLEL_TYPES or (
-            distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
-        )
-        parallelism = getattr(accelerator, "parallelism_config", None)
+        layout = unsupported_process_layout(self.accelerator)
+        if layout is not None:
+            return layout
         checkpointing = self.args.gradient_checkpointing_kwargs or {}
         unsupported = {
-            f"{accelerator.num_processes} processes under {distributed_type} (DDP and FSDP2 are supported)": (
-                accelerator.num_processes > 1 and not data_parallel and distributed_type != DistributedType.DEEPSPEED
-            ),
-            "FSDP2 with replicated shards (HSDP, dp_replicate_size > 1) or tensor parallel (untested)": (
-                parallelism is not None and (parallelism.dp_replicate_size > 1 or parallelism.tp_size > 1)
-            ),
             "context parallel": self.tree_context_parallel is not None,
             "DeepSpeed (its engine owns the backward)": self.is_deepspeed_enabled,
             "fp16 (loss scaling)": self.args.fp16,

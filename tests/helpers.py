@@ -627,6 +627,19 @@ def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -
     return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)) for n in a)
 
 
+# 2-process layouts for stand-in accelerators: (accelerate's DistributedType name, is_fsdp2, dp_replicate_size, what
+# the refusal names, or None where hf_tree.distributed.local_depth_first_model runs: DDP and FSDP2).
+PROCESS_LAYOUTS = [
+    ("MULTI_CPU", False, 1, None),
+    ("MULTI_GPU", False, 1, None),
+    ("FSDP", True, 1, None),
+    ("FSDP", False, 1, "under DistributedType.FSDP"),  # FSDP1
+    ("FSDP", True, 2, "HSDP"),
+    ("XLA", False, 1, "under DistributedType.XLA"),
+    ("DEEPSPEED", False, 1, "DeepSpeed"),
+]
+
+
 def free_port() -> int:
     """A free local port, so launches in a row never share ``--main_process_port``."""
     with socket.socket() as probe:

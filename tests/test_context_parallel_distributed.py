@@ -12,7 +12,6 @@ from __future__ import annotations
 import copy
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -20,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import VOCAB, finish_launched_worker
+from tests.helpers import VOCAB, finish_launched_worker, free_port
 from tests.workloads import agent_row, deep_forest_rows, grpo_row, make_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -200,12 +199,6 @@ def worker(out_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- tests
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("context_parallel")

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -29,7 +28,13 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from safetensors.torch import load_file  # noqa: E402
 
-from tests.helpers import finish_launched_worker, launch_command, max_relative_error  # noqa: E402
+from tests.helpers import (  # noqa: E402
+    PROCESS_LAYOUTS,
+    finish_launched_worker,
+    free_port,
+    launch_command,
+    max_relative_error,
+)
 
 FSDP_CONFIGS = sorted((REPO / "fsdp_configs").glob("*.json"))
 DDP_CONFIG = {
@@ -211,18 +216,7 @@ def test_the_workload_has_trees_on_both_sides_of_a_row():
     assert max(sizes[2:4]) <= ROW_TOKENS < min(sizes[:2])  # rank 1 packs its first micro-batch, rank 0 does not
 
 
-@pytest.mark.parametrize(
-    ("distributed_type", "fsdp2", "replicate", "refused"),
-    [
-        ("MULTI_GPU", False, 1, None),
-        ("MULTI_CPU", False, 1, None),
-        ("FSDP", True, 1, None),
-        ("FSDP", False, 1, "under DistributedType.FSDP"),  # FSDP1
-        ("FSDP", True, 2, "HSDP"),
-        ("XLA", False, 1, "under DistributedType.XLA"),
-        ("DEEPSPEED", False, 1, "DeepSpeed"),
-    ],
-)
+@pytest.mark.parametrize(("distributed_type", "fsdp2", "replicate", "refused"), PROCESS_LAYOUTS)
 def test_depth_first_refuses_only_what_it_cannot_run_on_several_processes(
     tmp_path, caplog, distributed_type, fsdp2, replicate, refused
 ):
@@ -260,12 +254,6 @@ def test_depth_first_refuses_only_what_it_cannot_run_on_several_processes(
             assert trainer.data_collator.packing.max_branch_tokens == ROW_TOKENS  # a packed row holds whole branches
             (line,) = [r.getMessage() for r in caplog.records if "runs as 'packed'" in r.getMessage()]
             assert refused in line and "overlong='error'" in line
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def launch_config(tmp_path: Path, name: str) -> Path:

@@ -27,6 +27,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from tests.helpers import (  # noqa: E402
+    PROCESS_LAYOUTS,
     TRL_TOLERANCE,
     finish_launched_worker,
     launch_command,
@@ -121,18 +122,7 @@ def train(kind: str, tree: bool, lora: bool, model_path: str, output_dir: str) -
     }
 
 
-@pytest.mark.parametrize(
-    ("distributed_type", "fsdp2", "replicate", "refused"),
-    [
-        ("MULTI_CPU", False, 1, None),
-        ("MULTI_GPU", False, 1, None),
-        ("FSDP", True, 1, None),
-        ("FSDP", False, 1, "under DistributedType.FSDP"),  # FSDP1
-        ("FSDP", True, 2, "HSDP"),
-        ("XLA", False, 1, "under DistributedType.XLA"),
-        ("DEEPSPEED", False, 1, "DeepSpeed"),
-    ],
-)
+@pytest.mark.parametrize(("distributed_type", "fsdp2", "replicate", "refused"), PROCESS_LAYOUTS)
 def test_shares_on_two_processes_where_it_can(
     tmp_path, monkeypatch, caplog, distributed_type, fsdp2, replicate, refused
 ):

@@ -42,16 +42,15 @@ from typing import Any
 
 import numpy as np
 import torch
-from accelerate.utils import DistributedType, is_peft_model
+from accelerate.utils import is_peft_model
 
 from hf_tree.attention.prefix import PrefixCache
 from hf_tree.depth_first import check_depth_first, refuse_for_depth_first
-from hf_tree.distributed import local_depth_first_model
+from hf_tree.distributed import local_depth_first_model, unsupported_process_layout
 from hf_tree.models.check import check_model_for_trees, self_check_setting
 from hf_tree.models.introspection import backbone_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
-from hf_tree.trainer import DATA_PARALLEL_TYPES
 from hf_tree.tree import Tree
 from hf_tree.trl.glue import TreeLogProbArguments
 from hf_tree.trl.logprobs import fused_head_values, scatter_to_rows
@@ -167,17 +166,9 @@ class SharedPromptPolicyMixin:
     def _refuse_shared_prompts(self) -> None:
         """``ValueError`` naming the option for what the shared policy pass cannot do on this trainer."""
         causes = self.args.shared_prompt_config_causes()
-        accelerator, distributed_type = self.accelerator, self.accelerator.distributed_type
-        data_parallel = distributed_type in DATA_PARALLEL_TYPES or (
-            distributed_type == DistributedType.FSDP and accelerator.is_fsdp2
-        )
-        if accelerator.num_processes > 1 and not data_parallel and distributed_type != DistributedType.DEEPSPEED:
-            causes.append(
-                f"{accelerator.num_processes} processes under {distributed_type} (DDP and FSDP2 are supported)"
-            )
-        parallelism = getattr(accelerator, "parallelism_config", None)
-        if parallelism is not None and (parallelism.dp_replicate_size > 1 or parallelism.tp_size > 1):
-            causes.append("FSDP2 with replicated shards (HSDP, dp_replicate_size > 1) or tensor parallel (untested)")
+        layout = unsupported_process_layout(self.accelerator)
+        if layout is not None:
+            causes.append(layout)
         if getattr(self, "is_deepspeed_enabled", False):
             causes.append("DeepSpeed (its engine owns the backward)")
         if getattr(self, "aux_loss_enabled", False) or router_aux_loss_coef(self._shared_causal_lm()):
