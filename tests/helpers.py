@@ -245,15 +245,18 @@ def rendered(tokenizer, messages, **kwargs) -> list[int]:
 def exact_sgd_args(output_dir: str, **settings) -> dict:
     """Keyword arguments of ``TrainingArguments`` (or a TRL config) for runs compared against an oracle.
 
-    Constant-rate SGD without clipping or weight decay keeps a gradient error visible in the update (Adam would
-    normalise it away, clipping rescale it); the loss is logged every step; nothing is saved or reported, and data
-    loads in the main process. ``settings`` add to or override these.
+    Constant-rate SGD without weight decay keeps a gradient error visible in the update (Adam would normalise it
+    away). Clipping stays at Trainer's and TRL's default (``max_grad_norm=1.0``), the path users run: both runs clip
+    by their own global gradient norm, so a gradient error still shows (clipping can hide one only when it is a
+    common scale factor of every gradient, which the norm then undoes), and the clipped step is covered too. The
+    loss is logged every step; nothing is saved or reported, and data loads in the main process. ``settings`` add
+    to or override these (``max_grad_norm=0.0``: no clipping, where a test says why).
     """
     defaults = dict(
         output_dir=output_dir,
         optim="sgd",
         lr_scheduler_type="constant",
-        max_grad_norm=0.0,
+        max_grad_norm=1.0,
         weight_decay=0.0,
         logging_steps=1,
         save_strategy="no",
@@ -406,9 +409,10 @@ def one_step(cls, config_cls, path: str, peft: bool, rollout: bool = True, **ove
 
 def one_step_trainer(cls, config_cls, path: str, peft: bool, rollout: bool = True, **overrides):
     """A trainer for one optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per
-    generation: old policy, reference and policy passes all run), SGD without clipping so gradient errors stay
-    visible; ``overrides`` add to or override the config's settings. ``rollout``: completions from ``fixed_rollout``
-    (GRPO's ``rollout_func`` hook); RLOO has none and samples its own (the same seed and logits give the same)."""
+    generation: old policy, reference and policy passes all run), SGD so gradient errors stay visible (clipping on:
+    ``exact_sgd_args``); ``overrides`` add to or override the config's settings. ``rollout``: completions from
+    ``fixed_rollout`` (GRPO's ``rollout_func`` hook); RLOO has none and samples its own (the same seed and logits give
+    the same)."""
     from datasets import Dataset  # imported here: most users of this module never need them
     from peft import LoraConfig
 

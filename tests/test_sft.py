@@ -17,7 +17,7 @@ from trl import SFTConfig, SFTTrainer
 
 from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.builders import GROUP_BY_ROW
-from hf_tree.collator import TreeDataCollator
+from hf_tree.collator import TreeDataCollator, pop_packing_stats
 from hf_tree.data.synthetic_agent import synthetic_agent_dataset
 from hf_tree.depth_first import DepthFirstConfig, depth_first_backward
 from hf_tree.loss import tree_causal_lm_loss
@@ -25,7 +25,17 @@ from hf_tree.row_batching import TreePart, plan_row_batches
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.tree import Tree
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer, train_every_token
-from tests.helpers import QWEN3_TEMPLATE, SMOLLM2_VOCAB, float64_norms, grads_of, max_grad_relative_error, tiny_model
+from tests.helpers import (
+    QWEN3_TEMPLATE,
+    SMOLLM2_VOCAB,
+    exact_sgd_args,
+    float64_norms,
+    grads_of,
+    max_grad_relative_error,
+    rendered,
+    tiny_model,
+    train_and_measure_updates,
+)
 from tests.workloads import prompt_completion_dataset
 
 
@@ -90,8 +100,6 @@ def test_depth_first_steps_equal_trl(tmp_path, tokenizer, loss_type):
     """Two SGD steps (two micro-batches of 2 rows) of TreeSFTTrainer with every tree run depth-first (units of 8
     tokens), float64, with clipping on (TRL's default 1.0; DFT's gradients are ~1e-4 here, so 1e-5), = TRL's
     SFTTrainer (its cross-entropy runs on float32 logits even in a float64 model: 1e-5)."""
-    from tests.helpers import exact_sgd_args, train_and_measure_updates
-
     clipping = 1.0 if loss_type == "nll" else 1e-5
     settings = dict(max_steps=2, learning_rate=0.5, per_device_train_batch_size=2, max_grad_norm=clipping, bf16=False)
     settings |= dict(train_sampling_strategy="sequential", loss_type=loss_type, use_cpu=True, max_length=None)
@@ -168,6 +176,41 @@ def test_max_length_becomes_the_branch_limit():
         assert uncapped.max_branch_tokens == 8192
     default = TreeSFTConfig(output_dir="unused", bf16=False, max_length=8192, max_packed_tokens=1024)
     assert default.tree_execution == "auto" and default.max_branch_tokens == 8192
+
+
+def test_truncation_keeps_the_start_as_trl_does(tmp_path, tokenizer):
+    """TRL cuts a row longer than ``max_length`` to its first ``max_length`` tokens (``truncation_mode="keep_start"``,
+    its default); ``overlong="truncate"`` cuts the branch the same way (counted), and the update equals TRL's (its
+    cross-entropy runs on float32 logits even in a float64 model: 1e-5); the untruncated update does not. Under the
+    default ``overlong="error"`` the longer branch is refused by name, and ``"keep_end"`` at init."""
+    dataset = prompt_completion_dataset()
+    prompts = [len(rendered(tokenizer, row["prompt"], add_generation_prompt=True)) for row in dataset]
+    fulls = [len(rendered(tokenizer, row["prompt"] + row["completion"])) for row in dataset]
+    max_length = max(prompts) + 2  # every row keeps a trained token, some lose their end
+    assert any(length > max_length for length in fulls)
+    settings = dict(max_steps=1, learning_rate=0.5, per_device_train_batch_size=4, bf16=False, use_cpu=True)
+    settings |= dict(train_sampling_strategy="sequential")
+    with pytest.raises(ValueError, match="truncation_mode='keep_end' cannot apply"):
+        TreeSFTConfig(**exact_sgd_args(str(tmp_path), truncation_mode="keep_end", max_length=max_length, **settings))
+
+    def run(config, trainer, name, **options):
+        args = config(**exact_sgd_args(str(tmp_path / name), **settings, **options))
+        model = tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float64, attn="sdpa")
+        return trainer(model, args=args, train_dataset=dataset, processing_class=copy.deepcopy(tokenizer))
+
+    per_row = dict(group_by=GROUP_BY_ROW)
+    with pytest.raises(ValueError, match=f"more than max_branch_tokens={max_length}"):
+        run(TreeSFTConfig, TreeSFTTrainer, "refused", max_length=max_length, **per_row).train()
+    trl = run(SFTConfig, SFTTrainer, "trl", max_length=max_length)
+    assert max(len(ids) for ids in trl.train_dataset["input_ids"]) == max_length
+    tree = run(TreeSFTConfig, TreeSFTTrainer, "tree", max_length=max_length, overlong="truncate", **per_row)
+    stats = pop_packing_stats(next(iter(tree.get_train_dataloader())))
+    assert stats.num_truncated_branches == sum(length > max_length for length in fulls)
+    whole = run(TreeSFTConfig, TreeSFTTrainer, "whole", max_length=None, **per_row)
+    trl_updates, tree_updates, whole_updates = (train_and_measure_updates(t) for t in (trl, tree, whole))
+    assert tree.state.log_history[0]["loss"] == pytest.approx(trl.state.log_history[0]["loss"], rel=1e-5)
+    assert max_grad_relative_error(tree_updates, trl_updates) <= 1e-5
+    assert max_grad_relative_error(whole_updates, trl_updates) > 1e-3
 
 
 def test_sft_config_is_refused_by_tree_trainer(tokenizer):
