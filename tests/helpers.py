@@ -407,12 +407,22 @@ def one_step(cls, config_cls, path: str, peft: bool, rollout: bool = True, **ove
     return trainer, train_and_measure_updates(trainer)
 
 
-def one_step_trainer(cls, config_cls, path: str, peft: bool, rollout: bool = True, **overrides):
+def one_step_trainer(
+    cls,
+    config_cls,
+    path: str,
+    peft: bool,
+    rollout: bool = True,
+    prompts: Sequence[str] = tuple(FIXED_COMPLETIONS),
+    eval_prompts: Sequence[str] | None = None,
+    **overrides,
+):
     """A trainer for one optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per
     generation: old policy, reference and policy passes all run), SGD so gradient errors stay visible (clipping on:
     ``exact_sgd_args``); ``overrides`` add to or override the config's settings. ``rollout``: completions from
     ``fixed_rollout`` (GRPO's ``rollout_func`` hook); RLOO has none and samples its own (the same seed and logits give
-    the same)."""
+    the same). ``prompts``/``eval_prompts``: the training/evaluation datasets' prompts (keys of
+    ``FIXED_COMPLETIONS``; repeats allowed)."""
     from datasets import Dataset  # imported here: most users of this module never need them
     from peft import LoraConfig
 
@@ -422,7 +432,8 @@ def one_step_trainer(cls, config_cls, path: str, peft: bool, rollout: bool = Tru
         path,
         varied_reward,
         args,
-        train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
+        train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
+        eval_dataset=Dataset.from_dict({"prompt": list(eval_prompts)}) if eval_prompts else None,
         processing_class=word_tokenizer(),
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
         **({"rollout_func": fixed_rollout} if rollout else {}),
