@@ -213,6 +213,76 @@ def test_truncation_keeps_the_start_as_trl_does(tmp_path, tokenizer):
     assert max_grad_relative_error(whole_updates, trl_updates) > 1e-3
 
 
+# Every TreeSFTConfig field beyond TrainingArguments (plus label_smoothing_factor) on text rows (prompt/completion(s)
+# and 'messages'): where it is honoured or refused (a test), or why it cannot change the objective.
+TEXT_ROW_FIELDS = {
+    "max_length": "honoured: the branch limit (test_max_length_becomes_the_branch_limit, test_truncation_keeps_...)",
+    "truncation_mode": "'keep_start' = overlong='truncate', 'keep_end' refused (test_truncation_keeps_the_start_...)",
+    "overlong": "honoured: test_truncation_keeps_the_start_as_trl_does; tests/test_packing.py",
+    "max_branch_tokens": "honoured: tests/test_packing.py",
+    "completion_only_loss": "honoured: test_completion_only_loss_false_trains_prompts_with_the_weight_of_...",
+    "assistant_only_loss": "honoured: tests/test_sft_messages.py",
+    "messages_branches": "honoured: tests/test_sft_messages.py",
+    "train_on": "honoured: tests/test_sft_messages.py",
+    "chat_template_path": "honoured: TRL loads it into the tokenizer before the trees are built (tests/test_launch.py)",
+    "eos_token": "honoured: TRL sets it on the tokenizer before the trees are built (test_eos_token_ends_text_rows)",
+    "loss_type": "honoured: test_dft_and_label_smoothing_losses_equal_per_branch, test_depth_first_steps_equal_trl",
+    "label_smoothing_factor": "honoured: test_dft_and_label_smoothing_losses_equal_per_branch",
+    "normalization": "honoured: tests/test_trainer.py",
+    "router_aux_loss_coef": "honoured: tests/test_moe_router_loss.py",
+    "packing": "refused: test_settings_that_cannot_apply_to_trees_are_refused",
+    "padding_free": "refused: test_settings_that_cannot_apply_to_trees_are_refused",
+    "eval_packing": "refused: test_settings_that_cannot_apply_to_trees_are_refused",
+    "dataset_text_field": "refused: 'text' (language-modeling) rows match no tree format (ValueError listing them)",
+    "packing_strategy": "packing=True is refused",
+    "tree_execution": "exact either way: test_depth_first_execution_trains_the_same_objective",
+    "max_packed_tokens": "row size; trees larger than a row run depth-first or split exactly",
+    "group_by": "which rows share a tree: merging is exact (test_default_grouping_merges_completions_of_one_prompt)",
+    "batch_unit": "which rows share a step (test_row_batches_*)",
+    "shuffle_dataset": "order only",
+    "dataset_kwargs": "skip_prepare_dataset=True takes tree rows as they are (test_tree_rows_pass_through_unchanged)",
+    "dataset_num_proc": "speed",
+    "model_init_kwargs": "how the model loads",
+    "trust_remote_code": "how the model loads",
+    "pad_to_multiple_of": "padding is never trained",
+    "pad_token": "padding is never trained",
+    "activation_offloading": "memory only",
+    "context_parallel_strategy": "exact: tests/test_context_parallel.py",
+    "context_parallel_chunks_per_rank": "exact: tests/test_context_parallel.py",
+    "context_parallel_query_block_size": "exact: tests/test_context_parallel.py",
+    "tree_self_check": "a check, not the objective",
+}
+
+
+def test_every_text_row_field_is_classified():
+    """A new field of TreeSFTConfig (or of TRL's SFTConfig) fails here until it is honoured or refused on text rows
+    (or named inert, with the reason); tests/test_vision_sft_options.py does the same on image rows."""
+    import dataclasses
+
+    import transformers
+
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    names = {f.name for f in dataclasses.fields(TreeSFTConfig)} - base | {"label_smoothing_factor"}
+    assert names == set(TEXT_ROW_FIELDS), (
+        f"unclassified: {names - set(TEXT_ROW_FIELDS)}; stale: {set(TEXT_ROW_FIELDS) - names}"
+    )
+
+
+def test_eos_token_ends_text_rows(tmp_path, tokenizer):
+    """TRL's ``eos_token`` (another token than the tokenizer's) ends a plain-text completion's branch."""
+    dataset = datasets.Dataset.from_dict({"prompt": ["The sky is"], "completion": [" blue."]})
+    other = "<|im_start|>"
+    assert other != tokenizer.eos_token
+    args = TreeSFTConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to=[], eos_token=other)
+    trainer = TreeSFTTrainer(
+        tiny_model(vocab_size=SMOLLM2_VOCAB),
+        args=args,
+        train_dataset=dataset,
+        processing_class=copy.deepcopy(tokenizer),
+    )
+    assert Tree.from_dict(trainer.train_dataset[0]).branch_tokens(0)[-1] == tokenizer.convert_tokens_to_ids(other)
+
+
 def test_sft_config_is_refused_by_tree_trainer(tokenizer):
     with pytest.raises(ValueError, match="TreeSFTConfig"):
         TreeSFTTrainer(
