@@ -302,7 +302,7 @@ def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, p
     """One optimizer step of TreeGRPOTrainer (TreeRLOOTrainer) = TRL's GRPOTrainer (RLOOTrainer) on a LLaVA (Gemma 3:
     bidirectional image blocks, ``token_type_ids``) with a real processor: two prompts with the same text and
     different images (they must not merge), old-policy, reference and policy passes (2 micro-batches, 2 iterations
-    per generation), SGD without clipping. GRPO's completions are fixed (``rollout_func``); RLOO has no such hook and
+    per generation), SGD clipped at 1.0. GRPO's completions are fixed (``rollout_func``); RLOO has no such hook and
     samples (the same seed and weights give both the same). With two images per prompt (the same two, swapped in the
     second prompt), LLaVA's processor writes their placeholders as one run."""
     from peft import LoraConfig
