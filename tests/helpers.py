@@ -267,6 +267,15 @@ def exact_sgd_args(output_dir: str, **settings) -> dict:
     return {**defaults, **settings}
 
 
+def clipped_sgd_updates(model: torch.nn.Module, max_grad_norm: float = 1.0) -> dict[str, torch.Tensor]:
+    """The update of ``exact_sgd_args``' step at learning rate 1 from ``model``'s accumulated gradients, for oracles
+    that backpropagate by hand: clipped by their global norm as Trainer clips (``clip_grad_norm_``; 0: no clipping),
+    then negated. Parameters without a gradient are left out."""
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    return {name: -grad for name, grad in grads_of(model).items()}
+
+
 def train_and_measure_updates(trainer) -> dict[str, torch.Tensor]:
     """Run ``trainer.train()`` with RMSNorm kept in float64; how far it moved each trainable parameter."""
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters() if p.requires_grad}
