@@ -18,7 +18,7 @@ call, so the reported rows, splits and padding are what training does by constru
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import numpy as np
@@ -70,11 +70,27 @@ class DatasetPlan:
 
     @property
     def stats(self) -> PackingStats:
-        """The collator's counters summed over the batches (splits, truncated/dropped branches, padding)."""
+        """The collator's counters summed over the batches (splits, truncated/dropped branches, padding), rows
+        counted only where the trainer forwards them: a batch whose trees all run depth-first carries a 1-token
+        placeholder row that ``TreeTrainer`` never forwards on one process (``_rows_run``), so neither it nor its
+        padding counts, as in the trainer's logged packing stats."""
         total = PackingStats()
         for plan in self.batches:
-            total.add(plan.stats)
+            stats = plan.stats
+            if placeholder_only(plan):
+                stats = replace(stats, num_rows=0, num_padding_tokens=0)
+            total.add(stats)
         return total
+
+    @property
+    def num_row_tokens(self) -> int:
+        """Tokens in the packed rows (padding and depth-first trees excluded): the numerator of the rows' fill."""
+        return sum(part.num_tokens for row in self.rows for part in row)
+
+
+def placeholder_only(plan: PackingPlan) -> bool:
+    """Whether ``plan``'s one row is the placeholder of a batch whose trees all run depth-first."""
+    return bool(plan.depth_first) and not any(plan.rows[0])
 
 
 def plan_rows(
@@ -138,7 +154,11 @@ class DatasetStats:
     model_shape: ModelShape = field(default_factory=ModelShape)
     max_packed_tokens: int | None = None
     packing: PackingStats | None = None
-    """What packing at ``max_packed_tokens`` did (rows, splits, drops, padding)."""
+    """What packing at ``max_packed_tokens`` did (rows, splits, drops, padding; forwarded rows only)."""
+    num_row_tokens: int = 0
+    """Tokens in the packed rows (padding and depth-first trees excluded)."""
+    num_depth_first_trees: int = 0
+    """Trees left whole to depth-first execution (``PackingConfig.tree_execution``), outside the rows."""
     packing_config: PackingConfig | None = None
     """The options packing was planned with."""
     dropped: dict[str, Any] = field(default_factory=dict)
@@ -168,6 +188,13 @@ class DatasetStats:
         tree = shape.training_flops(self.num_tree_tokens, self.num_tree_attention_pairs)
         return 1.0 - tree / branch if branch else 0.0
 
+    @property
+    def row_fill(self) -> float:
+        """Share of the forwarded rows' capacity (``num_rows * max_packed_tokens``) holding tree tokens (<= 1)."""
+        if self.packing is None or not self.packing.num_rows:
+            return 0.0
+        return self.num_row_tokens / (self.packing.num_rows * self.max_packed_tokens)
+
     def to_dict(self) -> dict[str, Any]:
         """Scalars, savings and packing counters (histogram inputs left out), JSON-ready."""
         out = {k: v for k, v in asdict(self).items() if not isinstance(v, list)}
@@ -176,6 +203,7 @@ class DatasetStats:
             linear_flop_saving=self.linear_flop_saving,
             attention_flop_saving=self.attention_flop_saving,
             total_flop_saving=self.total_flop_saving,
+            row_fill=self.row_fill,
         )
         return out
 
@@ -214,7 +242,9 @@ def compute_stats(
         stats.tree_dedup_ratios.append(tree.dedup_ratio)
     if packing is not None:
         stats.packing_config, stats.max_packed_tokens = packing, packing.max_packed_tokens
-        stats.packing = plan_rows(trees, packing, trees_per_batch=trees_per_batch).stats
+        plan = plan_rows(trees, packing, trees_per_batch=trees_per_batch)
+        stats.packing, stats.num_row_tokens = plan.stats, plan.num_row_tokens
+        stats.num_depth_first_trees = sum(len(batch.depth_first) for batch in plan.batches)
     return stats
 
 
@@ -260,11 +290,12 @@ def format_report(stats: DatasetStats) -> str:
     ]
     if stats.packing is not None:
         p = stats.packing
-        fill = p.num_tree_tokens / (p.num_rows * stats.max_packed_tokens) if p.num_rows else 0.0
         lines += [
             f"packing at max_packed_tokens={stats.max_packed_tokens}",
-            f"  rows                 {p.num_rows}  (fill {fill:.1%} of row capacity; padding to the batch's longest "
-            f"row {p.padding_fraction:.1%})",
+            f"  rows                 {p.num_rows}  (fill {stats.row_fill:.1%} of row capacity; padding to the batch's "
+            f"longest row {p.padding_fraction:.1%})",
+            f"  trees depth-first    {stats.num_depth_first_trees} ({p.num_tree_tokens - stats.num_row_tokens} tokens, "
+            "outside the rows)",
             f"  trees split          {p.num_split_trees} (into {p.num_tree_parts} parts in total)",
             f"  branches truncated   {p.num_truncated_branches} (longer than max_branch_tokens, overlong='truncate')",
             f"  branches dropped     {p.num_dropped_branches} (longer than max_branch_tokens, overlong='drop')",

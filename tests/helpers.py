@@ -246,15 +246,18 @@ def rendered(tokenizer, messages, **kwargs) -> list[int]:
 def exact_sgd_args(output_dir: str, **settings) -> dict:
     """Keyword arguments of ``TrainingArguments`` (or a TRL config) for runs compared against an oracle.
 
-    Constant-rate SGD without clipping or weight decay keeps a gradient error visible in the update (Adam would
-    normalise it away, clipping rescale it); the loss is logged every step; nothing is saved or reported, and data
-    loads in the main process. ``settings`` add to or override these.
+    Constant-rate SGD without weight decay keeps a gradient error visible in the update (Adam would normalise it
+    away). Clipping stays at Trainer's and TRL's default (``max_grad_norm=1.0``), the path users run: both runs clip
+    by their own global gradient norm, so a gradient error still shows (clipping can hide one only when it is a
+    common scale factor of every gradient, which the norm then undoes), and the clipped step is covered too. The
+    loss is logged every step; nothing is saved or reported, and data loads in the main process. ``settings`` add
+    to or override these (``max_grad_norm=0.0``: no clipping, where a test says why).
     """
     defaults = dict(
         output_dir=output_dir,
         optim="sgd",
         lr_scheduler_type="constant",
-        max_grad_norm=0.0,
+        max_grad_norm=1.0,
         weight_decay=0.0,
         logging_steps=1,
         save_strategy="no",
@@ -263,6 +266,15 @@ def exact_sgd_args(output_dir: str, **settings) -> dict:
         dataloader_num_workers=0,
     )
     return {**defaults, **settings}
+
+
+def clipped_sgd_updates(model: torch.nn.Module, max_grad_norm: float = 1.0) -> dict[str, torch.Tensor]:
+    """The update of ``exact_sgd_args``' step at learning rate 1 from ``model``'s accumulated gradients, for oracles
+    that backpropagate by hand: clipped by their global norm as Trainer clips (``clip_grad_norm_``; 0: no clipping),
+    then negated. Parameters without a gradient are left out."""
+    if max_grad_norm:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), max_grad_norm)
+    return {name: -grad for name, grad in grads_of(model).items()}
 
 
 def train_and_measure_updates(trainer) -> dict[str, torch.Tensor]:
@@ -405,11 +417,22 @@ def one_step(cls, config_cls, path: str, peft: bool, rollout: bool = True, **ove
     return trainer, train_and_measure_updates(trainer)
 
 
-def one_step_trainer(cls, config_cls, path: str, peft: bool, rollout: bool = True, **overrides):
+def one_step_trainer(
+    cls,
+    config_cls,
+    path: str,
+    peft: bool,
+    rollout: bool = True,
+    prompts: Sequence[str] = tuple(FIXED_COMPLETIONS),
+    eval_prompts: Sequence[str] | None = None,
+    **overrides,
+):
     """A trainer for one optimizer step (2 micro-batches of 4 shuffled rows from 2 groups, 2 iterations per
-    generation: old policy, reference and policy passes all run), SGD without clipping so gradient errors stay
-    visible; ``overrides`` add to or override the config's settings. ``rollout``: completions from ``fixed_rollout``
-    (GRPO's ``rollout_func`` hook); RLOO has none and samples its own (the same seed and logits give the same)."""
+    generation: old policy, reference and policy passes all run), SGD so gradient errors stay visible (clipping on:
+    ``exact_sgd_args``); ``overrides`` add to or override the config's settings. ``rollout``: completions from
+    ``fixed_rollout`` (GRPO's ``rollout_func`` hook); RLOO has none and samples its own (the same seed and logits give
+    the same). ``prompts``/``eval_prompts``: the training/evaluation datasets' prompts (keys of
+    ``FIXED_COMPLETIONS``; repeats allowed)."""
     from datasets import Dataset  # imported here: most users of this module never need them
     from peft import LoraConfig
 
@@ -419,7 +442,8 @@ def one_step_trainer(cls, config_cls, path: str, peft: bool, rollout: bool = Tru
         path,
         varied_reward,
         args,
-        train_dataset=Dataset.from_dict({"prompt": list(FIXED_COMPLETIONS)}),
+        train_dataset=Dataset.from_dict({"prompt": list(prompts)}),
+        eval_dataset=Dataset.from_dict({"prompt": list(eval_prompts)}) if eval_prompts else None,
         processing_class=word_tokenizer(),
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
         **({"rollout_func": fixed_rollout} if rollout else {}),

@@ -86,7 +86,7 @@ def test_per_token_values_match_trl(tmp_path, dtype):
 
 
 def one_step(cls, config_cls, path: str, peft: bool, precompute: bool):
-    """One SGD step without clipping (gradient errors stay visible) on 4 pairs, two of them sharing a prompt."""
+    """One SGD step (clipping at TRL's default 1.0 by both) on 4 pairs, two of them sharing a prompt."""
     trainer = make_trainer(
         cls, config_cls, path, torch.float64, peft, max_steps=1, learning_rate=1.0, precompute_ref_log_probs=precompute
     )

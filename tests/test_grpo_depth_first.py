@@ -154,8 +154,10 @@ OTHER_SETTINGS = {
     "groups_of_6": dict(CUT, gradient_accumulation_steps=3, num_generations=6, max_steps=2),
     # micro-batches of one row: every micro-batch is a piece of its group's prompt's subtree
     "batch_of_one": dict(CUT, per_device_train_batch_size=1, gradient_accumulation_steps=4, max_steps=2),
-    # TRL's default clipping (max_grad_norm=1.0, which the first update exceeds: assert_clipping_active)
+    # TRL's default clipping (max_grad_norm=1.0, every run's default here: exact_sgd_args), which the first update
+    # exceeds (assert_clipping_active), and clipping off
     "clipped": dict(CUT, max_grad_norm=1.0, max_steps=2),
+    "unclipped": dict(CUT, max_grad_norm=0.0, max_steps=2),
 }
 
 
@@ -171,6 +173,52 @@ def test_other_settings_match_trl(path, monkeypatch, name):
     print(f"\n{name}: {tree.shared_prompt_stats.pieces} pieces, update error vs TRL {error:.2e}")
     assert error <= TRL_STEP_TOLERANCE, error
     assert_same_logs(tree, trl)
+
+
+FIRST, SECOND = FIXED_COMPLETIONS  # the two prompts
+# Options of the training loop and the data around the shared pass: (config settings, one_step_trainer's datasets).
+LOOP_SETTINGS = {
+    # TRL's evaluation between steps (eval_strategy="steps"): its passes run without gradients (the packed pass), then
+    # training goes on with the shared one; eval_loss and every eval metric are logged equal
+    "eval_during_training": (
+        dict(CUT, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=4),
+        dict(eval_prompts=[FIRST, SECOND]),
+    ),
+    # two epochs over the two prompts (no max_steps): the sampler's epochs and the step count are TRL's
+    "two_epochs": (dict(CUT, max_steps=-1, num_train_epochs=2), {}),
+    # one prompt twice in the dataset: a generation of 2 groups with the same prompt tokens (8 rows in 4 micro-batches
+    # of 2, 2 optimizer steps); the shared pass groups rows by prompt tokens, whichever group they come from
+    "duplicate_prompts": (dict(CUT, steps_per_generation=4, num_iterations=1, max_steps=2), dict(prompts=[FIRST] * 2)),
+    # completions without EOS leave the loss: TRL zeroes their completion mask, so their rows score no token (here
+    # each group keeps one row, and a micro-batch without a scored row takes the packed pass's zero output)
+    "mask_truncated_completions": (dict(CUT, mask_truncated_completions=True), {}),
+}
+
+
+@pytest.mark.parametrize("name", list(LOOP_SETTINGS))
+def test_loop_and_data_options_match_trl(path, monkeypatch, name):
+    """Each option run by TRL's GRPOTrainer and by TreeGRPOTrainer with the shared pass: the same updates and logs,
+    and the option did what it says (so the comparison can fail)."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    settings, data = LOOP_SETTINGS[name]
+    trl, trl_updates = one_step(GRPOTrainer, GRPOConfig, path, False, **data, **settings)
+    tree, updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, False, **data, **settings, **SHARED)
+    pieces = tree.shared_prompt_stats.pieces
+    error = largest_update_error(updates, trl_updates)
+    print(f"\n{name}: {pieces} pieces, {tree.state.global_step} steps, update error vs TRL {error:.2e}")
+    assert error <= TRL_STEP_TOLERANCE, error
+    assert_same_logs(tree, trl)
+    assert tree.state.global_step == trl.state.global_step
+    if name == "eval_during_training":
+        evals = [h for h in trl.state.log_history if "eval_loss" in h]
+        assert len(evals) == 2 and pieces == 4  # after steps 2 and 4; training kept its shared pass
+    elif name == "two_epochs":  # 2 prompts x 2 iterations, twice
+        assert trl.state.epoch == pytest.approx(2.0) and trl.state.global_step == 8 and pieces == 8
+    elif name == "duplicate_prompts":  # one prompt piece per optimizer step, shared by both groups' rows
+        assert pieces == 2
+    else:
+        _, unmasked = one_step(GRPOTrainer, GRPOConfig, path, False, **CUT)
+        assert largest_update_error(unmasked, trl_updates) > 1e-3
 
 
 def test_prompts_run_once_per_optimizer_step(path, monkeypatch):

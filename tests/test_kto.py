@@ -67,7 +67,7 @@ def test_per_token_values_match_trl(tmp_path):
     "peft, precompute", [(False, False), (True, True)], ids=["full-ref_model", "lora-precomputed_ref"]
 )
 def test_one_step_matches_trl(tmp_path, peft, precompute):
-    """One SGD step without clipping on 2 micro-batches of 3 rows (KL term on), with a separate reference model,
+    """One SGD step (clipping at 1.0) on 2 micro-batches of 3 rows (KL term on), with a separate reference model,
     and LoRA with the reference (adapter disabled) precomputed in __init__."""
     path = saved_tiny_model(tmp_path, torch.float64)
     settings = dict(max_steps=1, learning_rate=1.0, gradient_accumulation_steps=2, precompute_ref_log_probs=precompute)

@@ -68,7 +68,7 @@ def test_rewards_match_trl(tmp_path, pad_is_eos):
     ids=["full-margin-centered", "lora"],
 )
 def test_one_step_matches_trl(tmp_path, peft, settings):
-    """One SGD step without clipping (gradient errors stay visible) on 4 pairs; LoRA trains the adapter and the
+    """One SGD step (clipping at TRL's default 1.0) on 4 pairs; LoRA trains the adapter and the
     ``score`` head (PEFT's SEQ_CLS task keeps it trainable)."""
     path = saved_tiny_model(tmp_path, torch.float64)
     runs = {}

@@ -17,7 +17,7 @@ from trl import SFTConfig, SFTTrainer
 
 from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.builders import GROUP_BY_ROW
-from hf_tree.collator import TreeDataCollator
+from hf_tree.collator import TreeDataCollator, pop_packing_stats
 from hf_tree.data.synthetic_agent import synthetic_agent_dataset
 from hf_tree.depth_first import DepthFirstConfig, depth_first_backward
 from hf_tree.loss import tree_causal_lm_loss
@@ -25,7 +25,17 @@ from hf_tree.row_batching import TreePart, plan_row_batches
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.tree import Tree
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer, train_every_token
-from tests.helpers import QWEN3_TEMPLATE, SMOLLM2_VOCAB, float64_norms, grads_of, max_grad_relative_error, tiny_model
+from tests.helpers import (
+    QWEN3_TEMPLATE,
+    SMOLLM2_VOCAB,
+    exact_sgd_args,
+    float64_norms,
+    grads_of,
+    max_grad_relative_error,
+    rendered,
+    tiny_model,
+    train_and_measure_updates,
+)
 from tests.workloads import prompt_completion_dataset
 
 
@@ -90,8 +100,6 @@ def test_depth_first_steps_equal_trl(tmp_path, tokenizer, loss_type):
     """Two SGD steps (two micro-batches of 2 rows) of TreeSFTTrainer with every tree run depth-first (units of 8
     tokens), float64, with clipping on (TRL's default 1.0; DFT's gradients are ~1e-4 here, so 1e-5), = TRL's
     SFTTrainer (its cross-entropy runs on float32 logits even in a float64 model: 1e-5)."""
-    from tests.helpers import exact_sgd_args, train_and_measure_updates
-
     clipping = 1.0 if loss_type == "nll" else 1e-5
     settings = dict(max_steps=2, learning_rate=0.5, per_device_train_batch_size=2, max_grad_norm=clipping, bf16=False)
     settings |= dict(train_sampling_strategy="sequential", loss_type=loss_type, use_cpu=True, max_length=None)
@@ -168,6 +176,111 @@ def test_max_length_becomes_the_branch_limit():
         assert uncapped.max_branch_tokens == 8192
     default = TreeSFTConfig(output_dir="unused", bf16=False, max_length=8192, max_packed_tokens=1024)
     assert default.tree_execution == "auto" and default.max_branch_tokens == 8192
+
+
+def test_truncation_keeps_the_start_as_trl_does(tmp_path, tokenizer):
+    """TRL cuts a row longer than ``max_length`` to its first ``max_length`` tokens (``truncation_mode="keep_start"``,
+    its default); ``overlong="truncate"`` cuts the branch the same way (counted), and the update equals TRL's (its
+    cross-entropy runs on float32 logits even in a float64 model: 1e-5); the untruncated update does not. Under the
+    default ``overlong="error"`` the longer branch is refused by name, and ``"keep_end"`` at init."""
+    dataset = prompt_completion_dataset()
+    prompts = [len(rendered(tokenizer, row["prompt"], add_generation_prompt=True)) for row in dataset]
+    fulls = [len(rendered(tokenizer, row["prompt"] + row["completion"])) for row in dataset]
+    max_length = max(prompts) + 2  # every row keeps a trained token, some lose their end
+    assert any(length > max_length for length in fulls)
+    settings = dict(max_steps=1, learning_rate=0.5, per_device_train_batch_size=4, bf16=False, use_cpu=True)
+    settings |= dict(train_sampling_strategy="sequential")
+    with pytest.raises(ValueError, match="truncation_mode='keep_end' cannot apply"):
+        TreeSFTConfig(**exact_sgd_args(str(tmp_path), truncation_mode="keep_end", max_length=max_length, **settings))
+
+    def run(config, trainer, name, **options):
+        args = config(**exact_sgd_args(str(tmp_path / name), **settings, **options))
+        model = tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float64, attn="sdpa")
+        return trainer(model, args=args, train_dataset=dataset, processing_class=copy.deepcopy(tokenizer))
+
+    per_row = dict(group_by=GROUP_BY_ROW)
+    with pytest.raises(ValueError, match=f"more than max_branch_tokens={max_length}"):
+        run(TreeSFTConfig, TreeSFTTrainer, "refused", max_length=max_length, **per_row).train()
+    trl = run(SFTConfig, SFTTrainer, "trl", max_length=max_length)
+    assert max(len(ids) for ids in trl.train_dataset["input_ids"]) == max_length
+    tree = run(TreeSFTConfig, TreeSFTTrainer, "tree", max_length=max_length, overlong="truncate", **per_row)
+    stats = pop_packing_stats(next(iter(tree.get_train_dataloader())))
+    assert stats.num_truncated_branches == sum(length > max_length for length in fulls)
+    whole = run(TreeSFTConfig, TreeSFTTrainer, "whole", max_length=None, **per_row)
+    trl_updates, tree_updates, whole_updates = (train_and_measure_updates(t) for t in (trl, tree, whole))
+    assert tree.state.log_history[0]["loss"] == pytest.approx(trl.state.log_history[0]["loss"], rel=1e-5)
+    assert max_grad_relative_error(tree_updates, trl_updates) <= 1e-5
+    assert max_grad_relative_error(whole_updates, trl_updates) > 1e-3
+
+
+# Every TreeSFTConfig field beyond TrainingArguments (plus label_smoothing_factor) on text rows (prompt/completion(s)
+# and 'messages'): where it is honoured or refused (a test), or why it cannot change the objective.
+TEXT_ROW_FIELDS = {
+    "max_length": "honoured: the branch limit (test_max_length_becomes_the_branch_limit, test_truncation_keeps_...)",
+    "truncation_mode": "'keep_start' = overlong='truncate', 'keep_end' refused (test_truncation_keeps_the_start_...)",
+    "overlong": "honoured: test_truncation_keeps_the_start_as_trl_does; tests/test_packing.py",
+    "max_branch_tokens": "honoured: tests/test_packing.py",
+    "completion_only_loss": "honoured: test_completion_only_loss_false_trains_prompts_with_the_weight_of_...",
+    "assistant_only_loss": "honoured: tests/test_sft_messages.py",
+    "messages_branches": "honoured: tests/test_sft_messages.py",
+    "train_on": "honoured: tests/test_sft_messages.py",
+    "chat_template_path": "honoured: TRL loads it into the tokenizer before the trees are built (tests/test_launch.py)",
+    "eos_token": "honoured: TRL sets it on the tokenizer before the trees are built (test_eos_token_ends_text_rows)",
+    "loss_type": "honoured: test_dft_and_label_smoothing_losses_equal_per_branch, test_depth_first_steps_equal_trl",
+    "label_smoothing_factor": "honoured: test_dft_and_label_smoothing_losses_equal_per_branch",
+    "normalization": "honoured: tests/test_trainer.py",
+    "router_aux_loss_coef": "honoured: tests/test_moe_router_loss.py",
+    "packing": "refused: test_settings_that_cannot_apply_to_trees_are_refused",
+    "padding_free": "refused: test_settings_that_cannot_apply_to_trees_are_refused",
+    "eval_packing": "refused: test_settings_that_cannot_apply_to_trees_are_refused",
+    "dataset_text_field": "refused: 'text' (language-modeling) rows match no tree format (ValueError listing them)",
+    "packing_strategy": "packing=True is refused",
+    "tree_execution": "exact either way: test_depth_first_execution_trains_the_same_objective",
+    "max_packed_tokens": "row size; trees larger than a row run depth-first or split exactly",
+    "group_by": "which rows share a tree: merging is exact (test_default_grouping_merges_completions_of_one_prompt)",
+    "batch_unit": "which rows share a step (test_row_batches_*)",
+    "shuffle_dataset": "order only",
+    "dataset_kwargs": "skip_prepare_dataset=True takes tree rows as they are (test_tree_rows_pass_through_unchanged)",
+    "dataset_num_proc": "speed",
+    "model_init_kwargs": "how the model loads",
+    "trust_remote_code": "how the model loads",
+    "pad_to_multiple_of": "padding is never trained",
+    "pad_token": "padding is never trained",
+    "activation_offloading": "memory only",
+    "context_parallel_strategy": "exact: tests/test_context_parallel.py",
+    "context_parallel_chunks_per_rank": "exact: tests/test_context_parallel.py",
+    "context_parallel_query_block_size": "exact: tests/test_context_parallel.py",
+    "tree_self_check": "a check, not the objective",
+}
+
+
+def test_every_text_row_field_is_classified():
+    """A new field of TreeSFTConfig (or of TRL's SFTConfig) fails here until it is honoured or refused on text rows
+    (or named inert, with the reason); tests/test_vision_sft_options.py does the same on image rows."""
+    import dataclasses
+
+    import transformers
+
+    base = {f.name for f in dataclasses.fields(transformers.TrainingArguments)}
+    names = {f.name for f in dataclasses.fields(TreeSFTConfig)} - base | {"label_smoothing_factor"}
+    assert names == set(TEXT_ROW_FIELDS), (
+        f"unclassified: {names - set(TEXT_ROW_FIELDS)}; stale: {set(TEXT_ROW_FIELDS) - names}"
+    )
+
+
+def test_eos_token_ends_text_rows(tmp_path, tokenizer):
+    """TRL's ``eos_token`` (another token than the tokenizer's) ends a plain-text completion's branch."""
+    dataset = datasets.Dataset.from_dict({"prompt": ["The sky is"], "completion": [" blue."]})
+    other = "<|im_start|>"
+    assert other != tokenizer.eos_token
+    args = TreeSFTConfig(output_dir=str(tmp_path), bf16=False, use_cpu=True, report_to=[], eos_token=other)
+    trainer = TreeSFTTrainer(
+        tiny_model(vocab_size=SMOLLM2_VOCAB),
+        args=args,
+        train_dataset=dataset,
+        processing_class=copy.deepcopy(tokenizer),
+    )
+    assert Tree.from_dict(trainer.train_dataset[0]).branch_tokens(0)[-1] == tokenizer.convert_tokens_to_ids(other)
 
 
 def test_sft_config_is_refused_by_tree_trainer(tokenizer):

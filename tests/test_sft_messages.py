@@ -1,6 +1,6 @@
 """TreeSFTTrainer on ``messages`` rows against TRL's own SFTTrainer on the same rows (issue 26, item 3).
 
-Oracle: TRL 1.16's ``SFTTrainer`` (float64, ``bf16=False``, same seed, one SGD step without clipping): the logged
+Oracle: TRL 1.16's ``SFTTrainer`` (float64, ``bf16=False``, same seed, one SGD step clipped at 1.0): the logged
 loss and every parameter update must match (``assert_same_step_as_trl``). Two chat templates over the word tokenizer,
 both with ``{% generation %}`` markers (TRL's ``assistant_only_loss`` needs them and uses them as they are):
 

@@ -10,7 +10,7 @@ import pytest
 
 from hf_tree import Tree, TreeDataCollator
 from hf_tree.collator import pop_packing_stats
-from hf_tree.packing import PackingConfig, PackingStats
+from hf_tree.packing import DEPTH_FIRST_KEY, PackingConfig, PackingStats
 from hf_tree.stats import ModelShape, compute_stats, format_report, plan_rows, text_histogram
 
 
@@ -118,6 +118,35 @@ def test_packing_plan_equals_the_collators_packing(dataset, overlong, trees_per_
     counted = plan.stats.num_dropped_branches if overlong == "drop" else plan.stats.num_truncated_branches
     assert counted == overlong_branches > 0 and plan.stats.num_split_trees > 0
     assert all(sum(p.num_tokens for p in row) <= 16 for row in plan.rows)
+
+
+@pytest.mark.parametrize("tree_execution", ["auto", "depth_first"])
+def test_stats_count_forwarded_rows_only(dataset, tree_execution):
+    """With depth-first trees, a batch whose trees all run depth-first carries a 1-token placeholder row that the
+    trainer never forwards (tests/test_trainer.py: its logged ``rows_per_step`` is 0 then): the stats leave it and
+    its padding out, as the collated batches read with the trainer's rule say, and the rows' fill stays <= 100%."""
+    _, trees = dataset
+    packing = PackingConfig(12, max_branch_tokens=40, tree_execution=tree_execution)
+    collator = TreeDataCollator(packing=packing)
+    forwarded, row_tokens = PackingStats(), 0
+    for start in range(0, len(trees), 3):
+        batch = collator([t.to_dict() for t in trees[start : start + 3]])
+        counted = pop_packing_stats(batch)
+        if batch.get(DEPTH_FIRST_KEY) and not len(batch["loss_positions"]):  # TreeTrainer._rows_run
+            counted.num_rows = counted.num_padding_tokens = 0
+        else:
+            row_tokens += int((batch["input_ids"] != 0).sum())  # the test's tokens are >= 1, padding is 0
+        forwarded.add(counted)
+    stats = compute_stats(trees, packing, trees_per_batch=3)
+    assert stats.packing == forwarded
+    assert stats.num_row_tokens == row_tokens
+    assert stats.num_depth_first_trees == sum(t.num_tokens > 12 or tree_execution == "depth_first" for t in trees)
+    assert 0.0 <= stats.row_fill <= 1.0
+    if tree_execution == "depth_first":  # nothing is packed: no row, no padding, no fill
+        assert (stats.packing.num_rows, stats.packing.num_padding_tokens, stats.row_fill) == (0, 0, 0.0)
+    else:
+        assert stats.packing.num_rows > 0 and stats.row_fill == pytest.approx(row_tokens / (12 * forwarded.num_rows))
+    assert f"fill {stats.row_fill:.1%}" in format_report(stats)
 
 
 def test_report_and_histograms_show_the_numbers(dataset):

@@ -2,8 +2,8 @@
 
 Each dataset row is one group of branches: TreeTrainer sees it as one tree, the reference Trainer as the
 branches padded into a flat batch. Both use the same sampler seed and batch sizes, so each optimizer step
-sees the same branches. SGD without clipping keeps any error in the gradient scale visible (Adam would
-normalise it away).
+sees the same branches. SGD keeps any error in the gradient visible (Adam would normalise it away); both
+clip at Trainer's default 1.0, each by its own gradient norm (``exact_sgd_args``).
 """
 
 from __future__ import annotations

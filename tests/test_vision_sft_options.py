@@ -20,7 +20,13 @@ import transformers
 from datasets import Dataset
 
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
-from tests.helpers import exact_sgd_args, float64_norms, max_grad_relative_error, train_and_measure_updates
+from tests.helpers import (
+    clipped_sgd_updates,
+    exact_sgd_args,
+    float64_norms,
+    max_grad_relative_error,
+    train_and_measure_updates,
+)
 from tests.vision_models import llava_processor, role_chat_template, tiny_vlm
 
 Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
@@ -129,10 +135,11 @@ def role_template() -> str:
 
 
 def branch_updates(path: str, dataset: Dataset, objective: str, normalization: str) -> dict[str, torch.Tensor]:
-    """SGD updates (learning rate 1) of the per-branch objective: each branch rendered alone by the processor (its
-    images' pixel_values with it) and run as an ordinary sequence. ``objective``: ``"every_token"`` (one branch per
-    conversation, every token), ``"last_assistant"``/``"all_assistant"`` (one branch per assistant turn, its own /
-    every assistant message's tokens, from the template's assistant mask)."""
+    """SGD updates (learning rate 1, clipped at 1.0 as the trainer clips) of the per-branch objective: each branch
+    rendered alone by the processor (its images' pixel_values with it) and run as an ordinary sequence.
+    ``objective``: ``"every_token"`` (one branch per conversation, every token), ``"last_assistant"``/
+    ``"all_assistant"`` (one branch per assistant turn, its own / every assistant message's tokens, from the
+    template's assistant mask)."""
     from trl.data_utils import prepare_multimodal_messages
 
     processor, model = (
@@ -167,7 +174,8 @@ def branch_updates(path: str, dataset: Dataset, objective: str, normalization: s
     else:
         loss = sum(l_ / c for l_, c in zip(losses, counts)) / len(losses)
     loss.backward()
-    return {n: -p.grad if p.grad is not None else torch.zeros_like(p) for n, p in model.named_parameters()}
+    updates = clipped_sgd_updates(model)  # as the trainer's step (clipping at 1.0: exact_sgd_args)
+    return {n: updates.get(n, torch.zeros_like(p)) for n, p in model.named_parameters()}
 
 
 @pytest.mark.parametrize("field", sorted(HONOURED))

@@ -237,7 +237,7 @@ def test_tree_trainer_step_on_image_trees_equals_per_branch_sgd(tmp_path, family
     (vision tower included) as the per-sample loss's gradient does (Gemma 3: with its bidirectional image blocks)."""
     from hf_tree import TreeTrainer, TreeTrainingArguments
     from hf_tree.vision import MediaTree, MediaTreeCollator
-    from tests.helpers import exact_sgd_args, grads_of
+    from tests.helpers import clipped_sgd_updates, exact_sgd_args
     from tests.vision_models import per_branch_vlm_loss
 
     first, second = tiny_image(family, 1), tiny_image(family, 2)
@@ -251,7 +251,7 @@ def test_tree_trainer_step_on_image_trees_equals_per_branch_sgd(tmp_path, family
     reference = tiny_vlm(family)
     with float64_norms(), float64_vision_rotary():
         per_branch_vlm_loss(reference, sequences, images).backward()
-    expected = {n: -g for n, g in grads_of(reference).items()}  # SGD at learning rate 1
+    expected = clipped_sgd_updates(reference)  # SGD at learning rate 1, clipped as the trainer clips
     model = tiny_vlm(family)
     args = TreeTrainingArguments(
         **exact_sgd_args(str(tmp_path), max_steps=1, learning_rate=1.0, per_device_train_batch_size=2, use_cpu=True),
@@ -302,7 +302,7 @@ def test_one_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, trainer, p
     """One optimizer step of TreeGRPOTrainer (TreeRLOOTrainer) = TRL's GRPOTrainer (RLOOTrainer) on a LLaVA (Gemma 3:
     bidirectional image blocks, ``token_type_ids``) with a real processor: two prompts with the same text and
     different images (they must not merge), old-policy, reference and policy passes (2 micro-batches, 2 iterations
-    per generation), SGD without clipping. GRPO's completions are fixed (``rollout_func``); RLOO has no such hook and
+    per generation), SGD clipped at 1.0. GRPO's completions are fixed (``rollout_func``); RLOO has no such hook and
     samples (the same seed and weights give both the same). With two images per prompt (the same two, swapped in the
     second prompt), LLaVA's processor writes their placeholders as one run."""
     from peft import LoraConfig

@@ -52,7 +52,8 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
     TRL's ``max_length`` (per-sample limit) becomes the branch limit: ``max_branch_tokens`` defaults to
     ``min(max_length, max_packed_tokens)`` with ``tree_execution="packed"`` (a branch must fit a row), and to
     ``max_length`` itself with ``"auto"``/``"depth_first"`` (a tree holding a longer branch runs depth-first); longer
-    branches follow ``overlong`` instead of being cut silently.
+    branches follow ``overlong`` instead of being cut silently (``overlong="truncate"`` keeps their start: TRL's
+    ``truncation_mode="keep_start"``; ``"keep_end"`` is refused).
     """
 
     group_by: str | None = field(
@@ -123,6 +124,13 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
                 "per_device_train_batch_size rows, so there is no partial batch of rows to drop as TRL does. Set "
                 "dataloader_drop_last=False, or batch_unit='trees' (whole trees per batch; the last partial one is "
                 "dropped)."
+            )
+        if self.truncation_mode != "keep_start" and self.max_length is not None:
+            raise ValueError(
+                f"truncation_mode={self.truncation_mode!r} cannot apply: a branch longer than max_length follows "
+                "overlong (an error by default; 'truncate' keeps its start, TRL's 'keep_start'; 'drop'), since a tree "
+                "cannot keep a branch's end and still share its prefix. Set truncation_mode='keep_start' (TRL's "
+                "default; 'keep_end' is deprecated there), or max_length=None."
             )
         # assistant_only_loss is TRL's under 'conversation'; under 'per_turn' it only picks TRL's training template
         check_messages_options(self.messages_branches, self.train_on, assistant_only_loss=False)

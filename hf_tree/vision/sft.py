@@ -265,7 +265,7 @@ def prepare_vision_sft(
     Raises:
         ValueError: for a processing class that is not a processor, a custom ``data_collator``,
             ``chat_template_path``, ``completion_only_loss=True`` (TRL's vision collator refuses it on ``messages``
-            rows), ``truncation_mode="keep_end"`` (refused by TRL), what ``MediaTreeCollator`` refuses
+            rows), what ``MediaTreeCollator`` refuses
             (``overlong="truncate"``, depth-first execution), a non-map-style dataset, or what
             ``build_media_tree_dataset`` refuses.
     """
@@ -288,11 +288,6 @@ def prepare_vision_sft(
             "completion_only_loss=True cannot apply to vision 'messages' rows (TRL's vision collator refuses it for "
             "language-modeling rows too): set assistant_only_loss=True to train the assistant tokens, or "
             "messages_branches='per_turn'; or leave completion_only_loss unset."
-        )
-    if args.truncation_mode == "keep_end" and args.max_length is not None:
-        raise ValueError(
-            "truncation_mode='keep_end' cannot apply to vision datasets (TRL refuses it too: the images lie in the "
-            "prompt); image branches are never truncated (overlong decides). Set truncation_mode='keep_start'."
         )
     packing = args.packing_config()
     if packing.tree_execution == "auto":  # the default; an explicit "depth_first" is refused by MediaTreeCollator
