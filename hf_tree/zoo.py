@@ -226,7 +226,7 @@ def tiny_config(model_type: str, level: int = 0) -> transformers.PretrainedConfi
 
 def build_tiny(model_type: str, dtype: torch.dtype, level: int = 0) -> torch.nn.Module:
     """The tiny causal LM on ``tree_flash`` (deterministic init), in eval mode (no dropout); ``RefusedOnLoad`` for a
-    family hf_tree refuses by name (``hf_tree.models.families``)."""
+    family hf_tree refuses by name (``hf_tree.attention.families``)."""
     try:
         config = tiny_config(model_type, level)
     except Exception as error:  # noqa: BLE001 - any failure means: cannot be built tiny

@@ -1,4 +1,4 @@
-"""Families refused by name (hf_tree.models.families, and the recurrent mixers of hf_tree.models.check) are refused
+"""Families refused by name (hf_tree.attention.families, and the recurrent mixers of hf_tree.models.check) are refused
 with their family and reason in the first message, wherever they enter: ``from_pretrained(...,
 attn_implementation="tree_flash")``, a tree trainer's ``__init__`` with an instance on its own attention, and
 ``tree_causal_lm_loss``. Before, Bloom got "load it with tree_flash" and then, so loaded, "load it with sdpa or eager".
@@ -13,8 +13,8 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from hf_tree import Tree, TreeDataCollator, TreeSFTConfig, TreeSFTTrainer, TreeTrainer, TreeTrainingArguments
+from hf_tree.attention.families import REFUSED_FAMILIES
 from hf_tree.loss import tree_causal_lm_loss
-from hf_tree.models.families import REFUSED_FAMILIES
 from hf_tree.zoo import tiny_config as zoo_tiny_config
 from tests.helpers import VOCAB, common_args, tiny_model, word_tokenizer
 from tests.workloads import branch_groups, prompt_completion_dataset, tree_dataset

@@ -7,13 +7,13 @@ import functools
 
 from hf_tree.attention import tree_attention_forward
 from hf_tree.attention.dual import tree_mask_function
+from hf_tree.attention.families import refuse_family
 from hf_tree.attention.names import TREE_ATTENTION_NAME
-from hf_tree.models.families import refuse_family
 
 
 def _allow_tree_flash(check):
     """transformers treats any name containing "flash" as a flash-attn kernel to import and fails to load
-    it; let exactly ``tree_flash`` through (refusing the families of ``hf_tree.models.families`` by name) and leave
+    it; let exactly ``tree_flash`` through (refusing the families of ``hf_tree.attention.families`` by name) and leave
     every other name to the original check."""
 
     @functools.wraps(check)

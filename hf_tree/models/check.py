@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from hf_tree.attention.families import refuse_family
 from hf_tree.attention.names import TREE_ATTENTION_NAME
-from hf_tree.models.families import refuse_family
 from hf_tree.models.head import LogitHead, detect_logit_head
 from hf_tree.models.introspection import causal_lm_of, raised_by_hf_tree
 from hf_tree.models.length_rope import longest_exact_branch
@@ -99,7 +99,7 @@ def self_check_enabled(self_check: bool | None) -> bool:
 
 def refuse_not_tree_aware(model: PreTrainedModel) -> None:
     """``ValueError`` naming the family and why for a model refused by name: a family of
-    ``hf_tree.models.families``, or modules in ``NOT_TREE_AWARE_MODULES``."""
+    ``hf_tree.attention.families``, or modules in ``NOT_TREE_AWARE_MODULES``."""
     refuse_family(model.config, type(model).__name__)
     found = sorted({type(m).__name__ for m in model.modules() if type(m).__name__ in NOT_TREE_AWARE_MODULES})
     if found:
