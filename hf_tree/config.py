@@ -57,6 +57,7 @@ class TreeArguments:
     pad_to_multiple_of: int | None = packing_field("pad_to_multiple_of")
     # Trainers know their setup: "auto" runs depth-first where it can, else packed with one log line (trainer.py)
     tree_execution: TreeExecution = packing_field("tree_execution", default="auto")
+    merge_in_batch: bool = packing_field("merge_in_batch")
     context_parallel_strategy: str = context_parallel_field("strategy")
     context_parallel_chunks_per_rank: int = context_parallel_field("chunks_per_rank")
     context_parallel_query_block_size: int = context_parallel_field("query_block_size")

@@ -92,6 +92,15 @@ class PackingConfig:
             "choices": list(TREE_EXECUTIONS),
         },
     )
+    merge_in_batch: bool = field(
+        default=True,
+        metadata={
+            "help": "Merge the branches of all trees of each micro-batch (one collator call) into tries by their "
+            "tokens before packing, so rows that share a prefix (a system prompt, tool schemas, earlier turns) "
+            "compute it once, across conversations, pairs and groups. The batch and its loss are unchanged (weights "
+            "and divisors are per branch); False packs each tree as it is."
+        },
+    )
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field, the bad value and the fix."""
@@ -112,6 +121,9 @@ class PackingConfig:
         ):
             if getattr(self, name) not in choices:
                 raise ValueError(f"{name}={getattr(self, name)!r} must be one of {choices}.")
+        if self.merge_in_batch not in (True, False):  # 0/1 from an int flag are accepted
+            raise ValueError(f"merge_in_batch={self.merge_in_batch!r} must be True or False.")
+        object.__setattr__(self, "merge_in_batch", bool(self.merge_in_batch))
         multiple = self.pad_to_multiple_of
         if multiple is not None and (not isinstance(multiple, int) or multiple < 1):
             raise ValueError(f"pad_to_multiple_of={multiple!r} must be a positive integer or None.")
@@ -215,14 +227,16 @@ def plan_packing(trees: Sequence[Tree], packing: PackingConfig, where: str = "tr
     stats = PackingStats(num_trees=len(trees))
     parts: list[Tree] = []
     depth_first: list[Tree] = []
-    for i, tree in enumerate(trees):
-        limited = limit_branch_length(tree, packing.branch_limit, packing.overlong, stats, where=f"{where} {first + i}")
-        if limited is None:
+    limited = [
+        limit_branch_length(tree, packing.branch_limit, packing.overlong, stats, where=f"{where} {first + i}")
+        for i, tree in enumerate(trees)
+    ]
+    limited = [tree for tree in limited if tree is not None]
+    for tree in merge_trees(limited) if packing.merge_in_batch else limited:
+        if packing.runs_depth_first(tree):
+            depth_first.append(tree)
             continue
-        if packing.runs_depth_first(limited):
-            depth_first.append(limited)
-            continue
-        split = split_tree(limited, packing.max_packed_tokens)
+        split = split_tree(tree, packing.max_packed_tokens)
         stats.num_split_trees += len(split) > 1
         parts.extend(split)
     bins = best_fit_decreasing([p.num_tokens for p in parts], packing.max_packed_tokens) or [[]]
@@ -236,6 +250,38 @@ def plan_packing(trees: Sequence[Tree], packing: PackingConfig, where: str = "tr
     stats.num_branch_tokens = sum(p.num_branch_tokens for p in (*parts, *depth_first))
     stats.num_padding_tokens = len(rows) * row_length - sum(p.num_tokens for p in parts)
     return PackingPlan(rows, row_length, stats, depth_first)
+
+
+def merge_trees(trees: Sequence[Tree]) -> list[Tree]:
+    """The branches of ``trees`` merged into tries by their tokens: one trie per first token and set of per-branch
+    field names (branches carrying different fields cannot share a tree), in order of first appearance.
+
+    Every branch keeps its tokens, loss mask and fields, so weights (``token`` and ``sequence``) and divisors are
+    those of the input trees, and a prefix shared across trees is computed once. A tree alone in its
+    trie is returned as it is; a trie whose branches train no token is left out (it adds nothing to the loss).
+    """
+    groups: dict[tuple, list[tuple[int, int]]] = {}
+    for t, tree in enumerate(trees):
+        names = tuple(sorted(tree.branch_fields))
+        for b in range(tree.num_branches):
+            first_token = tree.node_tokens[tree.branch_path(b)[0]][0]
+            groups.setdefault((first_token, names), []).append((t, b))
+    merged: list[Tree] = []
+    for (_, names), members in groups.items():
+        owners = {t for t, _ in members}
+        if len(owners) == 1 and len(members) == trees[members[0][0]].num_branches:
+            merged.append(trees[members[0][0]])  # a whole tree alone: nothing to merge
+            continue
+        if not any(trees[t].branch_loss_spans[b] for t, b in members):
+            continue
+        merged.append(
+            Tree.from_sequences(
+                [trees[t].branch_tokens(b) for t, b in members],
+                [trees[t].branch_loss_mask(b) for t, b in members],
+                {name: [trees[t].branch_fields[name][b] for t, b in members] for name in names},
+            )
+        )
+    return merged
 
 
 def limit_branch_length(
@@ -400,7 +446,10 @@ def pack_and_place(
 ) -> tuple[dict[str, torch.Tensor], PackingStats, list[Tree], list[tuple[int, int]]]:
     """``pack_trees``, also returning the packed parts (in row order) and the ``(row, offset)`` where each part
     starts, for callers that map per-part values back to the rows."""
-    packing = PackingConfig(max_packed_tokens, normalization, pad_to_multiple_of=pad_to_multiple_of)
+    # the callers map parts back to their own trees' branches (which they merged already where they share tokens)
+    packing = PackingConfig(
+        max_packed_tokens, normalization, pad_to_multiple_of=pad_to_multiple_of, merge_in_batch=False
+    )
     plan = plan_packing(trees, packing)
     batch, placements = lay_out(plan, normalization, pad_token_id)
     return batch, plan.stats, [part for row in plan.rows for part in row], placements

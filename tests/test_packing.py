@@ -80,7 +80,7 @@ def test_batch_layout_matches_the_contract():
 
 def test_rows_hold_at_most_max_packed_tokens_and_report_padding():
     trees = [Tree.from_sequences([list(range(1, k + 2))]) for k in (9, 7, 5, 3, 3, 2)]
-    collator = TreeDataCollator(max_packed_tokens=12)
+    collator = TreeDataCollator(max_packed_tokens=12, merge_in_batch=False)  # the trees as they are, bin-packed
     batch = collator([t.to_dict() for t in trees])
     lengths = (batch["kv_end"] != torch.arange(1, batch["kv_end"].shape[1] + 1)).sum(1)
     assert batch["input_ids"].shape[1] <= 12

@@ -126,7 +126,8 @@ def test_stats_count_forwarded_rows_only(dataset, tree_execution):
     trainer never forwards (tests/test_trainer.py: its logged ``rows_per_step`` is 0 then): the stats leave it and
     its padding out, as the collated batches read with the trainer's rule say, and the rows' fill stays <= 100%."""
     _, trees = dataset
-    packing = PackingConfig(12, max_branch_tokens=40, tree_execution=tree_execution)
+    # each tree as it is (merge_in_batch=False): the depth-first count below is of the input trees
+    packing = PackingConfig(12, max_branch_tokens=40, tree_execution=tree_execution, merge_in_batch=False)
     collator = TreeDataCollator(packing=packing)
     forwarded, row_tokens = PackingStats(), 0
     for start in range(0, len(trees), 3):

@@ -1,0 +1,192 @@
+"""In-batch merging (``merge_in_batch``, on by default): the trees of each micro-batch are merged into tries by their
+tokens before packing, so rows that share only a system prompt compute it once, with TRL's batches and objective.
+
+Oracles: each branch alone through the model's own attention (``tests.helpers.per_branch_loss``) for the collator,
+TRL's own ``SFTTrainer`` (float64, one SGD step) for ``TreeSFTTrainer``, and the unmerged path
+(``merge_in_batch=False``) where TRL has no such option ("sequence" normalization).
+"""
+
+from __future__ import annotations
+
+import datasets
+import pytest
+import torch
+from trl import SFTConfig, SFTTrainer
+
+from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.collator import pop_packing_stats
+from hf_tree.packing import PackingConfig, merge_trees
+from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+from tests.helpers import (
+    TRL_STEP_TOLERANCE,
+    float64_norms,
+    grads_of,
+    max_grad_relative_error,
+    per_branch_loss,
+    relative_error,
+    saved_tiny_model,
+    tiny_model,
+    tiny_trl_config,
+    train_and_measure_updates,
+    word_tokenizer,
+)
+
+TOLERANCE = 1e-9
+SYSTEM = [5, 40, 41, 42, 43, 44, 45, 7]  # a system turn of the word template below: "w5 w40 ... w45 w7"
+# Three rows sharing only the system prompt (one also a first user word), one row without it.
+GROUPS = [
+    ([SYSTEM + [5, 10, 11, 7, 6, 20, 21, 7]], [[0] * 12 + [1] * 4]),
+    ([SYSTEM + [5, 10, 12, 7, 6, 22, 7], SYSTEM + [5, 13, 7, 6, 23, 24, 7]], None),
+    ([[5, 30, 31, 7, 6, 25, 7]], [[0, 0, 0, 0, 1, 1, 1]]),
+]
+TEMPLATE = (  # word-tokenizer chat template (w5 = user/system start, w6 = assistant start, w7 = end of turn)
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' -%}{{ 'w6 ' }}{%- generation -%}{{ m.content + ' w7 ' }}{%- endgeneration -%}"
+    "{%- else -%}{{ 'w5 ' + m.content + ' w7 ' }}{%- endif -%}"
+    "{%- endfor -%}"
+)
+SYSTEM_TEXT = "w40 w41 w42 w43 w44 w45"
+CONVERSATIONS = [  # share only the system prompt
+    [("user", "w10 w11"), ("assistant", "w20 w21"), ("user", "w12"), ("assistant", "w22 w23 w24")],
+    [("user", "w13 w14"), ("assistant", "w25")],
+    [("user", "w15"), ("assistant", "w26 w27"), ("user", "w16 w17"), ("assistant", "w28")],
+    [("user", "w18"), ("assistant", "w29 w30 w31")],
+]
+
+
+def _trees() -> list[Tree]:
+    return [
+        Tree.from_sequences(sequences, masks, {"id": [f"{i}.{b}" for b in range(len(sequences))]})
+        for i, (sequences, masks) in enumerate(GROUPS)
+    ]
+
+
+def test_merge_keeps_every_branch_with_its_mask_and_fields():
+    trees = _trees()
+    merged = merge_trees(trees)
+    assert len(merged) == 1  # every branch starts with token 5: one trie
+    (tree,) = merged
+    branches = [
+        (t.branch_tokens(b), t.branch_loss_mask(b), t.branch_fields["id"][b])
+        for t in trees
+        for b in range(t.num_branches)
+    ]
+    assert [
+        (tree.branch_tokens(b), tree.branch_loss_mask(b), tree.branch_fields["id"][b]) for b in range(tree.num_branches)
+    ] == branches
+    assert tree.num_branch_tokens == sum(t.num_branch_tokens for t in trees)
+    assert tree.num_tokens < sum(t.num_tokens for t in trees)  # the system prompt is stored once
+    assert float(tree.token_weights.sum()) == sum(float(t.token_weights.sum()) for t in trees)
+    assert float(tree.sequence_weights.sum()) == pytest.approx(sum(float(t.sequence_weights.sum()) for t in trees))
+
+
+def test_merge_separates_first_tokens_and_field_names_and_keeps_lone_trees():
+    lone = Tree.from_sequences([[9, 1, 2]])
+    with_fields = Tree.from_sequences([[5, 1, 2]], branch_fields={"reward": [1.0]})
+    plain = Tree.from_sequences([[5, 1, 3]])
+    merged = merge_trees([lone, with_fields, plain])
+    assert merged[0] is lone and merged[1] is with_fields and merged[2] is plain  # nothing to share
+    both = merge_trees([Tree.from_sequences([[5, 1, 2]]), plain])
+    assert len(both) == 1 and both[0].num_tokens == 4
+
+
+def test_merge_leaves_out_a_trie_that_trains_nothing():
+    # a branch that trains nothing, alone with its first token, adds nothing to the loss
+    forest = Tree.from_sequences([[5, 1, 2], [9, 1, 2]], [[0, 1, 1], [0, 0, 0]])
+    other = Tree.from_sequences([[5, 1, 4]])
+    merged = merge_trees([forest, other])
+    assert len(merged) == 1 and merged[0].num_branches == 2
+
+
+@pytest.mark.parametrize("normalization", ["token", "sequence"])
+@pytest.mark.parametrize("max_packed_tokens", [64, 24], ids=["one_row", "split"])
+def test_merged_batch_equals_per_branch_training(normalization, max_packed_tokens):
+    """The merged batch's loss, divisor and gradients are the per-branch ones; merging only shares compute."""
+    trees = _trees()
+    results = {}
+    with float64_norms():
+        model = tiny_model("llama")
+        for merge in (True, False):
+            collator = TreeDataCollator(
+                max_packed_tokens=max_packed_tokens, normalization=normalization, merge_in_batch=merge
+            )
+            batch = collator([t.to_dict() for t in trees])
+            stats = pop_packing_stats(batch)
+            model.zero_grad()
+            loss = tree_causal_lm_loss(model, batch)
+            loss.backward()
+            results[merge] = (loss.detach(), float(batch["num_loss_items"]), grads_of(model), stats)
+        model.zero_grad()
+        total, divisor = 0.0, 0.0
+        for sequences, masks in GROUPS:
+            t, d = per_branch_loss(model, sequences, masks, normalization)
+            total, divisor = total + t, divisor + d
+        reference = total / divisor
+        reference.backward()
+        reference_grads = grads_of(model)
+    for merge, (loss, items, grads, _) in results.items():
+        assert relative_error(loss, reference) <= TOLERANCE, merge
+        assert items == pytest.approx(float(divisor), rel=1e-12)
+        assert max_grad_relative_error(grads, reference_grads) <= TOLERANCE, merge
+    merged, unmerged = results[True][3], results[False][3]
+    assert merged.num_branch_tokens == unmerged.num_branch_tokens
+    assert merged.dedup_ratio > unmerged.dedup_ratio
+
+
+def test_merge_in_batch_is_validated():
+    with pytest.raises(ValueError, match="merge_in_batch='yes' must be True or False"):
+        PackingConfig(merge_in_batch="yes")
+    assert PackingConfig(merge_in_batch=0).merge_in_batch is False  # the CLI's int flag
+
+
+# ------------------------------------------------------------------------------------------------ TreeSFTTrainer
+def _messages(turns):
+    return [{"role": "system", "content": SYSTEM_TEXT}] + [{"role": r, "content": c} for r, c in turns]
+
+
+@pytest.fixture(scope="module")
+def path(tmp_path_factory) -> str:
+    return saved_tiny_model(tmp_path_factory.mktemp("in_batch_merging"), torch.float64)
+
+
+def _sft_run(cls, config_cls, path: str, **settings):
+    """One SGD step over the four conversations (one batch of 4, TRL's default random sampling), float64."""
+    tokenizer = word_tokenizer()
+    tokenizer.chat_template = TEMPLATE
+    dataset = datasets.Dataset.from_list([{"messages": _messages(turns)} for turns in CONVERSATIONS])
+    defaults = dict(max_steps=1, learning_rate=1.0, max_length=None, gradient_checkpointing=False, seed=0)
+    args = tiny_trl_config(config_cls, path, torch.float64, **{**defaults, **settings})
+    trainer = cls(model=path, args=args, train_dataset=dataset, processing_class=tokenizer)
+    return trainer, train_and_measure_updates(trainer)
+
+
+@pytest.mark.parametrize("assistant_only_loss", [False, True], ids=["all_tokens", "assistant_only"])
+def test_sft_merges_conversations_sharing_a_system_prompt_and_takes_trls_step(path, assistant_only_loss):
+    """TRL's default batching (one batch of the four rows): the rows share only their system prompt, which the tree
+    computes once (dedup > 1 logged), and the step is TRL's."""
+    trl, trl_updates = _sft_run(SFTTrainer, SFTConfig, path, assistant_only_loss=assistant_only_loss)
+    tree, tree_updates = _sft_run(TreeSFTTrainer, TreeSFTConfig, path, assistant_only_loss=assistant_only_loss)
+    assert len(tree.train_dataset) == 4  # one tree per row, merged per micro-batch
+    assert tree.state.log_history[0]["dedup_ratio"] > 1.3
+    assert tree.state.log_history[0]["loss"] == pytest.approx(trl.state.log_history[0]["loss"], rel=TRL_STEP_TOLERANCE)
+    for name, update in trl_updates.items():
+        assert relative_error(tree_updates[name], update) <= TRL_STEP_TOLERANCE, name
+
+
+@pytest.mark.parametrize(
+    "settings",
+    [
+        dict(normalization="sequence", per_device_train_batch_size=2, gradient_accumulation_steps=2),
+        dict(max_packed_tokens=16, max_length=64),  # "auto": the merged tree is larger than a row, runs depth-first
+        dict(max_packed_tokens=32, tree_execution="packed"),  # ... or is split by its branches
+    ],
+    ids=["sequence_accumulated", "depth_first", "split"],
+)
+def test_sft_merged_step_equals_the_unmerged_step(path, settings):
+    merged, merged_updates = _sft_run(TreeSFTTrainer, TreeSFTConfig, path, **settings)
+    unmerged, unmerged_updates = _sft_run(TreeSFTTrainer, TreeSFTConfig, path, merge_in_batch=False, **settings)
+    assert merged.state.log_history[0]["dedup_ratio"] > unmerged.state.log_history[0]["dedup_ratio"]
+    assert merged.state.log_history[0]["loss"] == pytest.approx(unmerged.state.log_history[0]["loss"], rel=TOLERANCE)
+    for name, update in unmerged_updates.items():
+        assert relative_error(merged_updates[name], update) <= TOLERANCE, name
+    assert any(u.norm() > 0 for u in unmerged_updates.values())
