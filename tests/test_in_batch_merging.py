@@ -190,3 +190,17 @@ def test_sft_merged_step_equals_the_unmerged_step(path, settings):
     for name, update in unmerged_updates.items():
         assert relative_error(merged_updates[name], update) <= TOLERANCE, name
     assert any(u.norm() > 0 for u in unmerged_updates.values())
+
+
+@pytest.mark.parametrize("settings", [{}, dict(max_packed_tokens=16, max_length=64)], ids=["packed", "depth_first"])
+def test_sft_logs_trls_token_metrics(path, settings):
+    """TRL's ``entropy``, ``mean_token_accuracy`` (per micro-batch, averaged over the two accumulated ones) and
+    ``num_tokens`` (tokens of the rows trained so far), computed on the merged trees' branches."""
+    common = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, train_sampling_strategy="sequential")
+    trl, _ = _sft_run(SFTTrainer, SFTConfig, path, **common)
+    tree, _ = _sft_run(TreeSFTTrainer, TreeSFTConfig, path, **common, **settings)
+    trl_log, tree_log = trl.state.log_history[0], tree.state.log_history[0]
+    assert tree_log["dedup_ratio"] > 1.0
+    assert tree_log["num_tokens"] == trl_log["num_tokens"] > 0
+    assert tree_log["entropy"] == pytest.approx(trl_log["entropy"], rel=1e-6)  # TRL's statistics are float32
+    assert tree_log["mean_token_accuracy"] == pytest.approx(trl_log["mean_token_accuracy"], rel=1e-12)

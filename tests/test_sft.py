@@ -251,6 +251,7 @@ TEXT_ROW_FIELDS = {
     "context_parallel_chunks_per_rank": "exact: tests/test_context_parallel.py",
     "context_parallel_query_block_size": "exact: tests/test_context_parallel.py",
     "tree_self_check": "a check, not the objective",
+    "merge_in_batch": "exact either way: tests/test_in_batch_merging.py (merged = TRL's step = unmerged)",
 }
 
 

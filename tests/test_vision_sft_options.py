@@ -41,6 +41,7 @@ HONOURED = {
     "messages_branches": ({"messages_branches": "per_turn"}, "last_assistant"),
     "train_on": ({"messages_branches": "per_turn", "train_on": "all_assistant"}, "all_assistant"),
     "normalization": ({"normalization": "sequence"}, "every_token"),
+    "merge_in_batch": ({"merge_in_batch": False}, "trl"),  # on (the default) in every other row
 }
 # Options refused at init, naming the field (a value that would change the objective, and the message).
 REFUSED = {

@@ -41,7 +41,9 @@ GROUP_BY_PROMPT_TOKENS = "<prompt tokens>"
 before the first assistant message, with the generation prompt)."""
 GROUP_BY_ROW = "<row>"
 """``group_by`` value: one tree per input row."""
-FORMATS = ("messages", "prompt/completion", "prompt/completions")
+FORMATS = ("messages", "prompt/completion", "prompt/completions", "text")
+TEXT_FIELD = "text"
+"""The column of TRL's language-modeling rows (``SFTConfig.dataset_text_field``'s default)."""
 # ``Tree.to_dict()`` columns as Arrow types.
 TREE_FEATURES = {
     "node_tokens": datasets.List(datasets.List(datasets.Value("int64"))),
@@ -53,7 +55,7 @@ TREE_FEATURES = {
     "node_sequence_weights": datasets.List(datasets.List(datasets.Value("float64"))),
 }
 # Columns the builders read; other columns are only kept when named in ``branch_fields``.
-_INPUT_COLUMNS = ("messages", "prompt", "completion", "completions", "tools", "chat_template_kwargs")
+_INPUT_COLUMNS = ("messages", "prompt", "completion", "completions", "tools", "chat_template_kwargs", TEXT_FIELD)
 
 
 @dataclass
@@ -94,17 +96,21 @@ class TreeBuildStats:
         )
 
 
-def detect_format(column_names: Sequence[str]) -> str:
-    """``"messages"``, ``"prompt/completion"`` or ``"prompt/completions"`` from the dataset's columns."""
+def detect_format(column_names: Sequence[str], text_field: str = TEXT_FIELD) -> str:
+    """``"messages"``, ``"prompt/completion"``, ``"prompt/completions"`` or ``"text"`` (a ``text_field`` column,
+    TRL's language-modeling rows) from the dataset's columns, in TRL's order (prompt rows before text rows)."""
     if "messages" in column_names:
         return "messages"
     if "prompt" in column_names and "completion" in column_names:
         return "prompt/completion"
     if "prompt" in column_names and "completions" in column_names:
         return "prompt/completions"
+    if text_field in column_names:
+        return "text"
     raise ValueError(
         f"dataset columns {list(column_names)} match no supported format {FORMATS}: expected a 'messages' "
-        "column, or 'prompt' with 'completion' (one per row) or 'completions' (a list per row). Convert other "
+        f"column, 'prompt' with 'completion' (one per row) or 'completions' (a list per row), or {text_field!r} "
+        "(plain text, every token trained). Convert other "
         "formats first (e.g. trl.data_utils.maybe_convert_to_chatml for 'conversations')."
     )
 
@@ -187,6 +193,7 @@ def _tokenize_row(
     messages_branches: MessagesBranches,
     assistant_only_loss: bool,
     add_eos: bool,
+    text_field: str,
 ) -> dict[str, Any]:
     """One input row -> its branches (tokens and loss spans), prompt hash, drop reason and fields."""
     kwargs = {**(chat_template_kwargs or {}), **(example.get("chat_template_kwargs") or {})}
@@ -226,6 +233,13 @@ def _tokenize_row(
             if first is None
             else render_ids(tokenizer, messages[:first], add_generation_prompt=True, where=f"row {index}", **render)
         )
+    elif data_format == "text":
+        text = example[text_field]
+        if not isinstance(text, str) or not text:
+            out["_drop"] = "empty text"
+            return out
+        sequences = [text_branch(text, tokenizer, add_eos)]
+        masks, prompt_ids = [[1] * len(sequences[0])], sequences[0]
     else:
         prompt = example["prompt"]
         completions = [example["completion"]] if data_format == "prompt/completion" else example["completions"] or []
@@ -265,6 +279,13 @@ def _tokenize_row(
     return out
 
 
+def text_branch(text: str, tokenizer: PreTrainedTokenizerBase, add_eos: bool = True) -> list[int]:
+    """TRL's language-modeling row: ``text`` plus ``tokenizer.eos_token`` when it does not end with it (``add_eos``),
+    tokenized by the tokenizer's own call (special tokens as it adds them); every token after the first is trained."""
+    eos = tokenizer.eos_token if add_eos and tokenizer.eos_token else ""
+    return list(tokenizer(text=text if text.endswith(eos) else text + eos)["input_ids"])
+
+
 def _merge_group(group: dict[str, Any], *, tokenized: datasets.Dataset, branch_fields: Sequence[str]) -> dict[str, Any]:
     """One group of tokenized rows -> one ``Tree.to_dict()`` row (plus its token counts)."""
     rows = tokenized[group["_rows"]]
@@ -288,7 +309,7 @@ def _group_rows(
     drops = tokenized["_drop"][:]
     kept = [i for i, reason in enumerate(drops) if not reason]
     if group_by is None:
-        group_by = GROUP_BY_ROW if data_format == "messages" else GROUP_BY_PROMPT_TOKENS
+        group_by = GROUP_BY_ROW if data_format in ("messages", "text") else GROUP_BY_PROMPT_TOKENS
     if group_by == GROUP_BY_ROW:
         return [[i] for i in kept]
     if group_by == GROUP_BY_PROMPT_TOKENS:
@@ -321,6 +342,7 @@ def build_tree_dataset(
     messages_branches: MessagesBranches = ...,
     assistant_only_loss: bool = ...,
     add_eos: bool = ...,
+    text_field: str = ...,
     return_stats: Literal[False] = ...,
 ) -> datasets.Dataset: ...
 @overload
@@ -337,6 +359,7 @@ def build_tree_dataset(
     messages_branches: MessagesBranches = ...,
     assistant_only_loss: bool = ...,
     add_eos: bool = ...,
+    text_field: str = ...,
     return_stats: Literal[True],
 ) -> tuple[datasets.Dataset, TreeBuildStats]: ...
 def build_tree_dataset(
@@ -352,6 +375,7 @@ def build_tree_dataset(
     messages_branches: MessagesBranches = "per_turn",
     assistant_only_loss: bool = False,
     add_eos: bool = True,
+    text_field: str = TEXT_FIELD,
     return_stats: bool = False,
 ) -> datasets.Dataset | tuple[datasets.Dataset, TreeBuildStats]:
     """Convert TRL-format rows into tree rows (``Tree.to_dict()`` columns, ``branch_fields`` if any).
@@ -359,15 +383,17 @@ def build_tree_dataset(
     Formats (by columns): ``messages`` (a conversation per row -> per-turn branches, see
     ``conversation_to_branches``, or with ``messages_branches="conversation"`` TRL's single branch, see
     ``conversation_branch``); ``prompt`` + ``completion`` (one completion per row); ``prompt`` +
-    ``completions`` (a list per row). Prompts/completions are text or messages, as in TRL. Optional
+    ``completions`` (a list per row); a ``text_field`` column (TRL's language modeling: one branch per row, every
+    token trained, see ``text_branch``). Prompts/completions are text or messages, as in TRL. Optional
     per-row ``tools`` (list or JSON text) and ``chat_template_kwargs`` columns are used for rendering.
 
     Args:
         dataset: the input ``datasets.Dataset``.
         tokenizer: tokenizer with the chat template for conversational rows.
         group_by: which rows merge into one tree: a column name (equal values merge),
-            ``GROUP_BY_PROMPT_TOKENS`` (identical prompt tokens merge), ``GROUP_BY_ROW`` (no merging), or
-            ``None``: by prompt tokens for prompt rows, one tree per row for ``messages``.
+            ``GROUP_BY_PROMPT_TOKENS`` (identical prompt tokens merge; a text row's prompt is its whole text),
+            ``GROUP_BY_ROW`` (no merging), or ``None``: by prompt tokens for prompt rows, one tree per row for
+            ``messages`` and text rows.
         num_proc: worker processes for both ``datasets.map`` passes.
         branch_fields: columns kept per branch under ``branch_fields`` (e.g. ``["reward", "advantage"]``):
             a row's value goes to each of its branches; in ``prompt/completions`` rows a list as long as
@@ -380,14 +406,16 @@ def build_tree_dataset(
             (TRL's SFT rows: the conversation rendered once, one branch; what ``TreeSFTTrainer`` uses by default).
         assistant_only_loss: ``messages_branches="conversation"`` only: train the template's assistant tokens
             (``{% generation %}``) instead of every token, as TRL's ``assistant_only_loss``.
-        add_eos: plain-text completions end with ``tokenizer.eos_token`` (see ``completions_to_branches``).
+        add_eos: plain-text completions and text rows end with ``tokenizer.eos_token`` (see
+            ``completions_to_branches``, ``text_branch``).
+        text_field: the column of text rows (TRL's ``dataset_text_field``).
         return_stats: also return the ``TreeBuildStats``.
 
     Raises:
         ValueError: on an unknown format, ``group_by``/``branch_fields`` column or ``train_on``, and (naming
             the row) on a chat template that cannot be split into prompt and assistant tokens.
     """
-    data_format = detect_format(dataset.column_names)
+    data_format = detect_format(dataset.column_names, text_field)
     branch_fields = list(branch_fields or [])
     for name in branch_fields:
         if name not in dataset.column_names:
@@ -398,7 +426,7 @@ def build_tree_dataset(
             f"GROUP_BY_PROMPT_TOKENS={GROUP_BY_PROMPT_TOKENS!r}, GROUP_BY_ROW={GROUP_BY_ROW!r} or None."
         )
     check_messages_options(messages_branches, train_on, assistant_only_loss)
-    ignored = [c for c in dataset.column_names if c not in (*_INPUT_COLUMNS, *branch_fields, group_by)]
+    ignored = [c for c in dataset.column_names if c not in (*_INPUT_COLUMNS, text_field, *branch_fields, group_by)]
     if ignored:
         logger.info(
             "build_tree_dataset: columns %s are not carried into tree rows; pass branch_fields=%s to "
@@ -424,6 +452,7 @@ def build_tree_dataset(
             messages_branches=messages_branches,
             assistant_only_loss=assistant_only_loss,
             add_eos=add_eos,
+            text_field=text_field,
         ),
         remove_columns=dataset.column_names,
         features=_tokenized_features(dataset, data_format, branch_fields),

@@ -10,6 +10,7 @@ Recognised records (by their keys; every record of a file must have the same for
   lists such as ``rewards`` may sit beside it). -> ``prompt``/``completions`` rows (one tree per prompt).
 - ``prompt`` + ``completion``: one completion per record. -> ``prompt``/``completion`` rows (records with
   identical prompt tokens merge into one tree).
+- ``text``: plain text (TRL's language modeling), every token trained. -> ``text`` rows (one tree per row).
 - ``chosen`` + ``rejected`` (``prompt`` optional, TRL's implicit-prompt preference format otherwise):
   -> ``prompt``/``completions`` rows with ``completions = [chosen, rejected]`` and a per-completion
   ``preference`` column ``["chosen", "rejected"]`` (pass ``branch_fields=["preference"]`` to keep it).
@@ -33,7 +34,7 @@ from trl.data_utils import extract_prompt
 
 from hf_tree.builders.dataset import detect_format
 
-USER_FORMATS = ("messages", "prompt/completions", "prompt/completion", "preference")
+USER_FORMATS = ("messages", "prompt/completions", "prompt/completion", "text", "preference")
 MESSAGE_KEYS = ("role", "content", "reasoning_content", "tool_calls")
 OPTIONAL_MESSAGE_KEYS = ("tool_call_id", "name")
 
@@ -79,7 +80,7 @@ def detect_user_format(record: Mapping[str, Any]) -> str:
     except ValueError:
         raise ValueError(
             f"a record with keys {sorted(record)} matches no supported format: expected 'messages', 'prompt' with "
-            "'completions' or 'completion', or 'chosen' and 'rejected' (optionally with 'prompt')."
+            "'completions' or 'completion', 'text', or 'chosen' and 'rejected' (optionally with 'prompt')."
         ) from None
 
 
@@ -166,6 +167,9 @@ def to_builder_rows(records: Sequence[Mapping[str, Any]], where: str = "records"
             row["prompt"] = _prompt(row["prompt"], at)
             row["completions"] = [_completion(row.pop("chosen"), at), _completion(row.pop("rejected"), at)]
             row["preference"] = ["chosen", "rejected"]
+        elif user_format == "text":
+            if not isinstance(record["text"], str):
+                raise ValueError(f"{at}: 'text' must be a string, got {type(record['text']).__name__}.")
         else:
             row["prompt"] = _prompt(record["prompt"], at)
             key = "completions" if user_format == "prompt/completions" else "completion"

@@ -3,13 +3,16 @@
     from hf_tree.trl.sft import TreeSFTConfig as SFTConfig, TreeSFTTrainer as SFTTrainer
 
 The trainer takes TRL's own dataset formats (``messages`` with ``reasoning_content``/``tool_calls``,
-``prompt``/``completion``, ``prompt``/``completions``, conversational or text; ShareGPT ``conversations`` are
-converted as TRL does) and builds trees in place of TRL's dataset preparation, merged by token ids
-(``hf_tree.builders``): each ``messages`` row is TRL's own branch (the conversation rendered once, every token or,
-with ``assistant_only_loss``, the assistant tokens trained; ``messages_branches="per_turn"`` builds one branch per
-assistant turn instead, for templates that rewrite history), and each ``prompt`` row one completion of its prompt.
-Loss, divisor, evaluation and logs are those of ``TreeTrainer`` (``TreeTrainerMixin``). Settings that cannot apply
-to trees (``packing``, ``padding_free``, ...) raise ``ValueError`` instead of being ignored.
+``prompt``/``completion``, ``prompt``/``completions``, conversational or text; ``text`` rows, TRL's language modeling,
+every token trained, with TRL's EOS; ShareGPT ``conversations`` are converted as TRL does) and builds trees in place of
+TRL's dataset preparation, merged by token ids (``hf_tree.builders``): each ``messages`` row is TRL's own branch (the
+conversation rendered once, every token or, with ``assistant_only_loss``, the assistant tokens trained;
+``messages_branches="per_turn"`` builds one branch per assistant turn instead, for templates that rewrite history),
+each ``prompt`` row one completion of its prompt, each ``text`` row one branch. Each micro-batch's trees merge again by
+their tokens before packing (``merge_in_batch``, on by default): rows that share a system prompt compute it once, in
+TRL's batches, with TRL's objective. Loss, divisor, evaluation and logs are those of ``TreeTrainer``
+(``TreeTrainerMixin``). Settings that cannot apply to trees (``packing``, ``padding_free``, ...) raise ``ValueError``
+instead of being ignored.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from hf_tree.loss import TreeLosses
 from hf_tree.models.dropout import warn_if_dropout
 from hf_tree.row_batching import BATCH_UNITS, TreePartDataset, TreeRowBatchSampler
 from hf_tree.sft_losses import sft_token_loss
-from hf_tree.trainer import TreeTrainerMixin
+from hf_tree.sft_metrics import MeteredTokenLoss
+from hf_tree.trainer import STEP_SUM_KEYS, TreeTrainerMixin
 from hf_tree.tree import Tree
 from hf_tree.versions import require_tested_trl
 from hf_tree.vision.forward import vision_family
@@ -222,8 +226,41 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
 
     def _init_tree_training(self) -> None:
         self.tree_token_loss = sft_token_loss(self.args.loss_type, self.args.label_smoothing_factor)
+        # TRL's entropy / mean_token_accuracy count each branch's trained tokens: the edge weights under "token"
+        self.tree_token_metrics = None
+        if self.args.normalization == "token":
+            self.tree_token_metrics = MeteredTokenLoss(self.tree_token_loss)
+            self.tree_token_loss = self.tree_token_metrics
+        else:
+            logger.info(
+                "hf_tree: normalization='sequence': entropy and mean_token_accuracy are not logged (their per-token "
+                "counts are TRL's 'token' weights); num_tokens is."
+            )
         warn_if_dropout(self.model, "set lora_dropout=0 (LoRA) and the model's dropout probabilities to 0")
         super()._init_tree_training()
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """The tree step (packed rows and depth-first trees), then TRL's per-micro-batch metrics of its branches."""
+        loss = super().training_step(model, inputs, num_items_in_batch)
+        self._log_token_metrics("train")
+        return loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        output = super().prediction_step(model, inputs, prediction_loss_only, ignore_keys)
+        self._log_token_metrics("eval")
+        return output
+
+    def _log_token_metrics(self, mode: str) -> None:
+        """TRL's ``entropy`` and ``mean_token_accuracy`` of the micro-batch's branches (means over their trained
+        tokens, summed over the processes) and ``num_tokens`` (branch tokens of training so far, all processes)."""
+        if self.tree_token_metrics is not None:
+            sums = self.tree_token_metrics.take().to(self.args.device)
+            # over the processes (context parallel ranks scored disjoint shards of one batch: they add up too)
+            sums = self.accelerator.gather_for_metrics(sums[None]).sum(0)
+            count = float(sums[2])
+            self._metrics[mode]["entropy"].append(float(sums[0]) / count if count > 0 else 0.0)
+            self._metrics[mode]["mean_token_accuracy"].append(float(sums[1]) / count if count > 0 else 0.0)
+        self._metrics[mode]["num_tokens"] = [int(self._tree_total_sums[STEP_SUM_KEYS.index("num_branch_tokens")])]
 
     def _tree_step_loss(self, losses: TreeLosses, num_items_in_batch: Any) -> torch.Tensor:
         """TRL's SFT loss: the token loss times the processes (divided by the global divisor), plus
@@ -297,7 +334,7 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             )
         if "conversations" in dataset.column_names:  # ShareGPT from/value -> role/content, as TRL does
             dataset = dataset.map(maybe_convert_to_chatml, remove_columns="conversations")
-        data_format = detect_format(dataset.column_names)
+        data_format = detect_format(dataset.column_names, args.dataset_text_field)
         per_turn = data_format == "messages" and args.messages_branches == "per_turn"
         if per_turn:
             logger.info(
@@ -317,6 +354,7 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 train_on=args.train_on,
                 messages_branches=args.messages_branches,
                 assistant_only_loss=args.assistant_only_loss and args.messages_branches == "conversation",
+                text_field=args.dataset_text_field,
             )
         if args.completion_only_loss is False:
             if per_turn:
@@ -325,6 +363,6 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                     "'messages' rows): per-turn branches train assistant turns only. Leave completion_only_loss unset, "
                     "or use messages_branches='conversation' with assistant_only_loss=False to train every token."
                 )
-            if data_format != "messages":  # TRL ignores it on 'messages' rows, and so do we
+            if data_format not in ("messages", "text"):  # TRL ignores it on 'messages' rows; text trains every token
                 trees = trees.map(train_every_token, desc=f"training the prompts of the {dataset_name} dataset")
         return trees.shuffle(seed=args.seed) if args.shuffle_dataset else trees
