@@ -353,7 +353,7 @@ def test_build_tree_dataset_messages_rows(tokenizer):
 
 def test_build_tree_dataset_input_errors(tokenizer):
     with pytest.raises(ValueError, match="match no supported format"):
-        build_tree_dataset(datasets.Dataset.from_dict({"text": ["a"]}), tokenizer)
+        build_tree_dataset(datasets.Dataset.from_dict({"body": ["a"]}), tokenizer)
     dataset = datasets.Dataset.from_dict({"prompt": ["a"], "completion": ["b"]})
     with pytest.raises(ValueError, match="group_by='prompt_id' is not a column"):
         build_tree_dataset(dataset, tokenizer, group_by="prompt_id")

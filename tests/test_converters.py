@@ -292,7 +292,10 @@ def test_bad_records_are_named(tmp_path):
     with pytest.raises(ValueError, match=r"record 1 is in format 'messages' but record 0 is 'prompt/completion'"):
         to_builder_rows([{"prompt": "a", "completion": "b"}, {"messages": []}])
     with pytest.raises(ValueError, match=r"matches no supported format"):
-        to_builder_rows([{"text": "a"}])
+        to_builder_rows([{"body": "a"}])
+    with pytest.raises(ValueError, match=r"record 0: 'text' must be a string"):
+        to_builder_rows([{"text": ["a"]}])
+    assert to_builder_rows([{"text": "a b"}])[1] == "text"
     with pytest.raises(ValueError, match=r"message 0 has content of type list"):
         to_builder_rows([{"messages": [{"role": "user", "content": [{"type": "text", "text": "a"}]}]}])
 

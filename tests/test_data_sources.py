@@ -58,11 +58,11 @@ def test_chat_template_lookup():
 
 def test_one_format_detector():
     """The file reader's detector is the builders' one plus the preference format."""
-    for keys in (["messages", "tools"], ["prompt", "completion"], ["prompt", "completions", "rewards"]):
+    for keys in (["messages", "tools"], ["prompt", "completion"], ["prompt", "completions", "rewards"], ["text"]):
         assert detect_user_format(dict.fromkeys(keys)) == detect_format(keys)
     assert detect_user_format(dict.fromkeys(["prompt", "chosen", "rejected"])) == "preference"
     with pytest.raises(ValueError, match="'chosen' and 'rejected'"):
-        detect_user_format({"text": "a"})
+        detect_user_format({"body": "a"})
 
 
 def test_saved_dataset_dict_needs_a_split(tmp_path):

@@ -1,5 +1,6 @@
 """In-batch merging (``merge_in_batch``, on by default): the trees of each micro-batch are merged into tries by their
-tokens before packing, so rows that share only a system prompt compute it once, with TRL's batches and objective.
+tokens before packing, so rows that share only a system prompt compute it once, with TRL's batches and objective
+(TreeSFTTrainer, with TRL's token metrics; TreeDPO/KTO/RewardTrainer merge every row of TRL's forward).
 
 Oracles: each branch alone through the model's own attention (``tests.helpers.per_branch_loss``) for the collator,
 TRL's own ``SFTTrainer`` (float64, one SGD step) for ``TreeSFTTrainer``, and the unmerged path
@@ -11,14 +12,18 @@ from __future__ import annotations
 import datasets
 import pytest
 import torch
-from trl import SFTConfig, SFTTrainer
+from trl import DPOConfig, DPOTrainer, KTOConfig, KTOTrainer, RewardConfig, RewardTrainer, SFTConfig, SFTTrainer
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.collator import pop_packing_stats
 from hf_tree.packing import PackingConfig, merge_trees
+from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
+from hf_tree.trl.kto import TreeKTOConfig, TreeKTOTrainer
+from hf_tree.trl.reward import TreeRewardConfig, TreeRewardTrainer
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 from tests.helpers import (
     TRL_STEP_TOLERANCE,
+    assert_same_step_as_trl,
     float64_norms,
     grads_of,
     max_grad_relative_error,
@@ -204,3 +209,46 @@ def test_sft_logs_trls_token_metrics(path, settings):
     assert tree_log["num_tokens"] == trl_log["num_tokens"] > 0
     assert tree_log["entropy"] == pytest.approx(trl_log["entropy"], rel=1e-6)  # TRL's statistics are float32
     assert tree_log["mean_token_accuracy"] == pytest.approx(trl_log["mean_token_accuracy"], rel=1e-12)
+
+
+# --------------------------------------------------------------------------- DPO, KTO, reward: TRL's batches merged
+SYSTEM_WORDS = "w40 w41 w42 w43 w44 w45 "  # every prompt starts with it; nothing else is shared across pairs
+PREFERENCE = {
+    "prompt": [SYSTEM_WORDS + p for p in ("w10 w11", "w12", "w13 w14 w15", "w16")],
+    "chosen": [" w20 w21", " w22", " w23 w24", " w25"],
+    "rejected": [" w26", " w27 w28", " w29", " w30 w31"],
+}
+KTO = {
+    "prompt": PREFERENCE["prompt"] + PREFERENCE["prompt"][:2],
+    "completion": PREFERENCE["chosen"] + PREFERENCE["rejected"][:2],
+    "label": [True, False, True, False, True, False],
+}
+
+
+def _preference_step(kind: str, tree: bool, path: str, **settings):
+    """One SGD step of TRL's trainer (``tree=False``) or its tree twin on rows sharing only a system prompt."""
+    classes = {
+        "dpo": ((DPOTrainer, DPOConfig), (TreeDPOTrainer, TreeDPOConfig), PREFERENCE, {}),
+        "kto": ((KTOTrainer, KTOConfig), (TreeKTOTrainer, TreeKTOConfig), KTO, dict(per_device_train_batch_size=3)),
+        "reward": ((RewardTrainer, RewardConfig), (TreeRewardTrainer, TreeRewardConfig), PREFERENCE, {}),
+    }
+    trl_classes, tree_classes, rows, defaults = classes[kind]
+    cls, config_cls = tree_classes if tree else trl_classes
+    args = tiny_trl_config(config_cls, path, torch.float64, max_steps=1, learning_rate=1.0, **defaults, **settings)
+    trainer = cls(path, args=args, train_dataset=datasets.Dataset.from_dict(rows), processing_class=word_tokenizer())
+    return trainer, train_and_measure_updates(trainer)
+
+
+@pytest.mark.slow  # three trainers per kind (~25-40 s on 2 cores)
+@pytest.mark.parametrize("kind", ["dpo", "kto", "reward"])
+def test_preference_trainers_merge_every_row_of_trls_batch(path, kind):
+    """TRL's batch (all rows of the micro-batch) merges into one trie by tokens: rows of different pairs share the
+    system prompt (dedup above the unmerged path's 1.0), and the step is TRL's and the unmerged one's."""
+    trl, trl_updates = _preference_step(kind, False, path)
+    merged, merged_updates = _preference_step(kind, True, path)
+    unmerged, unmerged_updates = _preference_step(kind, True, path, merge_in_batch=False)
+    logged = [run.state.log_history[0]["tree/dedup_ratio"] for run in (merged, unmerged)]
+    assert logged[0] > 1.3 and logged[1] == 1.0, logged
+    assert_same_step_as_trl(trl, trl_updates, merged, merged_updates)
+    for name, update in unmerged_updates.items():
+        assert relative_error(merged_updates[name], update) <= TRL_STEP_TOLERANCE, name

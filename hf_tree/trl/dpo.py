@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from trl import DPOConfig, DPOTrainer
 
+from hf_tree.config import config_field
+from hf_tree.packing import PackingConfig
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.glue import TreeLogProbArguments
 from hf_tree.trl.preference_logprobs import TreePreferenceLogProbsMixin
@@ -29,6 +31,8 @@ POLICY_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
 @dataclass
 class TreeDPOConfig(TreeLogProbArguments, DPOConfig):
     """``DPOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
+
+    merge_in_batch: bool = config_field(PackingConfig, "merge_in_batch")
 
 
 class TreeDPOTrainer(FSDPFullSaveMixin, TreePreferenceLogProbsMixin, DPOTrainer):

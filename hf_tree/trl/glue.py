@@ -88,7 +88,7 @@ def _tree_fused_call(
     router_chunk_rows = (router_chunk_rows or input_ids.shape[0]) if output_router_logits else None
     capacity = settings["max_packed_tokens"] or tokens_per_forward
     rows = input_ids if media is None else media.input_ids  # placeholders as image ids: rows merge by tokens and images
-    layout = layout_scored_rows(rows, attention_mask, labels, capacity, router_chunk_rows)
+    layout = layout_scored_rows(rows, attention_mask, labels, capacity, router_chunk_rows, settings["merge_in_batch"])
     if layout.num_scored == 0:  # nothing to score: TRL's forward keeps the zero output connected to the model
         model.hf_tree_layout_stats = None  # nothing packed: no (stale) ratio to log for this call
         router_inputs = {"output_router_logits": True} if output_router_logits else {}
@@ -126,6 +126,7 @@ def add_tree_fused_lm_head(
     cast_lm_head_to_fp32: bool = False,
     name: str = "model",
     self_check: bool | None = None,
+    merge_in_batch: bool = True,
 ) -> None:
     """Replace the fused head that TRL's ``add_fused_lm_head`` installed on ``model`` by the tree one.
 
@@ -145,6 +146,7 @@ def add_tree_fused_lm_head(
         name: how errors refer to the model.
         self_check: run ``hf_tree.models.check``'s refusals and probe before the first tree pass (``None``: on
             unless ``HF_TREE_SELF_CHECK=0``).
+        merge_in_batch: merge the call's rows into tries by their tokens; ``False``: each row a tree of its own.
     """
     check_tree_model(model, name)
     unknown = sorted(set(outputs) - set(FUSED_OUTPUTS))
@@ -156,6 +158,7 @@ def add_tree_fused_lm_head(
         max_packed_tokens=max_packed_tokens,
         cast_lm_head_to_fp32=cast_lm_head_to_fp32,
         self_check=self_check,
+        merge_in_batch=merge_in_batch,
     )
     previous_forward = getattr(model, "hf_tree_previous_forward", None) or model.forward
 
@@ -290,6 +293,8 @@ def install_tree_heads(
         max_packed_tokens=trainer.args.max_packed_tokens,
         self_check=self_check_setting(trainer.args.tree_self_check),
         cast_lm_head_to_fp32=cast_lm_head_to_fp32,
+        # the preference configs declare it (PackingConfig's field); the online RL trainers always merge
+        merge_in_batch=getattr(trainer.args, "merge_in_batch", True),
     )
     policy = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
     add_tree_fused_lm_head(policy, outputs=policy_outputs, **settings)

@@ -20,6 +20,8 @@ from dataclasses import dataclass
 
 from trl import KTOConfig, KTOTrainer
 
+from hf_tree.config import config_field
+from hf_tree.packing import PackingConfig
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.glue import TreeLogProbArguments
 from hf_tree.trl.preference_logprobs import TreePreferenceLogProbsMixin
@@ -28,6 +30,8 @@ from hf_tree.trl.preference_logprobs import TreePreferenceLogProbsMixin
 @dataclass
 class TreeKTOConfig(TreeLogProbArguments, KTOConfig):
     """``KTOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
+
+    merge_in_batch: bool = config_field(PackingConfig, "merge_in_batch")
 
 
 class TreeKTOTrainer(FSDPFullSaveMixin, TreePreferenceLogProbsMixin, KTOTrainer):

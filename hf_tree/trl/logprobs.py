@@ -85,13 +85,14 @@ class ScoredLayout:
 
 
 def pack_rows(
-    sequences: dict[int, list[int]], max_packed_tokens: int
+    sequences: dict[int, list[int]], max_packed_tokens: int, merge: bool = True
 ) -> tuple[dict[str, torch.Tensor], PackingStats, dict[int, np.ndarray]]:
     """Merge rows into tries (rows are grouped by their tokens: one trie per first token) and pack them.
 
     Args:
         sequences: row -> its real tokens (non-empty).
         max_packed_tokens: capacity of a packed row; a tree larger than this is split by its branches (exact).
+        merge: ``False`` packs every row as a tree of its own (``merge_in_batch=False``: nothing shared).
 
     Returns:
         The packed batch (``pack_and_place``: ``input_ids``, ``position_ids``, ``kv_end`` ``[R, N]``, ...), its
@@ -99,7 +100,7 @@ def pack_rows(
     """
     groups: dict[int, list[int]] = defaultdict(list)
     for row, tokens in sequences.items():
-        groups[tokens[0]].append(row)
+        groups[tokens[0] if merge else row].append(row)
     trees = [Tree.from_sequences([sequences[r] for r in rows], branch_fields={"row": rows}) for rows in groups.values()]
     batch, stats, parts, placements = pack_and_place(trees, max_packed_tokens)
     row_length = batch["input_ids"].shape[1]
@@ -116,6 +117,7 @@ def layout_scored_rows(
     labels: torch.Tensor,
     max_packed_tokens: int,
     router_chunk_rows: int | None = None,
+    merge: bool = True,
 ) -> ScoredLayout:
     """Merge the rows of a padded batch into trees and pack them, keeping track of every scored token.
 
@@ -128,6 +130,7 @@ def layout_scored_rows(
         router_chunk_rows: for an MoE router loss, the rows of each of TRL's forward chunks: every row's real tokens
             are packed (scored or not, as TRL's router loss counts them) and ``router_weights`` counts, per chunk,
             the rows that contain each packed token. ``None``: rows are packed up to their last scored token.
+        merge: ``False``: every row a tree of its own (``pack_rows``).
 
     Raises:
         ValueError: when a row's real tokens are not one contiguous run, a scored token lies outside it or is its
@@ -167,7 +170,7 @@ def layout_scored_rows(
         sequences[row] = ids[row, start:stop].tolist()
         starts[row], scored_columns[row] = start, columns
 
-    batch, stats, token_index = pack_rows(sequences, max_packed_tokens)
+    batch, stats, token_index = pack_rows(sequences, max_packed_tokens, merge)
     router_weights = None
     if router_chunk_rows is not None:  # every row's real tokens, scored or not, count in TRL's router loss
         router_weights = torch.zeros(-(-batch_size // router_chunk_rows), batch["input_ids"].numel())

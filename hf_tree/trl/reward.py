@@ -20,8 +20,10 @@ from typing import Any
 from accelerate.utils import is_peft_model
 from trl import RewardConfig, RewardTrainer
 
+from hf_tree.config import config_field
 from hf_tree.models.check import self_check_setting, tree_self_check_field
 from hf_tree.models.dropout import warn_if_dropout
+from hf_tree.packing import PackingConfig
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.training_arguments import refuse_neftune
 from hf_tree.trl.glue import log_tree_stats, prepare_trl_args
@@ -49,6 +51,7 @@ class TreeRewardConfig(RewardConfig):
         },
     )
     tree_self_check: bool = tree_self_check_field()
+    merge_in_batch: bool = config_field(PackingConfig, "merge_in_batch")
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -76,7 +79,12 @@ class TreeRewardTrainer(FSDPFullSaveMixin, RewardTrainer):
         if not self.args.tree_rewards:
             return
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        add_tree_reward_forward(base, self.args.max_packed_tokens, self_check_setting(self.args.tree_self_check))
+        add_tree_reward_forward(
+            base,
+            self.args.max_packed_tokens,
+            self_check_setting(self.args.tree_self_check),
+            merge_in_batch=self.args.merge_in_batch,
+        )
         warn_if_dropout(self.model, "keep disable_dropout=True (RewardConfig's default)")
 
     def compute_loss(

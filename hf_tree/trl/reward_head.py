@@ -68,7 +68,11 @@ def pooled_columns(input_ids: np.ndarray, pad_token_id: int | None) -> np.ndarra
 
 
 def layout_pooled_rows(
-    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, pad_token_id: int | None, max_packed_tokens: int
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    pad_token_id: int | None,
+    max_packed_tokens: int,
+    merge: bool = True,
 ) -> PooledLayout:
     """Merge the rows of a padded batch, each up to its pooled token, into trees and pack them.
 
@@ -106,7 +110,7 @@ def layout_pooled_rows(
                 f"max_packed_tokens={max_packed_tokens}: a row must fit in one packed row. Raise max_packed_tokens."
             )
         sequences[row] = ids[row, start : pooled[row] + 1].tolist()
-    batch, stats, token_index = pack_rows(sequences, max_packed_tokens)
+    batch, stats, token_index = pack_rows(sequences, max_packed_tokens, merge)
     pooled_index = np.array([token_index[row][-1] for row in range(ids.shape[0])], dtype=np.int64)
     return PooledLayout(
         batch={k: batch[k] for k in ("input_ids", "position_ids", "kv_end")},
@@ -132,7 +136,10 @@ def check_reward_model(model: PreTrainedModel) -> None:
 
 
 def add_tree_reward_forward(
-    model: PreTrainedModel, max_packed_tokens: int | None = None, self_check: bool | None = None
+    model: PreTrainedModel,
+    max_packed_tokens: int | None = None,
+    self_check: bool | None = None,
+    merge_in_batch: bool = True,
 ) -> None:
     """Replace ``model``'s forward by the tree one (see the module docstring).
 
@@ -146,6 +153,7 @@ def add_tree_reward_forward(
             tokens than the model's own forward).
         self_check: run ``hf_tree.models.check``'s refusals and probe before the first tree pass (``None``: on
             unless ``HF_TREE_SELF_CHECK=0``).
+        merge_in_batch: merge the call's rows into tries by their tokens; ``False``: each row a tree of its own.
     """
     check_reward_model(model)
     previous_forward = getattr(model, "hf_tree_previous_forward", None) or model.forward
@@ -172,7 +180,8 @@ def add_tree_reward_forward(
             probe_tree_exactness(self, previous_forward, length_limit=longest_exact_branch(self.config))
         checked = True
         pad_token_id = self.config.get_text_config().pad_token_id
-        layout = layout_pooled_rows(input_ids, attention_mask, pad_token_id, max_packed_tokens or input_ids.numel())
+        capacity = max_packed_tokens or input_ids.numel()
+        layout = layout_pooled_rows(input_ids, attention_mask, pad_token_id, capacity, merge_in_batch)
         device = self.get_input_embeddings().weight.device
         hidden = backbone_hidden_states(self, {k: v.to(device) for k, v in layout.batch.items()})
         logits = self.score(hidden.index_select(0, layout.pooled_index.to(hidden.device)))
