@@ -41,7 +41,6 @@ HONOURED = {
     "messages_branches": ({"messages_branches": "per_turn"}, "last_assistant"),
     "train_on": ({"messages_branches": "per_turn", "train_on": "all_assistant"}, "all_assistant"),
     "normalization": ({"normalization": "sequence"}, "every_token"),
-    "merge_in_batch": ({"merge_in_batch": False}, "trl"),  # on (the default) in every other row
 }
 # Options refused at init, naming the field (a value that would change the objective, and the message).
 REFUSED = {
@@ -78,7 +77,10 @@ INERT = {
     "batch_unit": "which rows share a step (tests/test_sft.py covers both units)",
 }
 # Covered by another test because no tiny vision-language family here has the feature.
-ELSEWHERE = {"router_aux_loss_coef": "MoE router loss: tests/test_moe_router_loss.py (no MoE VLM among the tiny ones)"}
+ELSEWHERE = {
+    "router_aux_loss_coef": "MoE router loss: tests/test_moe_router_loss.py (no MoE VLM among the tiny ones)",
+    "merge_in_batch": "test_image_trees_merge_in_the_batch_as_trl_trains_them (the rows above are one tree)",
+}
 # TrainingArguments fields that change the objective (the others are TRL's and hf_tree's own, walked by name).
 TRAINING_ARGUMENT_OBJECTIVES = ("label_smoothing_factor",)
 
@@ -204,6 +206,37 @@ def test_honoured_on_vision_rows(setup, tmp_path, field):
         tolerance = 1e-9
     assert any("vision_tower" in n for n in updates)
     assert max_grad_relative_error(updates, expected) <= tolerance
+
+
+def test_image_trees_merge_in_the_batch_as_trl_trains_them(setup, tmp_path):
+    """One tree per row, both in one micro-batch: merged by tokens and image identity (the red image's turn is
+    shared, computed and encoded once), TRL's step on the same two rows; merge_in_batch=False takes the same step."""
+    from trl import SFTConfig, SFTTrainer
+
+    path, dataset = setup
+    steps = []
+    for merge in (True, False):
+        args = TreeSFTConfig(
+            **settings(tmp_path / f"tree{merge}", per_device_train_batch_size=2),
+            max_packed_tokens=128,
+            group_by="<row>",
+            merge_in_batch=merge,
+        )
+        tree = TreeSFTTrainer(path, args=args, train_dataset=dataset, processing_class=llava_processor(role_template()))
+        assert len(tree.train_dataset) == 2
+        steps.append((tree, train_and_measure_updates(tree)))
+    trl = SFTTrainer(
+        path,
+        args=SFTConfig(**settings(tmp_path / "trl", per_device_train_batch_size=2)),
+        train_dataset=dataset,
+        processing_class=llava_processor(role_template()),
+    )
+    expected = train_and_measure_updates(trl)
+    (merged, merged_updates), (unmerged, unmerged_updates) = steps
+    assert merged.state.log_history[0]["dedup_ratio"] > unmerged.state.log_history[0]["dedup_ratio"]
+    assert trl.state.log_history[0]["loss"] == pytest.approx(merged.state.log_history[0]["loss"], rel=1e-6)
+    assert max_grad_relative_error(merged_updates, expected) <= 1e-5  # TRL's float32 logits (see above)
+    assert max_grad_relative_error(merged_updates, unmerged_updates) <= 1e-9
 
 
 def test_per_turn_differs_from_every_token(setup, tmp_path):
