@@ -239,7 +239,6 @@ def _preference_step(kind: str, tree: bool, path: str, **settings):
     return trainer, train_and_measure_updates(trainer)
 
 
-@pytest.mark.slow  # three trainers per kind (~25-40 s on 2 cores)
 @pytest.mark.parametrize("kind", ["dpo", "kto", "reward"])
 def test_preference_trainers_merge_every_row_of_trls_batch(path, kind):
     """TRL's batch (all rows of the micro-batch) merges into one trie by tokens: rows of different pairs share the
