@@ -32,10 +32,13 @@ def run_cli(args: list[str], cwd: Path, debug: bool = False) -> subprocess.Compl
     return subprocess.run(command, cwd=cwd, env=env, capture_output=True, text=True, timeout=900)
 
 
-def last_line(result: subprocess.CompletedProcess) -> str:
+def last_line(result: subprocess.CompletedProcess, short: bool = True) -> str:
+    """The last line of a failed command's stderr; no traceback before it, and (``short``: failures found before
+    anything runs) hardly anything else."""
     assert result.returncode != 0, result.stdout[-2000:]
+    assert "Traceback" not in result.stderr and "CalledProcessError" not in result.stderr, result.stderr[-5000:]
     lines = [line for line in result.stderr.splitlines() if line.strip()]
-    assert len(lines) <= MAX_LINES, result.stderr[-3000:]
+    assert not short or len(lines) <= MAX_LINES, result.stderr[-3000:]
     return lines[-1]
 
 
@@ -91,8 +94,9 @@ def test_error_inside_training_is_one_line_from_a_folder_holding_hf_tree(tmp_pat
     args = ["sft", "--num_processes", "1", "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir)]
     args += ["--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--bf16", "False", "--report_to", "none"]
     args += ["--max_packed_tokens", "8", "--tree_execution", "packed", "--tree_self_check", "False"]
-    line = last_line(run_cli(args, tmp_path))
-    assert line.startswith("hf-tree sft: ") and "more than max_branch_tokens=8" in line and "overlong" in line
+    line = last_line(run_cli(args, tmp_path), short=False)  # after the run's own progress output
+    assert line.startswith("hf-tree sft: batch row 0: branch 0 has ") and "more than max_branch_tokens=8" in line
+    assert "set overlong='truncate' or 'drop'" in line  # the fix
     debug = run_cli(["--debug", *args], tmp_path)
     assert debug.returncode != 0 and "Traceback (most recent call last)" in debug.stderr
 
