@@ -38,6 +38,7 @@ from hf_tree.cli_messages import (
     debug_enabled,
     flags_of,
     one_line_errors,
+    plain_help,
     raise_usage_errors,
     unknown_config_key,
     unknown_flag,
@@ -79,7 +80,7 @@ class TreeTrainingCommand(TrainingCommand):
         script = importlib.import_module(f"trl.scripts.{self.name}")
         all_args = context.argv_after(self.name)
         prog = f"hf-tree {self.name}"
-        parser = raise_usage_errors(script.make_parser(prog=prog))
+        parser = plain_help(raise_usage_errors(script.make_parser(prog=prog)))
         *_, config_remaining, cli_remaining = parser.parse_args_and_config(
             all_args, return_remaining_strings=True, separate_remaining_strings=True
         )
