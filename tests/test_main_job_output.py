@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-from hf_tree.models.quantization import quantized_base_description
+from hf_tree.models.quantization import log_quantized_base, quantized_base_description
 from hf_tree.plots import smoothed
 from tests.helpers import saved_tiny_model, tiny_model
 
@@ -54,10 +56,13 @@ bnb = pytest.importorskip("bitsandbytes")
         (BitsAndBytesConfig(load_in_8bit=True), "bitsandbytes 8-bit (LLM.int8), compute dtype float32"),
     ],
 )
-def test_quantized_base_is_described(tmp_path, quantization, expected):
+def test_quantized_base_is_described(tmp_path, caplog, quantization, expected):
     path = saved_tiny_model(tmp_path, torch.float32, hidden_size=64, intermediate_size=128)
     model = AutoModelForCausalLM.from_pretrained(path, quantization_config=quantization, dtype=torch.float32)
     assert quantized_base_description(model) == expected
     peft = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", lora_dropout=0.0))
     assert quantized_base_description(peft) == expected  # as the trainers see a QLoRA model
+    with caplog.at_level(logging.INFO, logger="hf_tree"):
+        log_quantized_base(peft)
+    assert f"hf_tree: the base model is quantized: {expected};" in caplog.text
     assert quantized_base_description(tiny_model()) is None
