@@ -6,11 +6,21 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 from collections.abc import Sequence
 from dataclasses import fields
 
+from hf_tree.cli_messages import (
+    DEBUG_ENV,
+    flags_of,
+    one_line_errors,
+    plain,
+    raise_usage_errors,
+    subcommand_parser,
+    unknown_flag,
+)
 from hf_tree.data.names import AGENT_TEMPLATE, BUILTIN_DATASETS
 from hf_tree.packing import PackingConfig
 from hf_tree.tree import Tree
@@ -69,6 +79,11 @@ def _load(args: argparse.Namespace):
     """(trees, drop counts by reason) of the DATA argument; the tokenizer is loaded only if DATA needs it."""
     from hf_tree.data.sources import load_tree_rows, tree_rows_summary  # the resolver launch/train.py uses too
 
+    if args.data and args.dataset_name and args.data != args.dataset_name:
+        raise ValueError("pass the data once: DATA or --dataset_name.")
+    args.data = args.data or args.dataset_name
+    if args.data is None:
+        raise ValueError("no data: pass DATA (or --dataset_name), e.g. `hf-tree stats train.jsonl`.")
     loaded = load_tree_rows(
         args.data,
         lambda: _load_tokenizer(args.tokenizer),
@@ -119,7 +134,7 @@ def _show(args: argparse.Namespace) -> None:
     trees, _ = _load(args)
     plan = plan_rows(trees, _packing(args), trees_per_batch=args.trees_per_batch)
     if not -len(plan.rows) <= args.index < len(plan.rows):
-        raise SystemExit(f"--index {args.index} is out of range: DATA packs into {len(plan.rows)} rows.")
+        raise ValueError(f"--index {args.index} is out of range: DATA packs into {len(plan.rows)} rows.")
     parts = plan.rows[args.index]
     for k, part in enumerate(parts):
         print(
@@ -140,38 +155,50 @@ def _show(args: argparse.Namespace) -> None:
     print(f"wrote {args.out}", file=sys.stderr)
 
 
+def _flags(name: str, *aliases: str) -> list[str]:
+    """``--name`` in both spellings (``--max-packed-tokens``, ``--max_packed_tokens``: the trainers' flags are TRL's
+    underscore ones), then ``aliases``."""
+    dashed, underscored = "--" + name.replace("_", "-"), "--" + name.replace("-", "_")
+    return [dashed, *([underscored] if underscored != dashed else []), *aliases]
+
+
 def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "data",
-        help="a saved tree dataset folder (Dataset.save_to_disk), a .jsonl/.json/.parquet file in a user "
-        "format (messages; prompt+completions; prompt+completion; prompt/chosen/rejected), or a built-in dataset: "
+        nargs="?",
+        help="what --dataset_name takes: a saved tree dataset folder (Dataset.save_to_disk), a folder of "
+        ".jsonl/.json/.parquet files (a hub-style local dataset), one .jsonl/.json/.parquet file in a user format "
+        "(messages; prompt+completions; prompt+completion; prompt/chosen/rejected), or a built-in dataset: "
         + ", ".join(BUILTIN_DATASETS),
     )
+    parser.add_argument(*_flags("dataset_name"), dest="dataset_name", default=None, help="= DATA (the trainers' flag)")
     parser.add_argument(
-        "--tokenizer",
+        *_flags("tokenizer", "--model_name_or_path"),
+        dest="tokenizer",
         default=DEFAULT_TOKENIZER,
-        help="'smollm2' (offline SmolLM2-135M-Instruct, the default) or a local tokenizer folder",
+        help="'smollm2' (offline SmolLM2-135M-Instruct, the default) or a local tokenizer or model folder",
     )
     parser.add_argument(
-        "--chat-template",
+        *_flags("chat_template", "--chat_template_path"),
+        dest="chat_template",
         default=None,
         help=f"a .jinja file or a TRL template name (e.g. qwen3); builtin agent data defaults to {AGENT_TEMPLATE}",
     )
-    parser.add_argument("--group-by", default=None, help="build_tree_dataset's group_by (a column name)")
+    parser.add_argument(*_flags("group_by"), default=None, help="build_tree_dataset's group_by (a column name)")
     parser.add_argument(
-        "--subset", default=None, help="builtin:champ prompt type (e.g. 0-Shot) or builtin:bfcl category"
+        *_flags("subset"), default=None, help="builtin:champ prompt type (e.g. 0-Shot) or builtin:bfcl category"
     )
     parser.add_argument(
-        "--limit",
+        *_flags("limit"),
         type=int,
         default=None,
         help="builtin sources: CHAMP problems, BFCL tasks or synthetic conversations to read (synthetic-agent: the "
         "main job's data, 24 conversations unless given)",
     )
-    parser.add_argument("--num-proc", type=int, default=None, help="tokenizing worker processes")
+    parser.add_argument(*_flags("num_proc"), type=int, default=None, help="tokenizing worker processes")
     _add_packing_arguments(parser)
     parser.add_argument(
-        "--trees-per-batch",
+        *_flags("trees_per_batch"),
         type=int,
         default=None,
         help="pack consecutive batches of this many trees, as the trainer's collator does (default: all trees at once)",
@@ -179,37 +206,44 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _add_packing_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per ``PackingConfig`` field (``--max-packed-tokens``, ...), with its help and choices."""
+    """One flag per ``PackingConfig`` field (``--max-packed-tokens`` = ``--max_packed_tokens``, ...), with its help
+    and choices."""
     for f in fields(PackingConfig):
         choices = f.metadata.get("choices")
         parser.add_argument(
-            "--" + f.name.replace("_", "-"),
+            *_flags(f.name),
+            dest=f.name,
             type=str if choices else int,
             choices=choices,
             default=getattr(CLI_PACKING, f.name),
-            help=f.metadata["help"],
+            help=plain(f.metadata["help"]),
         )
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="hf-tree", description=__doc__)
+    parser = argparse.ArgumentParser(
+        prog="hf-tree",
+        description=plain(__doc__),
+        epilog=f"A failure ends with one line; --debug (or {DEBUG_ENV}=1) shows the traceback instead.",
+    )
+    parser.add_argument("--debug", action="store_true", help=f"show the full traceback of a failure (= {DEBUG_ENV}=1)")
     commands = parser.add_subparsers(dest="command", required=True)
     for name in TRL_COMMANDS:  # their flags are TRL's script's: parsed by it (`hf-tree sft --help` lists them)
         commands.add_parser(name, add_help=False, help=f"`trl {name}` with hf_tree's tree trainer (the same flags)")
     commands.add_parser("train", add_help=False, help="the tree SFT launcher (= python launch/train.py; --help)")
     demo = commands.add_parser("demo", help="pack offline example trees and print their statistics")
     demo.add_argument("--seed", type=int, default=0)
-    demo.add_argument("--prompt-tokens", type=int, default=512)
-    demo.add_argument("--completion-tokens", type=int, default=256)
+    demo.add_argument(*_flags("prompt_tokens"), type=int, default=512)
+    demo.add_argument(*_flags("completion_tokens"), type=int, default=256)
     demo.add_argument("--turns", type=int, default=10)
-    demo.add_argument("--max-packed-tokens", type=int, default=4096)
+    demo.add_argument(*_flags("max_packed_tokens"), type=int, default=4096)
     demo.set_defaults(run=_demo)
 
     stats = commands.add_parser("stats", help="what tree packing saves on a dataset, and what packing does")
     _add_data_arguments(stats)
     stats.add_argument("--plot", default=None, help="write a PNG of the distributions here")
     stats.add_argument("--json", action="store_true", help="print the numbers as JSON instead of the report")
-    stats.add_argument("--save-trees", default=None, help="also save the tree rows here (Dataset.save_to_disk)")
+    stats.add_argument(*_flags("save_trees"), default=None, help="also save the tree rows here (Dataset.save_to_disk)")
     stats.set_defaults(run=_stats)
 
     show = commands.add_parser("show", help="draw one packed row (its trees and attention mask) to a PNG")
@@ -218,29 +252,32 @@ def build_parser() -> argparse.ArgumentParser:
     show.add_argument("--out", default="row.png", help="PNG file to write")
     show.add_argument("--window", default=None, help="START:END packed positions to draw (zoom), e.g. 6000:7400")
     show.set_defaults(run=_show)
-    return parser
+    return raise_usage_errors(parser)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
+    """``hf-tree [--debug] <command> ...``: every failure ends with one line (``hf_tree.cli_messages``)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    args, rest = parser.parse_known_args(argv)
-    if args.command in TRL_COMMANDS:
-        from trl.cli.commands.base import CommandContext
+    with one_line_errors("hf-tree"):
+        args, rest = parser.parse_known_args(argv)
+    if args.debug:
+        os.environ[DEBUG_ENV] = "1"  # launched training processes inherit it
+    with one_line_errors(f"hf-tree {args.command}"):
+        if args.command in TRL_COMMANDS:
+            from trl.cli.commands.base import CommandContext
 
-        from hf_tree.trl.cli import TreeTrainingCommand
+            from hf_tree.trl.cli import TreeTrainingCommand
 
-        raise SystemExit(TreeTrainingCommand(args.command).run(args, CommandContext(argv=argv)))
-    if args.command == "train":
-        from hf_tree.launcher import main as train
+            raise SystemExit(TreeTrainingCommand(args.command).run(args, CommandContext(argv=argv)))
+        if args.command == "train":
+            from hf_tree.launcher import main as train
 
-        train(rest)
-        return
-    args = parser.parse_args(argv)  # the other commands' flags are strict
-    try:
+            train(rest)  # inside this command's one_line_errors
+            return
+        if rest:  # the other commands' flags are strict
+            raise unknown_flag(rest[0], flags_of(subcommand_parser(parser, args.command)), f"hf-tree {args.command}")
         args.run(args)
-    except ValueError as error:  # bad input or settings training would refuse: one line, exit status 1
-        raise SystemExit(f"hf-tree {args.command}: {error}") from None
 
 
 if __name__ == "__main__":

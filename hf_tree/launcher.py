@@ -46,6 +46,7 @@ from transformers import (
     AutoTokenizer,
     HfArgumentParser,
     Trainer,
+    TrainerCallback,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.utils import (
@@ -59,6 +60,14 @@ from trl import ModelConfig, get_peft_config, get_quantization_config
 
 from hf_tree import Tree
 from hf_tree.attention.registration import TREE_ATTENTION_NAME
+from hf_tree.cli_messages import (
+    flags_of,
+    one_line_errors,
+    plain_help,
+    raise_usage_errors,
+    unknown_config_key,
+    unknown_flag,
+)
 from hf_tree.data.sources import (
     AGENT_TEMPLATE,
     BUILTIN_DATASETS,
@@ -137,6 +146,7 @@ DEFAULT_RUN: dict[str, Any] = {
     "lora_r": 16,
     "lora_alpha": 32,
     "lora_target_modules": ["all-linear"],
+    "lora_dropout": 0.0,  # TRL's 0.05 draws one mask per shared token (hf_tree.models.dropout): not per-branch
     "output_dir": "outputs/smollm2-agent-lora",
     "max_steps": 24,
     "per_device_train_batch_size": 1,
@@ -145,7 +155,7 @@ DEFAULT_RUN: dict[str, Any] = {
     "logging_steps": 4,
     "save_strategy": "no",
     "report_to": "none",
-    "gradient_checkpointing": False,
+    "activation_checkpointing": False,  # TRL's SFTConfig sets the deprecated gradient_checkpointing=True
     "max_packed_tokens": 4096,
     "max_length": None,  # no per-sample limit below the row capacity
     "seed": 0,
@@ -161,6 +171,7 @@ DEFAULT_DATA_RUN: dict[str, Any] = {
     "synthetic_max_user_turns": MAIN_JOB_OPTIONS["max_user_turns"],
     "synthetic_max_tool_steps": MAIN_JOB_OPTIONS["max_tool_steps"],
     "messages_branches": "per_turn",
+    "batch_unit": "trees",  # one conversation (tree of 3 turns) per step, as the job means: no rows-vs-trees notice
     "assistant_only_loss": False,
     "dataset_test_split": "test",
     "max_eval_samples": 8,  # two evaluations of 8 trees: ~1/3 of the training time
@@ -185,16 +196,24 @@ def read_config_file(path: str) -> dict[str, Any]:
     return config
 
 
+PROG = "hf-tree train"
+
+
 def parse_arguments(argv: list[str]) -> tuple[ModelConfig, DataArguments, LoraLayerArguments, TreeSFTConfig]:
     """``DEFAULT_RUN``, refined by ``--config FILE`` (YAML/JSON), refined by CLI flags."""
-    parser = HfArgumentParser(DATACLASSES, prog="hf-tree train")
+    parser = plain_help(raise_usage_errors(HfArgumentParser(DATACLASSES, prog=PROG)))
     pre = argparse.ArgumentParser(add_help=False)
     for name in ("--config", "--model_name_or_path", "--dataset_name"):
         pre.add_argument(name, default=None)
     known, rest = pre.parse_known_args(argv)
     config = dict(DEFAULT_RUN)
+    known_fields = {action.dest for action in parser._actions}
     if known.config is not None:
-        config.update(read_config_file(known.config))
+        from_file = read_config_file(known.config)
+        for key in from_file:
+            if key not in known_fields:
+                raise unknown_config_key(known.config, key, sorted(known_fields), PROG)
+        config.update(from_file)
     model = known.model_name_or_path or config["model_name_or_path"]
     dataset = known.dataset_name or config["dataset_name"]
     specific = {
@@ -202,20 +221,20 @@ def parse_arguments(argv: list[str]) -> tuple[ModelConfig, DataArguments, LoraLa
         **(DEFAULT_DATA_RUN if builtin_name(dataset) == "synthetic-agent" else {}),
     }
     # TRL defaults bf16 to True, which TrainingArguments rejects on a machine without a GPU, and
-    # gradient_checkpointing to True, which Trainer rejects beside FSDP's own activation checkpointing
-    defaults = {"output_dir": "outputs/tree-sft", "bf16": torch.cuda.is_available()}
+    # gradient_checkpointing to True, which Trainer rejects beside FSDP's own activation checkpointing; pinned
+    # memory needs a GPU (Trainer's default warns without one)
+    cuda = torch.cuda.is_available()
+    defaults = {"output_dir": "outputs/tree-sft", "bf16": cuda, "dataloader_pin_memory": cuda}
     if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true":  # set by accelerate launch
-        defaults["gradient_checkpointing"] = False
+        defaults["activation_checkpointing"] = False
     config = {**defaults, **specific, **config, "model_name_or_path": model, "dataset_name": dataset}
-    known_fields = {action.dest for action in parser._actions}
-    unknown = sorted(set(config) - known_fields)
-    if unknown:
-        raise ValueError(
-            f"config keys {unknown} are not fields of {[d.__name__ for d in DATACLASSES]}; "
-            "run `hf-tree train --help` for the list."
-        )
+    if "gradient_checkpointing" in config or "--gradient_checkpointing" in [a.split("=")[0] for a in rest]:
+        config.pop("activation_checkpointing")  # the deprecated name counts only while the new one is unset
     parser.set_defaults(**config)
-    return parser.parse_args_into_dataclasses(args=rest)
+    *parsed, unknown = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
+    if unknown:
+        raise unknown_flag(unknown[0], flags_of(parser), PROG)
+    return tuple(parsed)
 
 
 def offline_model_checkpoint() -> str:
@@ -359,6 +378,29 @@ def check_saved(trainer: Trainer, output_dir: str, peft: bool) -> None:
         )
 
 
+def announce_evaluation(num_rows: int, when: str) -> None:
+    """One line before an evaluation (a held-out pass can take minutes with no progress bar moving)."""
+    print(f"hf_tree: evaluating the held-out loss on {num_rows} rows ({when}) ...", flush=True)
+
+
+class EvaluationNotice(TrainerCallback):
+    """``announce_evaluation`` before each evaluation ``Trainer.train`` runs (``eval_on_start``, ``eval_strategy``);
+    on the main process only."""
+
+    def __init__(self, num_rows: int) -> None:
+        self.num_rows = num_rows
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        if args.eval_on_start and state.is_world_process_zero:  # train() evaluates right after this event
+            announce_evaluation(self.num_rows, "before training")
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if control.should_evaluate and state.is_world_process_zero:  # set by DefaultFlowCallback, which runs first
+            announce_evaluation(self.num_rows, f"at step {state.global_step}")
+
+    on_epoch_end = on_step_end
+
+
 LOSS_CURVE = "loss_curve.png"
 
 
@@ -407,6 +449,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         eval_dataset=evaluation,
         processing_class=tokenizer,
         peft_config=peft_config(model_args, lora_layers, model),
+        callbacks=[EvaluationNotice(len(evaluation))] if evaluation is not None else None,
     )
     main_process = trainer.is_world_process_zero()
     trees = [Tree.from_dict(row) for row in trainer.train_dataset]
@@ -420,17 +463,18 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
             flush=True,
         )
     summary: dict[str, float] = {}
-    train_started = time.perf_counter()
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    train_seconds = time.perf_counter() - train_started
+    # Trainer's train_runtime (the one clock reported) includes the evaluations run inside train()
+    eval_logs = [log for log in trainer.state.log_history if "eval_runtime" in log]
+    eval_seconds = sum(log["eval_runtime"] for log in eval_logs)
     if evaluation is not None:  # eval_on_start's log, before the first step
-        before = next(log for log in trainer.state.log_history if "eval_loss" in log)
-        summary["eval_loss_before"] = before["eval_loss"]
-        train_seconds -= before["eval_runtime"]
+        summary["eval_loss_before"] = eval_logs[0]["eval_loss"]
     trainer.save_model(config.output_dir)
     if main_process:
         check_saved(trainer, config.output_dir, peft=model_args.use_peft)
     if evaluation is not None:
+        if main_process:
+            announce_evaluation(len(evaluation), "after training")
         summary["eval_loss"] = trainer.evaluate()["eval_loss"]
     # The last step that needs the other processes: end the trackers and the process group (on gloo a group left
     # alive at interpreter exit can abort the process after a finished run: docs/training.md, clean exit).
@@ -441,7 +485,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dedup_ratio=ratio,
         tree_tokens_per_second=sum(x["tree_tokens_per_second"] for x in tree_logs) / max(len(tree_logs), 1),
         branch_tokens_per_second=sum(x["branch_tokens_per_second"] for x in tree_logs) / max(len(tree_logs), 1),
-        train_seconds=train_seconds,
+        train_runtime=result.metrics["train_runtime"],
+        train_eval_seconds=eval_seconds,
         total_seconds=time.perf_counter() - started,
     )
     if main_process:
@@ -453,15 +498,23 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
                 flush=True,
             )
         write_loss_curve(trainer, config.output_dir)
+        during = f", {eval_seconds:.0f} s of it held-out evaluation" if eval_logs else ""
         print(
-            f"hf_tree: trained {result.global_step} steps in {train_seconds:.0f} s: "
+            f"hf_tree: trained {result.global_step} steps: train_runtime {summary['train_runtime']:.0f} s{during}; "
             f"{summary['tree_tokens_per_second']:.0f} tree tokens/s = {summary['branch_tokens_per_second']:.0f} "
             f"branch tokens/s (what per-branch training would have to process); {what} saved to "
-            f"{os.path.abspath(config.output_dir)}; total {summary['total_seconds']:.0f} s",
+            f"{os.path.abspath(config.output_dir)}; {summary['total_seconds']:.0f} s in all (loading, training, "
+            "evaluation, saving)",
             flush=True,
         )
     return summary
 
 
+def cli(argv: list[str] | None = None) -> None:
+    """``main`` for the command line: a failure ends with one line (``HF_TREE_DEBUG=1``: the traceback)."""
+    with one_line_errors(PROG):
+        main(argv)
+
+
 if __name__ == "__main__":
-    main()
+    cli()

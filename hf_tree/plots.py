@@ -180,15 +180,35 @@ def plot_packed_row(
     return path
 
 
+# Weight of the previous average in the smoothed training curve (TensorBoard's slider default is 0.6)
+LOSS_SMOOTHING = 0.6
+
+
+def smoothed(values: Sequence[float], weight: float = LOSS_SMOOTHING) -> list[float]:
+    """Exponential moving average of ``values``, bias-corrected (as Adam's moments) so that the curve starts at the
+    first value instead of at 0."""
+    out, average = [], 0.0
+    for i, value in enumerate(values, start=1):
+        average = weight * average + (1.0 - weight) * value
+        out.append(average / (1.0 - weight**i))
+    return out
+
+
 def plot_loss_curve(log_history: Sequence[dict[str, Any]], path: str | pathlib.Path, title: str) -> pathlib.Path:
-    """The training loss of each logging interval and every held-out loss (``Trainer.state.log_history``) against
-    the optimizer step, as a PNG at ``path``."""
+    """The training loss of each logging interval (faint) with its exponential moving average (``smoothed``), and
+    every held-out loss as a point (``Trainer.state.log_history``), against the optimizer step, as a PNG at ``path``.
+    Held-out points are not joined: two evaluations say nothing about the curve between them."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 4))
-    for key, style, label in (("loss", "o-", "training loss (logging interval)"), ("eval_loss", "s--", "held-out")):
-        points = [(log["step"], log[key]) for log in log_history if key in log]
-        if points:
-            ax.plot(*zip(*points), style, label=label)
+    train = [(log["step"], log["loss"]) for log in log_history if "loss" in log]
+    if train:
+        steps, losses = zip(*train)
+        raw, ema = "training loss (logging interval)", f"smoothed (EMA {LOSS_SMOOTHING})"
+        ax.plot(steps, losses, "o-", color="tab:blue", alpha=0.3, markersize=3, label=raw)
+        ax.plot(steps, smoothed(losses), "-", color="tab:blue", linewidth=2, label=ema)
+    held_out = [(log["step"], log["eval_loss"]) for log in log_history if "eval_loss" in log]
+    if held_out:
+        ax.plot(*zip(*held_out), "s", color="tab:orange", markersize=8, linestyle="none", label="held-out loss")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("loss (per trained token)")
     ax.set_title(title, fontsize=9)

@@ -47,6 +47,7 @@ from hf_tree.models.check import (
 )
 from hf_tree.models.introspection import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
+from hf_tree.models.quantization import log_quantized_base
 from hf_tree.models.router_loss import router_aux_loss_coef
 from hf_tree.packing import DEPTH_FIRST_KEY, PackingStats, packed_fallback
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
@@ -212,6 +213,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
                 "compute_loss_func is not used by tree trainers (the loss is hf_tree.tree_causal_lm_loss); "
                 "remove it, or subclass and override compute_loss."
             )
+        log_quantized_base(self.model)
         if not self.args.average_tokens_across_devices:
             logger.warning(
                 "average_tokens_across_devices=False has no effect on tree trainers: the loss is always divided by "

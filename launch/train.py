@@ -5,7 +5,7 @@ The code lives in ``hf_tree.launcher`` (so a pip-installed hf_tree has it); its 
 default job and the flags.
 """
 
-from hf_tree.launcher import main
+from hf_tree.launcher import cli
 
 if __name__ == "__main__":
-    main()
+    cli()

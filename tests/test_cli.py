@@ -111,3 +111,34 @@ def test_stats_stops_where_training_would(saved_trees, capsys):
 def test_demo_still_runs(capsys):
     main(["demo", "--prompt-tokens", "16", "--completion-tokens", "16", "--turns", "3", "--max-packed-tokens", "512"])
     assert "dedup ratio" in capsys.readouterr().out
+
+
+def test_stats_reads_what_dataset_name_reads(tmp_path, capsys):
+    """A folder of .jsonl files, a hub-style folder (data/train-*.parquet) and the single file give the same trees,
+    with the trainers' underscore flags (--max_packed_tokens, --dataset_name) as well as the dashed ones."""
+    from hf_tree.assets import smollm2_gguf_path
+
+    try:
+        smollm2_gguf_path()
+    except FileNotFoundError as error:
+        pytest.skip(f"offline SmolLM2 asset missing (CI installs it): {error}")
+    records = [{"prompt": "Say a number:", "completion": f" {n}"} for n in ("one", "two", "three")]
+    flat, hub = tmp_path / "flat", tmp_path / "hub" / "data"
+    flat.mkdir()
+    hub.mkdir(parents=True)
+    (flat / "train.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    datasets.Dataset.from_list(records).to_parquet(str(hub / "train-00000-of-00001.parquet"))
+    reports = []
+    for argv in (
+        [str(flat / "train.jsonl"), "--max-packed-tokens", "64"],
+        [str(flat), "--max_packed_tokens", "64"],
+        ["--dataset_name", str(tmp_path / "hub"), "--max_packed_tokens", "64", "--trees_per_batch", "8"],
+    ):
+        main(["stats", *argv, "--json"])
+        reports.append(json.loads(capsys.readouterr().out))
+    assert reports[0]["num_branches"] == len(records)
+    assert reports[0] == reports[1] == reports[2]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    with pytest.raises(SystemExit, match=r"^hf-tree stats: data .*empty' is a folder with no data files"):
+        main(["stats", str(empty)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import subprocess
 from pathlib import Path
 
@@ -118,10 +119,11 @@ def test_config_syntax_error_names_the_file_and_line(tmp_path, suffix):
         train.parse_arguments(["--config", str(path)])
 
 
-def test_lora_output_loads_with_the_standard_api(tmp_path, tiny_model_dir):
+def test_lora_output_loads_with_the_standard_api(tmp_path, tiny_model_dir, capsys, caplog):
     """The saved adapter loads offline with AutoPeftModelForCausalLM (its base is a real checkpoint folder) and
     generates; the run reports the held-out loss before and after and writes the loss curve beside the adapter;
-    a run shorter than logging_steps still reports its throughput."""
+    a run shorter than logging_steps still reports its throughput. The job's defaults raise no warning of hf_tree's,
+    each evaluation is announced, and the summary's time is Trainer's train_runtime."""
     from peft import AutoPeftModelForCausalLM
     from transformers import AutoTokenizer
 
@@ -131,6 +133,11 @@ def test_lora_output_loads_with_the_standard_api(tmp_path, tiny_model_dir):
     summary = train.main(argv)
     assert summary["tree_tokens_per_second"] > 0  # logging_steps (4) > max_steps
     assert summary["eval_loss"] < summary["eval_loss_before"]
+    printed = capsys.readouterr().out
+    for when in ("before training", "after training"):
+        assert re.search(rf"hf_tree: evaluating the held-out loss on \d+ rows \({when}\) \.\.\.", printed)
+    assert f"train_runtime {summary['train_runtime']:.0f} s, {summary['train_eval_seconds']:.0f} s of it" in printed
+    assert not [r.getMessage() for r in caplog.records if r.name.startswith("hf_tree") and r.levelname == "WARNING"]
     assert (out / train.LOSS_CURVE).stat().st_size > 0
     model = AutoPeftModelForCausalLM.from_pretrained(out)
     tokenizer = AutoTokenizer.from_pretrained(out)
@@ -162,7 +169,7 @@ def test_context_parallel_flags_reach_the_config():
     )
     options = config.context_parallel_config()
     assert (options.strategy, options.chunks_per_rank) == ("naive", 2)
-    with pytest.raises(SystemExit):  # argparse refuses a strategy outside ContextParallelConfig's choices
+    with pytest.raises(ValueError, match="invalid choice: 'ring'"):  # outside ContextParallelConfig's choices
         train.parse_arguments(["--context_parallel_strategy", "ring"])
 
 

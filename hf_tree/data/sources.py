@@ -207,6 +207,7 @@ def read_rows(
     - a built-in name (``BUILTIN_DATASETS`` or an alias; ``subset``/``limit``/``seed``/``synthetic_options`` as
       in ``builtin_rows``);
     - a folder written by ``save_to_disk`` (a ``DatasetDict`` needs ``split``), used as is;
+    - another folder: its data files as ``datasets.load_dataset(folder)`` reads them (``read_dataset_folder``);
     - a ``.parquet`` file of tree rows, used as is;
     - a ``.jsonl``/``.json``/``.parquet`` file in a user format, read by ``hf_tree.data.formats``
       (``to_builder_rows``: format detection and message normalisation);
@@ -232,6 +233,8 @@ def read_rows(
                 )
             loaded = loaded[split]
         return loaded, None
+    if path.is_dir():  # data files, e.g. a hub dataset's clone: what `--dataset_name FOLDER` reads in TRL's scripts
+        return read_dataset_folder(path, split, dataset_config), None
     if path.is_file():
         if path.suffix.lower() == ".parquet":
             table = datasets.Dataset.from_parquet(str(path))
@@ -243,9 +246,35 @@ def read_rows(
     if allow_hub and not looks_like_local_path(source):
         return datasets.load_dataset(source, dataset_config, split=split), None
     raise ValueError(
-        f"data {source!r} does not exist; pass a saved tree dataset folder, a .jsonl/.json/.parquet "
-        f"file, or one of {list(BUILTIN_DATASETS)}."
+        f"data {source!r} does not exist; pass a saved tree dataset folder, a folder of .jsonl/.json/.parquet "
+        f"files, one such file, or one of {list(BUILTIN_DATASETS)}."
     )
+
+
+def read_dataset_folder(path: pathlib.Path, split: str | None, dataset_config: str | None = None) -> datasets.Dataset:
+    """Split ``split`` (default ``"train"``) of a folder of data files (``.jsonl``/``.json``/``.parquet``, flat or
+    hub-style ``data/train-*.parquet``), read by ``datasets.load_dataset(folder)`` as TRL's scripts read
+    ``--dataset_name``; rows in a user format are normalised as files are (``to_builder_rows``), tree rows kept.
+
+    Raises:
+        ValueError: on a folder without data files, or without the split.
+    """
+    try:
+        loaded = datasets.load_dataset(str(path), dataset_config)
+    except FileNotFoundError as error:  # datasets' EmptyDatasetError / DataFilesNotFoundError
+        raise ValueError(
+            f"data {str(path)!r} is a folder with no data files datasets can read ({error}); pass a folder of "
+            ".jsonl/.json/.parquet files, one such file, or a folder saved with Dataset.save_to_disk."
+        ) from None
+    name = split or "train"
+    if name not in loaded:
+        raise ValueError(f"{path} holds the splits {list(loaded)}; split={name!r} is none of them: pass one of them.")
+    rows = loaded[name]
+    if is_tree_dataset(rows):
+        return rows
+    from hf_tree.data.formats import to_builder_rows
+
+    return to_builder_rows(rows.to_list(), where=str(path))[0]
 
 
 def load_tree_rows(

@@ -11,6 +11,7 @@ from typing import Any
 from datasets import Dataset
 
 from hf_tree.models.dropout import warn_if_dropout
+from hf_tree.models.quantization import log_quantized_base
 from hf_tree.trainer import use_tree_attention
 from hf_tree.trl.glue import install_tree_heads, log_tree_stats, prepare_trl_args
 
@@ -32,6 +33,7 @@ class TreePreferenceLogProbsMixin:
         self._tree_heads_ready = False
         super().__init__(model, ref_model, args, **kwargs)
         self._install_tree_heads()
+        log_quantized_base(self.model)
         if self.args.tree_logprobs:
             warn_if_dropout(self.model, f"keep disable_dropout=True ({self.trl_name}Config's default)")
 

@@ -23,6 +23,7 @@ from trl import RewardConfig, RewardTrainer
 from hf_tree.config import config_field
 from hf_tree.models.check import self_check_setting, tree_self_check_field
 from hf_tree.models.dropout import warn_if_dropout
+from hf_tree.models.quantization import log_quantized_base
 from hf_tree.packing import PackingConfig
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.training_arguments import refuse_neftune
@@ -76,6 +77,7 @@ class TreeRewardTrainer(FSDPFullSaveMixin, RewardTrainer):
     def __init__(self, model: Any, args: TreeRewardConfig | None = None, *rest: Any, **kwargs: Any) -> None:
         args = prepare_trl_args(args, TreeRewardConfig, model, "Reward", switch="tree_rewards")
         super().__init__(model, args, *rest, **kwargs)
+        log_quantized_base(self.model)
         if not self.args.tree_rewards:
             return
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model

@@ -14,6 +14,7 @@ import torch
 from trl.extras.profiling import profiling_decorator
 
 from hf_tree.models.dropout import warn_if_dropout
+from hf_tree.models.quantization import log_quantized_base
 from hf_tree.trl.glue import install_tree_heads, log_tree_stats
 
 
@@ -23,6 +24,7 @@ class TreeRolloutLogProbsMixin:
 
     def _install_rollout_tree_heads(self, cast_lm_head_to_fp32: bool = False) -> None:
         """Put the tree fused head on the policy and reference (what TRL's ``__init__`` gave its own head)."""
+        log_quantized_base(self.model)
         if not self.args.tree_logprobs:
             return
         install_tree_heads(
