@@ -19,6 +19,7 @@ from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.models.check import check_model_for_trees, self_check_setting, tree_self_check_field
+from hf_tree.models.check_guard import keep_training_kernels
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
 from hf_tree.training_arguments import refuse_neftune
 from hf_tree.trl.logprobs import FUSED_OUTPUTS, layout_scored_rows, scatter_to_rows, tree_token_log_probs
@@ -293,5 +294,6 @@ def install_tree_heads(
     )
     policy = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
     add_tree_fused_lm_head(policy, outputs=policy_outputs, **settings)
+    keep_training_kernels(policy)  # no-grad passes (reference precompute, evaluation) must not repack 4-bit weights
     if trainer.ref_model is not None:
         add_tree_fused_lm_head(trainer.accelerator.unwrap_model(trainer.ref_model), name="ref_model", **settings)

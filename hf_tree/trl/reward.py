@@ -21,6 +21,7 @@ from accelerate.utils import is_peft_model
 from trl import RewardConfig, RewardTrainer
 
 from hf_tree.models.check import self_check_setting, tree_self_check_field
+from hf_tree.models.check_guard import keep_training_kernels
 from hf_tree.models.dropout import warn_if_dropout
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.training_arguments import refuse_neftune
@@ -77,6 +78,7 @@ class TreeRewardTrainer(FSDPFullSaveMixin, RewardTrainer):
             return
         base = self.model.get_base_model() if is_peft_model(self.model) else self.model
         add_tree_reward_forward(base, self.args.max_packed_tokens, self_check_setting(self.args.tree_self_check))
+        keep_training_kernels(base)  # evaluation's no-grad passes must not repack 4-bit weights
         warn_if_dropout(self.model, "keep disable_dropout=True (RewardConfig's default)")
 
     def compute_loss(
