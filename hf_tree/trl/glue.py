@@ -1,5 +1,6 @@
-"""TRL glue of the tree log-prob passes: the fused-head installer and what ``TreeGRPOTrainer`` and
-``TreeDPOTrainer`` share (config fields, argument preparation, head installation on policy and reference, logs).
+"""TRL glue of the tree log-prob passes: the fused-head installer and what ``TreeGRPOTrainer``, ``TreeRLOOTrainer``,
+``TreeDPOTrainer`` and ``TreeKTOTrainer`` share (config fields, head installation on policy and reference), and with
+``TreeRewardTrainer`` (argument preparation, logs).
 
 The layout and the kernel the head runs are ``hf_tree.trl.logprobs``.
 """
@@ -197,10 +198,11 @@ def add_tree_fused_lm_head(
     model.hf_tree_previous_forward = previous_forward
 
 
-# ---------------------------------------------------------------- shared by TreeGRPOTrainer and TreeDPOTrainer
+# ----------------------------------------------- shared by the TRL tree trainers (GRPO, RLOO, DPO, KTO; reward: some)
 @dataclass
 class TreeLogProbArguments:
-    """Tree fields of ``TreeGRPOConfig`` and ``TreeDPOConfig`` (a mixin placed before the TRL config in the bases).
+    """Tree fields of ``TreeGRPOConfig``, ``TreeRLOOConfig`` (through ``TreeRolloutArguments``), ``TreeDPOConfig`` and
+    ``TreeKTOConfig`` (a mixin placed before the TRL config in the bases).
 
     With ``tree_logprobs=True``, a model given by name is loaded with ``attn_implementation="tree_flash"`` unless
     ``model_init_kwargs`` names another (which then fails with a clear error).
@@ -281,7 +283,8 @@ def install_tree_heads(
     """Put the tree fused head on a TRL trainer's policy (the base model of a PEFT policy) and reference model.
 
     Args:
-        trainer: a ``TreeGRPOTrainer``/``TreeDPOTrainer`` after TRL's ``__init__`` installed its own heads (its
+        trainer: a ``TreeGRPOTrainer``/``TreeRLOOTrainer``/``TreeDPOTrainer``/``TreeKTOTrainer`` after TRL's
+            ``__init__`` installed its own heads (its
             ``args`` carry ``max_packed_tokens`` and ``tree_self_check``).
         policy_outputs: per-token fields the policy pass computes (the reference computes ``log_probs`` only).
         temperature, cast_lm_head_to_fp32: as TRL gives them to its ``add_fused_lm_head``.
