@@ -12,7 +12,7 @@ import bisect
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields, replace
-from typing import TYPE_CHECKING, Literal, get_args
+from typing import TYPE_CHECKING, Any, Literal, get_args
 
 import numpy as np
 
@@ -31,6 +31,20 @@ OVERLONG_POLICIES: tuple[str, ...] = get_args(OverlongPolicy)
 TREE_EXECUTIONS: tuple[str, ...] = get_args(TreeExecution)
 # The batch key of the trees a collator leaves to depth-first execution (a list of ``Tree``; absent when none).
 DEPTH_FIRST_KEY = "depth_first_trees"
+
+
+def check_max_packed_tokens(value: Any, none_allowed: bool = False) -> None:
+    """The one rule of every ``max_packed_tokens`` option: an integer >= 2 (a row holds at least one scored token
+    and the token that predicts it), or ``None`` where ``none_allowed`` (the TRL configs: the tokens of one TRL
+    forward).
+
+    Raises:
+        ValueError: naming the field, the bad value and what it must be.
+    """
+    if value is None and none_allowed:
+        return
+    if not isinstance(value, int) or value < 2:
+        raise ValueError(f"max_packed_tokens={value!r} must be an integer >= 2{', or None' if none_allowed else ''}.")
 
 
 @dataclass(frozen=True)
@@ -104,8 +118,7 @@ class PackingConfig:
 
     def __post_init__(self) -> None:
         """Raise ``ValueError`` naming the field, the bad value and the fix."""
-        if not isinstance(self.max_packed_tokens, int) or self.max_packed_tokens < 2:
-            raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} must be an integer >= 2.")
+        check_max_packed_tokens(self.max_packed_tokens)
         limit = self.branch_limit
         if self.tree_execution == "packed" and not (isinstance(limit, int) and 2 <= limit <= self.max_packed_tokens):
             raise ValueError(

@@ -62,12 +62,12 @@ _FINDER = _PostImportFinder()
 
 def when_imported(module_name: str, callback: ModuleCallback) -> None:
     """Call ``callback(module)`` once ``module_name`` has been imported: now if it is in ``sys.modules``, else right
-    after its code runs (inside that import, so the importer already sees the callback's effect). Callbacks should be
-    idempotent: a reload runs them again."""
-    module = sys.modules.get(module_name)
-    if module is not None:
-        callback(module)
-        return
+    after its code runs (inside that import, so the importer already sees the callback's effect); and again after
+    every later run of its code (``importlib.reload``, or an import after it left ``sys.modules``), which would
+    otherwise undo what the callback did. Callbacks must therefore be idempotent."""
     _FINDER.callbacks.setdefault(module_name, []).append(callback)
     if _FINDER not in sys.meta_path:
         sys.meta_path.insert(0, _FINDER)
+    module = sys.modules.get(module_name)
+    if module is not None:
+        callback(module)

@@ -12,7 +12,8 @@ counting trees, batch size 4 would make 2 steps of 16 rows each, a silently diff
 2. a step's branches, in order, are dealt into its micro-batches in contiguous runs of near-equal size. A tree cut
    between two micro-batches of one step becomes two trees of its branches (``Tree.select_branches``: weights stay
    exact, the shared prefix is computed once per part), and the loss divisor is the whole step's, so the update is
-   the step's exactly.
+   the step's exactly. The epoch's last step, when it holds fewer rows than micro-batches, has one micro-batch per
+   tree instead, each whole (Trainer runs a shorter last accumulation window), rather than one row per micro-batch.
 
 An epoch then has about ``ceil(rows / rows_per_step)`` steps, as TRL's, and exactly TRL's batches when each group's
 size divides the rows per step (or the other way round) and the order is the same.
@@ -41,7 +42,7 @@ class TreePart(NamedTuple):
 
 
 def plan_row_batches(
-    order: Sequence[int], num_rows: Sequence[int], rows_per_batch: int, batches_per_step: int
+    order: Sequence[int], num_rows: Sequence[int], rows_per_batch: int, batches_per_step: int, ranks: int = 1
 ) -> list[list[TreePart]]:
     """Micro-batches of tree parts, ``batches_per_step`` consecutive ones per optimizer step (see module doc).
 
@@ -50,6 +51,7 @@ def plan_row_batches(
         num_rows: rows (branches) of each tree, indexed by tree.
         rows_per_batch: rows per micro-batch (TRL's ``per_device_train_batch_size``).
         batches_per_step: micro-batches per optimizer step (gradient accumulation steps x ranks).
+        ranks: data-parallel ranks (the epoch's short last step keeps one micro-batch per rank where it has the rows).
 
     Returns:
         Non-empty micro-batches; every step but the epoch's last has exactly ``batches_per_step`` of them.
@@ -72,19 +74,31 @@ def plan_row_batches(
             carry = []
     if carry:
         merged.append(carry)
+    return [batch for trees in merged for batch in _step_batches(trees, num_rows, batches_per_step, ranks)]
 
+
+def _step_batches(trees: list[int], num_rows: Sequence[int], batches_per_step: int, ranks: int) -> list[list[TreePart]]:
+    """One step's micro-batches: its branches, in order, dealt in contiguous runs of near-equal size into
+    ``batches_per_step`` micro-batches. The epoch's last step may hold fewer rows than that: dealing them one per
+    micro-batch would cut every group into single branches (nothing shared), so it gets one micro-batch per tree,
+    whole (or, with fewer trees than ``ranks``, one run per rank where it has the rows)."""
+    rows = sum(int(num_rows[t]) for t in trees)
+    num_batches = min(batches_per_step, rows)
+    if rows < batches_per_step:
+        num_batches = max(len(trees), min(ranks, rows))
+        if num_batches == len(trees):
+            return [[TreePart(tree, 0, int(num_rows[tree]))] for tree in trees]
+    branches = [(tree, branch) for tree in trees for branch in range(int(num_rows[tree]))]
     batches: list[list[TreePart]] = []
-    for trees in merged:
-        branches = [(tree, branch) for tree in trees for branch in range(int(num_rows[tree]))]
-        for run in np.array_split(np.arange(len(branches)), min(batches_per_step, len(branches))):
-            parts: list[TreePart] = []
-            for index in run.tolist():
-                tree, branch = branches[index]
-                if parts and parts[-1].tree == tree:
-                    parts[-1] = parts[-1]._replace(last=branch + 1)
-                else:
-                    parts.append(TreePart(tree, branch, branch + 1))
-            batches.append(parts)
+    for run in np.array_split(np.arange(len(branches)), num_batches):
+        parts: list[TreePart] = []
+        for index in run.tolist():
+            tree, branch = branches[index]
+            if parts and parts[-1].tree == tree:
+                parts[-1] = parts[-1]._replace(last=branch + 1)
+            else:
+                parts.append(TreePart(tree, branch, branch + 1))
+        batches.append(parts)
     return batches
 
 
@@ -115,11 +129,18 @@ class TreeRowBatchSampler(Sampler[list[TreePart]]):
         rows_per_batch: ``per_device_train_batch_size``.
         batches_per_step: ``gradient_accumulation_steps x`` data-parallel ranks (accelerate deals the micro-batches
             to the ranks in turn).
+        ranks: the data-parallel ranks (``plan_row_batches``).
         shuffle, seed: see ``TreeOrder`` (``sampler``; accelerate calls its ``set_epoch``).
     """
 
     def __init__(
-        self, num_rows: Sequence[int], rows_per_batch: int, batches_per_step: int, shuffle: bool, seed: int
+        self,
+        num_rows: Sequence[int],
+        rows_per_batch: int,
+        batches_per_step: int,
+        shuffle: bool,
+        seed: int,
+        ranks: int = 1,
     ) -> None:
         if rows_per_batch < 1 or batches_per_step < 1:
             raise ValueError(
@@ -127,7 +148,7 @@ class TreeRowBatchSampler(Sampler[list[TreePart]]):
                 "(per_device_train_batch_size, gradient_accumulation_steps)."
             )
         self.num_rows = np.asarray(num_rows, dtype=np.int64)
-        self.rows_per_batch, self.batches_per_step = rows_per_batch, batches_per_step
+        self.rows_per_batch, self.batches_per_step, self.ranks = rows_per_batch, batches_per_step, ranks
         self.sampler = TreeOrder(len(self.num_rows), shuffle, seed)
 
     def set_epoch(self, epoch: int) -> None:
@@ -135,7 +156,9 @@ class TreeRowBatchSampler(Sampler[list[TreePart]]):
 
     def batches(self) -> list[list[TreePart]]:
         """This epoch's micro-batches (deterministic in the seed and epoch)."""
-        return plan_row_batches(list(self.sampler), self.num_rows, self.rows_per_batch, self.batches_per_step)
+        return plan_row_batches(
+            list(self.sampler), self.num_rows, self.rows_per_batch, self.batches_per_step, self.ranks
+        )
 
     def __iter__(self) -> Iterator[list[TreePart]]:
         yield from self.batches()

@@ -45,6 +45,7 @@ from hf_tree.models.check import (
     self_check_enabled,
     self_check_setting,
 )
+from hf_tree.models.check_guard import keep_training_kernels
 from hf_tree.models.introspection import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.models.quantization import log_quantized_base
@@ -219,6 +220,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
                 "average_tokens_across_devices=False has no effect on tree trainers: the loss is always divided by "
                 "the sum over all micro-batches and ranks of the optimizer step (exactly one large batch)."
             )
+        keep_training_kernels(causal_lm_of(self.model))  # evaluation's no-grad passes must not repack 4-bit weights
         self._tree_log_sums = torch.zeros(len(STEP_SUM_KEYS), dtype=torch.float64)
         self._tree_total_sums = torch.zeros(len(STEP_SUM_KEYS), dtype=torch.float64)
         self._tree_log_steps = 0

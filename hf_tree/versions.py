@@ -1,9 +1,12 @@
 """The library versions whose private behaviour hf_tree relies on, and the checks that enforce them.
 
-``TreeSFTTrainer``, ``TreeGRPOTrainer`` and ``TreeDPOTrainer`` override private TRL methods
-(``_prepare_dataset``, ``_get_per_token_logps_and_entropies``, ``_precompute_ref_logps``) and the fused log-prob head
+``TreeSFTTrainer`` (``_prepare_dataset``), ``TreeGRPOTrainer`` and ``TreeRLOOTrainer``
+(``_get_per_token_logps_and_entropies``), ``TreeDPOTrainer`` and ``TreeKTOTrainer`` (``_precompute_ref_logps``) override
+private TRL methods, and the fused log-prob head they use (and ``TreeRewardTrainer``'s shared glue, hf_tree.trl.glue)
 reuses TRL internals (``trl.kernels``, ``trl.trainer.utils``), whose signatures change between TRL minor releases:
 the TRL-based modules refuse to import outside the range they were tested with (the pin of ``pyproject.toml``).
+``TESTED_ACCELERATE`` bounds the accelerate versions whose ``AcceleratorState`` set-up ``hf_tree.distributed``
+adjusts for FSDP2 on CPU.
 """
 
 from __future__ import annotations

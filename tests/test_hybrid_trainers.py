@@ -18,6 +18,7 @@ from peft import LoraConfig, get_peft_model
 from transformers import Trainer, TrainingArguments
 from trl import GRPOConfig, GRPOTrainer
 
+from hf_tree.models.check import SELF_CHECK_ENV_VAR
 from hf_tree.models.mixers import install_tree_mixers, uninstall_tree_mixers
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
 from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
@@ -98,9 +99,10 @@ def grpo_trainers(tmp_path_factory):
 
 
 @pytest.mark.parametrize("name", ["full_group", "partial_groups", "several_prompts"])
-def test_grpo_logprobs_and_entropies_match_trl(grpo_trainers, name):
+def test_grpo_logprobs_and_entropies_match_trl(grpo_trainers, name, monkeypatch):
     """TRL runs each row alone (left-padded prompt); the tree packs the rows' shared prompts. Without the tree
-    mixers the same packed pass is off by far more than the bound."""
+    mixers the same packed pass is refused (the mixer ops changed after the first-use check), and with the check off
+    it is off by far more than the bound."""
     trl, tree = grpo_trainers
     ids, mask, keep = padded_batch(*scenario(name))
 
@@ -115,6 +117,9 @@ def test_grpo_logprobs_and_entropies_match_trl(grpo_trainers, name):
         ref_trl, ref_tree = scores(trl, trl.ref_model, False)[0], scores(tree, tree.ref_model, False)[0]
         uninstall_tree_mixers()
         try:
+            with pytest.raises(ValueError, match="is no longer hf_tree's tree-aware mixer op"):
+                scores(tree, tree.model)
+            monkeypatch.setenv(SELF_CHECK_ENV_VAR, "0")
             leaky = scores(tree, tree.model)[0]
         finally:
             install_tree_mixers()

@@ -16,13 +16,15 @@ import datasets
 import pytest
 import torch
 from peft import LoraConfig, get_peft_model
-from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+from transformers import AutoModelForCausalLM, BitsAndBytesConfig, TrainerCallback
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.depth_first import DepthFirstConfig, depth_first_backward
 from hf_tree.models.check import check_model_for_trees, probe_tree_exactness
+from hf_tree.models.check_guard import four_bit_layers, repacked_layers
 from hf_tree.models.introspection import causal_lm_of
+from hf_tree.trl.dpo import TreeDPOConfig, TreeDPOTrainer
 from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 from tests.helpers import (
@@ -212,12 +214,24 @@ def test_grpo_step_equals_trls(checkpoint, quantization, monkeypatch):
     _, trl_padded = grpo_step(GRPOTrainer, GRPOConfig, checkpoint, quantization, pad_to_multiple_of=32)
     tree, updates = grpo_step(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, quantization)
     assert tree.model.get_base_model().hf_tree_layout_stats.dedup_ratio > 1
+    # evaluation's generation (eval mode, no gradients) must not repack 4-bit layers: kept off it from __init__ on
+    assert not any(layer.support_avx512bf16_for_cpu for _, layer in four_bit_layers(tree.model))
     assert_within_trls_rounding(f"grpo {quantization}", updates, trl, trl_padded)
 
 
-def sft_step(cls, config_cls, checkpoint: str, quantization: str, float32: bool = True, **settings):
+def sft_step(
+    cls,
+    config_cls,
+    checkpoint: str,
+    quantization: str,
+    float32: bool = True,
+    evaluate: bool = False,
+    callbacks: list | None = None,
+    **settings,
+):
     """One SFT step over 7 prompt/completion rows (3 prompts) from the quantized checkpoint with LoRA (non-zero
-    adapters), in float32 (``float32_adapters``) or as TRL's recipe has them (bfloat16)."""
+    adapters), in float32 (``float32_adapters``) or as TRL's recipe has them (bfloat16); ``evaluate``: the same rows
+    are the evaluation set too; ``settings`` override the config's."""
     rows = [
         {"prompt": prompt, "completion": completion}
         for prompt, completions in [
@@ -228,24 +242,23 @@ def sft_step(cls, config_cls, checkpoint: str, quantization: str, float32: bool 
         for completion in completions
     ]
     init = {"dtype": torch.float32, "quantization_config": QUANTIZATIONS[quantization]}
-    args = tiny_trl_config(
-        config_cls,
-        checkpoint,
-        torch.float32,
+    defaults = dict(
         model_init_kwargs=init,
         max_steps=1,
         learning_rate=1.0,
         per_device_train_batch_size=len(rows),
         gradient_checkpointing=False,
         train_sampling_strategy="sequential",
-        **settings,
     )
+    args = tiny_trl_config(config_cls, checkpoint, torch.float32, **{**defaults, **settings})
     trainer = cls(
         checkpoint,
         args=args,
         train_dataset=datasets.Dataset.from_list(rows),
+        eval_dataset=datasets.Dataset.from_list(rows) if evaluate else None,
         processing_class=word_tokenizer(),
         peft_config=copy.deepcopy(LORA),
+        callbacks=callbacks,
     )
     if float32:
         float32_adapters(trainer)
@@ -285,3 +298,114 @@ def test_sft_step_with_trls_bfloat16_adapters(checkpoint, quantization):
     error, trl_error = largest_update_difference(tree, reference), largest_update_difference(trl, reference)
     print(f"\nsft {quantization} bfloat16 adapters vs float32: tree {error:.2e}, TRL {trl_error:.2e}")
     assert error <= 2 * trl_error
+
+
+# ------------------------------------------------------------------- repacks after the first-use check
+# bitsandbytes repacks a 4-bit layer for its inference kernel (no backward) on the layer's first eval-mode forward
+# without gradients, on CPUs with AVX512-BF16. The trainers' own no-grad passes after the check (DPO's reference
+# precompute, evaluation) used to do it: the following training steps then moved the LoRA adapters 0.23-0.84
+# (relative) away from the same steps without those passes, with no error. ``repacking_cpu`` makes bitsandbytes
+# take that path where the CPU lacks AVX512-BF16 (its inference kernel then computes garbage: any difference shows).
+
+
+@pytest.fixture
+def repacking_cpu(monkeypatch):
+    """4-bit layers built in the test take bitsandbytes' CPU-inference repack path, whatever the CPU."""
+    if not bnb.functional.has_avx512bf16():
+        monkeypatch.setattr(bnb.nn.modules, "has_avx512bf16", lambda: True)  # what Linear4bit.__init__ reads
+
+
+def repacked(trainer) -> list[str]:
+    return repacked_layers(four_bit_layers(trainer.model))
+
+
+# preference pairs, two of them sharing a prompt
+PAIRS = {
+    "prompt": ["w10 w11 w12 w13", "w14 w15", "w10 w11 w12 w13", "w16 w17 w18"],
+    "chosen": [" w20 w21", " w22", " w23 w24 w25", " w26 w27"],
+    "rejected": [" w20 w28 w29 w30", " w31 w32", " w33", " w26"],
+}
+
+
+def dpo_step(checkpoint: str, precompute: bool) -> tuple:
+    """One step of ``TreeDPOTrainer`` on the nf4 checkpoint with LoRA (float32 adapters), the reference (adapters
+    disabled) precomputed in ``__init__`` or computed in the step."""
+    init = {"dtype": torch.float32, "quantization_config": QUANTIZATIONS["nf4"]}
+    args = tiny_trl_config(
+        TreeDPOConfig,
+        checkpoint,
+        torch.float32,
+        model_init_kwargs=init,
+        max_steps=1,
+        learning_rate=1.0,
+        precompute_ref_log_probs=precompute,
+    )
+    trainer = TreeDPOTrainer(
+        checkpoint,
+        args=args,
+        train_dataset=datasets.Dataset.from_dict(PAIRS),
+        processing_class=word_tokenizer(),
+        peft_config=copy.deepcopy(LORA),
+    )
+    float32_adapters(trainer)
+    return trainer, train_and_measure_updates(trainer)
+
+
+def test_dpo_reference_precompute_keeps_the_training_kernels(checkpoint, repacking_cpu):
+    """``precompute_ref_log_probs=True`` runs the reference (the LoRA model with its adapters disabled) in eval mode
+    without gradients inside ``__init__``, after the first-use check: no layer is repacked, and the step equals the
+    one whose reference pass runs in the step (float32 rounding: the reference log-probs come from other batches)."""
+    precomputed, updates = dpo_step(checkpoint, precompute=True)
+    assert not repacked(precomputed)
+    _, reference = dpo_step(checkpoint, precompute=False)
+    difference = largest_update_difference(updates, reference)
+    print(f"\ndpo nf4 precomputed reference vs in-step reference: {difference:.2e}")
+    assert difference <= MIN_TRL_BOUND
+
+
+def test_evaluation_between_steps_keeps_the_training_kernels(checkpoint, repacking_cpu):
+    """``eval_strategy="steps"`` evaluates (eval mode, no gradients: ``prediction_step``) between the two steps:
+    no layer is repacked, and the two steps move the adapters exactly as without the evaluation."""
+    two_steps = dict(max_steps=2, gradient_accumulation_steps=1, per_device_train_batch_size=4)
+    evaluated, updates = sft_step(
+        TreeSFTTrainer,
+        TreeSFTConfig,
+        checkpoint,
+        "nf4",
+        evaluate=True,
+        eval_strategy="steps",
+        eval_steps=1,
+        **two_steps,
+    )
+    assert any("eval_loss" in log for log in evaluated.state.log_history) and not repacked(evaluated)
+    _, reference = sft_step(TreeSFTTrainer, TreeSFTConfig, checkpoint, "nf4", **two_steps)
+    assert largest_update_difference(updates, reference) <= MIN_TRL_BOUND
+
+
+class RepackAfterStep(TrainerCallback):
+    """After the first step, a forward hf_tree does not see repacks every 4-bit layer (bitsandbytes' own inference
+    path, forced on: a path that bypasses hf_tree's keeping them off it, e.g. a model reloaded into the trainer)."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        if state.global_step == 1:
+            for _, layer in four_bit_layers(model):
+                layer.support_avx512bf16_for_cpu = True
+            model.eval()
+            with torch.no_grad():
+                model(input_ids=torch.tensor([[5, 6, 7]]))
+            model.train()
+
+
+def test_a_repack_after_the_check_is_refused_at_the_next_step(checkpoint, repacking_cpu):
+    """Whatever repacks the layers between steps, the next tree pass refuses by name instead of training without
+    gradients through them."""
+    with pytest.raises(ValueError, match=r"repacked the 4-bit weights of 14 layers .* no gradient would flow"):
+        sft_step(
+            TreeSFTTrainer,
+            TreeSFTConfig,
+            checkpoint,
+            "nf4",
+            callbacks=[RepackAfterStep()],
+            max_steps=2,
+            per_device_train_batch_size=4,
+        )

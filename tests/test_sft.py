@@ -390,6 +390,42 @@ def test_row_batches_never_cut_a_group_across_steps():
         assert all(len(step) == per_step for step in steps[:-1])
 
 
+def test_short_last_step_keeps_groups_whole():
+    """The epoch's last step holds fewer rows (3) than micro-batches (4): one micro-batch per tree, whole (it used
+    to deal one row per micro-batch, cutting the group into single branches); with more ranks than trees, one run
+    per rank."""
+    sizes = [4, 4, 3]
+    batches = plan_row_batches(range(3), sizes, rows_per_batch=1, batches_per_step=4)
+    assert batches[:8] == [[TreePart(t, b, b + 1)] for t in (0, 1) for b in range(4)]  # full steps: as before
+    assert batches[8:] == [[TreePart(2, 0, 3)]]
+    assert plan_row_batches(range(4), [4, 4, 1, 2], 1, 4)[8:] == [[TreePart(2, 0, 1)], [TreePart(3, 0, 2)]]
+    assert plan_row_batches(range(3), sizes, 1, 4, ranks=2)[8:] == [[TreePart(2, 0, 2)], [TreePart(2, 2, 3)]]
+
+
+def test_short_last_step_trains_as_trl(tmp_path, tokenizer):
+    """One epoch of 11 rows (groups of 4, 4 and 3 completions) at batch 1 and 4 accumulation steps: TRL's 3 steps,
+    the last of 3 micro-batches; the tree trainer runs that step as one whole tree (dedup > 1) and moves the
+    parameters as TRL does (float64; TRL's cross-entropy runs on float32 logits: 1e-5)."""
+    rows = [
+        {"prompt": f"Question {q}?", "completion": f" answer {a} to {q}."}
+        for q, n in zip("ABC", (4, 4, 3))
+        for a in range(n)
+    ]
+    settings = dict(num_train_epochs=1, learning_rate=0.5, per_device_train_batch_size=1, gradient_accumulation_steps=4)
+    settings |= dict(train_sampling_strategy="sequential", bf16=False, use_cpu=True, max_length=None)
+    runs = {}
+    for name, (config, trainer) in {"trl": (SFTConfig, SFTTrainer), "tree": (TreeSFTConfig, TreeSFTTrainer)}.items():
+        args = config(**exact_sgd_args(str(tmp_path / name), **settings))
+        model = tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float64, attn="sdpa")
+        run = trainer(model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
+        runs[name] = (run, train_and_measure_updates(run))
+    (trl, trl_updates), (tree, tree_updates) = runs["trl"], runs["tree"]
+    tree_logs = [h for h in tree.state.log_history if "loss" in h]
+    assert trl.state.global_step == tree.state.global_step == 3
+    assert len(tree.get_train_dataloader()) == 9 and tree_logs[-1]["dedup_ratio"] > 1  # the last step: one tree
+    assert max_grad_relative_error(tree_updates, trl_updates) <= 1e-5
+
+
 @pytest.mark.slow  # the fast parity row "sft 1 epoch, batch 4" checks the same through TRL's own script
 def test_swapped_epoch_has_trls_optimizer_steps(tmp_path, tokenizer):
     rows = [{"prompt": f"Question {q}?", "completion": f" answer {a}."} for q in range(5) for a in range(4)]

@@ -107,3 +107,20 @@ def test_collator_reports_the_batch_row_of_a_bad_feature():
 def test_collator_options_are_validated(kwargs, message):
     with pytest.raises(ValueError, match=message):
         TreeDataCollator(**kwargs)
+
+
+def test_every_max_packed_tokens_follows_one_rule(tmp_path):
+    """The collator's, the TRL log-prob configs' and the reward config's ``max_packed_tokens`` share one rule
+    (``hf_tree.packing.check_max_packed_tokens``: an integer >= 2; ``None`` where TRL's forward sizes the rows):
+    the reward config used to accept 1."""
+    from hf_tree.trl.dpo import TreeDPOConfig
+    from hf_tree.trl.reward import TreeRewardConfig
+
+    cpu = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False)
+    for config in (TreeDPOConfig, TreeRewardConfig):
+        assert config(**cpu, max_packed_tokens=None).max_packed_tokens is None
+        for bad in (1, 2.5):
+            with pytest.raises(ValueError, match=rf"max_packed_tokens={bad} must be an integer >= 2, or None"):
+                config(**cpu, max_packed_tokens=bad)
+    with pytest.raises(ValueError, match=r"max_packed_tokens=None must be an integer >= 2\.$"):
+        TreeDataCollator(max_packed_tokens=None)

@@ -1,4 +1,4 @@
-"""The tree mask as a small pure factory over ``kv_end`` (one int per key; see DESIGN.md).
+"""The tree mask as a small pure factory over ``kv_end`` (one int per key; see docs/design.md).
 
 Query ``i`` sees key ``j`` iff ``j <= i < kv_end[j]`` or, with a bidirectional overlay, both lie in the same
 bidirectional block (``block[i] == block[j] >= 0``: e.g. Gemma 3's image tokens, one block per image); and, with a

@@ -15,16 +15,18 @@ and context parallel), ``check_model_for_trees`` runs, once per model instance:
    sibling's tokens change (beyond what the same change moves them in the padded batch); otherwise a
    ``ValueError`` names the model class, the first layer (and its submodules) that mixes branches, and the
    measurements.
+4. on every later call (the result is cached), the guard of ``hf_tree.models.check_guard``: 4-bit weights repacked
+   for bitsandbytes' inference kernel (which a no-grad pass after the check would do; the check keeps them off it) or
+   hybrid mixer ops rebound since (a reloaded modeling module) are refused.
 
 Opt out (for people who know their model is tree-aware) with ``self_check=False`` on ``tree_causal_lm_loss``, the
-``tree_self_check`` training argument, or ``HF_TREE_SELF_CHECK=0``: steps 1 and 3 are skipped (step 2 is not a
-check but how the loss computes logits).
+``tree_self_check`` training argument, or ``HF_TREE_SELF_CHECK=0``: steps 1, 3 and 4 are skipped (step 2 is not a
+check but how the loss computes logits; 4-bit layers are still kept off the inference repack).
 """
 
 from __future__ import annotations
 
 import os
-import sys
 import weakref
 from dataclasses import field
 from typing import Any
@@ -34,6 +36,7 @@ from transformers import PreTrainedModel
 
 from hf_tree.attention.families import refuse_family
 from hf_tree.attention.names import TREE_ATTENTION_NAME
+from hf_tree.models.check_guard import CheckedModel, refuse_inference_packed_weights
 from hf_tree.models.head import LogitHead, detect_logit_head
 from hf_tree.models.introspection import causal_lm_of, raised_by_hf_tree
 from hf_tree.models.length_rope import longest_exact_branch
@@ -67,7 +70,8 @@ NOT_TREE_AWARE_MODULES: dict[str, str] = {
     **dict.fromkeys(("MiniMaxLightningAttention",), "lightning (linear) attention: a running state over the row"),
 }
 
-_checked: weakref.WeakKeyDictionary[PreTrainedModel, tuple[LogitHead, bool]] = weakref.WeakKeyDictionary()
+# per causal LM: its logit head, whether the self-check ran, and what the check verified that a later step could undo
+_checked: weakref.WeakKeyDictionary[PreTrainedModel, tuple[LogitHead, bool, CheckedModel]] = weakref.WeakKeyDictionary()
 
 
 def tree_self_check_field() -> Any:
@@ -114,37 +118,11 @@ def refuse_not_tree_aware(model: PreTrainedModel) -> None:
 def refuse_known_unsupported(model: PreTrainedModel) -> None:
     """The name-based first line: ``refuse_not_tree_aware``, MoE router losses of another form than transformers'
     ``load_balancing_loss_func`` (``hf_tree.models.router_loss``), and 4-bit weights repacked for inference
-    (``refuse_inference_packed_weights``)."""
+    (``hf_tree.models.check_guard.refuse_inference_packed_weights``)."""
     refuse_not_tree_aware(model)
     if router_aux_loss_coef(model):
         load_balancing_function(model)  # refuses a router loss the tree cannot weight by multiplicity
     refuse_inference_packed_weights(model)
-
-
-def refuse_inference_packed_weights(model: PreTrainedModel) -> None:
-    """``ValueError`` when bitsandbytes has repacked 4-bit weights for its CPU inference kernel.
-
-    It does so, for good, on a layer's first eval-mode forward without gradients on a CPU with AVX512-BF16 (e.g.
-    ``generate()`` right after ``from_pretrained``, which returns the model in eval mode). That kernel rounds the
-    inputs to bfloat16 and has no backward: training forwards keep using it and no gradient flows through these
-    layers (every LoRA gradient is zero), in TRL's trainers as in hf_tree's. hf_tree's own checks keep the layers in
-    training mode (``hf_tree.models.introspection.training_kernel_modules``) and never repack them."""
-    bitsandbytes = sys.modules.get("bitsandbytes")  # a model with such layers has imported it
-    if bitsandbytes is None:
-        return
-    packed = [
-        name
-        for name, module in model.named_modules()
-        if isinstance(module, bitsandbytes.nn.Linear4bit)
-        and getattr(module.weight.quant_state, "packing_format_for_cpu", False)  # bitsandbytes' own flag for it
-    ]
-    if packed:
-        raise ValueError(
-            f"{type(model).__name__}: bitsandbytes repacked the 4-bit weights of {len(packed)} layers ({packed[0]}, "
-            "...) for its bfloat16 CPU inference kernel, which has no backward: no gradient would flow through "
-            "them. It does this on an eval-mode forward without gradients (e.g. generate() before training). Load "
-            "the model again and call model.train() before any such forward."
-        )
 
 
 def _dtypes_of(causal_lm: PreTrainedModel, run: ProbeRun) -> tuple[torch.dtype, torch.dtype]:
@@ -238,27 +216,34 @@ def _leaking_submodules(
 
 
 def check_model_for_trees(model: torch.nn.Module, self_check: bool | None = None, forward=None) -> LogitHead:
-    """Everything a model must pass before its first tree batch; cached per model instance.
+    """Everything a model must pass before its first tree batch; cached per model instance, and guarded on every
+    later call against what could change underneath the cache (``hf_tree.models.check_guard``).
 
     Args:
         model: a causal LM on ``tree_flash`` (may be PEFT-, DDP- or FSDP2-wrapped).
-        self_check: run the name-based refusals and the probe (default: ``HF_TREE_SELF_CHECK``, on).
+        self_check: run the name-based refusals, the probe and the guard (default: ``HF_TREE_SELF_CHECK``, on).
         forward: what to call instead of ``model`` (see ``detect_logit_head``).
 
     Returns:
         The model's ``LogitHead`` (how the tree passes score hidden states).
 
     Raises:
-        ValueError: see ``refuse_known_unsupported``, ``detect_logit_head`` and ``probe_tree_exactness``.
+        ValueError: see ``refuse_known_unsupported``, ``detect_logit_head``, ``probe_tree_exactness`` and, on a later
+            call, ``CheckedModel.refuse_changes`` (4-bit weights repacked for inference, mixer ops no longer
+            tree-aware).
     """
     causal_lm = causal_lm_of(model)
     enabled = self_check_enabled(self_check)
     if causal_lm in _checked and (_checked[causal_lm][1] or not enabled):
-        return _checked[causal_lm][0]
+        head, _, checked = _checked[causal_lm]
+        if enabled:
+            checked.refuse_changes(causal_lm)
+        return head
     if enabled:
         refuse_known_unsupported(causal_lm)
+    checked = CheckedModel.of(causal_lm)  # from here on no no-grad pass repacks its 4-bit layers
     head = detect_logit_head(model, forward)
     if enabled:  # the probe stays within a RoPE length switch (batches past it are refused per batch)
         probe_tree_exactness(model, forward, length_limit=longest_exact_branch(causal_lm.config))
-    _checked[causal_lm] = (head, enabled)
+    _checked[causal_lm] = (head, enabled, checked)
     return head

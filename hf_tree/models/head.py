@@ -53,10 +53,6 @@ class LogitHead:
     scale: float = 1.0
     softcap: float | None = None
 
-    @property
-    def is_plain(self) -> bool:
-        return self.scale == 1.0 and self.softcap is None
-
     def logits(self, output_embedding: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
         """``[M, D]`` hidden states -> ``[M, vocab]`` logits (half precision promoted to float32).
 

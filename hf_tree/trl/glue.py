@@ -1,5 +1,6 @@
-"""TRL glue of the tree log-prob passes: the fused-head installer and what ``TreeGRPOTrainer`` and
-``TreeDPOTrainer`` share (config fields, argument preparation, head installation on policy and reference, logs).
+"""TRL glue of the tree log-prob passes: the fused-head installer and what ``TreeGRPOTrainer``, ``TreeRLOOTrainer``,
+``TreeDPOTrainer`` and ``TreeKTOTrainer`` share (config fields, head installation on policy and reference), and with
+``TreeRewardTrainer`` (argument preparation, logs).
 
 The layout and the kernel the head runs are ``hf_tree.trl.logprobs``.
 """
@@ -19,6 +20,8 @@ from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.models.check import check_model_for_trees, self_check_setting, tree_self_check_field
+from hf_tree.models.check_guard import keep_training_kernels
+from hf_tree.packing import check_max_packed_tokens
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
 from hf_tree.training_arguments import refuse_neftune
 from hf_tree.trl.logprobs import FUSED_OUTPUTS, layout_scored_rows, scatter_to_rows, tree_token_log_probs
@@ -199,10 +202,25 @@ def add_tree_fused_lm_head(
     model.hf_tree_previous_forward = previous_forward
 
 
-# ---------------------------------------------------------------- shared by TreeGRPOTrainer and TreeDPOTrainer
+# ----------------------------------------------- shared by the TRL tree trainers (GRPO, RLOO, DPO, KTO; reward: some)
+def trl_max_packed_tokens_field() -> Any:
+    """The ``max_packed_tokens`` field of the TRL tree configs (``TreeLogProbArguments``, ``TreeRewardConfig``): as
+    ``hf_tree.packing.PackingConfig``'s (same rule: ``check_max_packed_tokens``), but ``None`` by default, where TRL's
+    own forward sizes the rows."""
+    return field(
+        default=None,
+        metadata={
+            "help": "Capacity of one packed row in tokens (an integer >= 2). None: the tokens of one TRL forward (rows "
+            "x padded length), so no packed row holds more tokens than TRL's own forward. A larger tree is split by "
+            "its branches (exact; the prompt is repeated)."
+        },
+    )
+
+
 @dataclass
 class TreeLogProbArguments:
-    """Tree fields of ``TreeGRPOConfig`` and ``TreeDPOConfig`` (a mixin placed before the TRL config in the bases).
+    """Tree fields of ``TreeGRPOConfig``, ``TreeRLOOConfig`` (through ``TreeRolloutArguments``), ``TreeDPOConfig`` and
+    ``TreeKTOConfig`` (a mixin placed before the TRL config in the bases).
 
     With ``tree_logprobs=True``, a model given by name is loaded with ``attn_implementation="tree_flash"`` unless
     ``model_init_kwargs`` names another (which then fails with a clear error).
@@ -215,23 +233,13 @@ class TreeLogProbArguments:
             "False runs TRL's own passes unchanged (for comparison)."
         },
     )
-    max_packed_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Capacity of one packed row in tokens. None: the tokens of one TRL forward (rows x padded length), "
-            "so no packed row holds more tokens than TRL's own forward. A larger tree is split by its completions "
-            "(exact; the prompt is repeated)."
-        },
-    )
+    max_packed_tokens: int | None = trl_max_packed_tokens_field()
 
     tree_self_check: bool = tree_self_check_field()
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the TRL config parses its fields first (e.g. JSON model_init_kwargs)
-        if self.max_packed_tokens is not None and (
-            not isinstance(self.max_packed_tokens, int) or self.max_packed_tokens < 2
-        ):
-            raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} must be an integer >= 2, or None.")
+        check_max_packed_tokens(self.max_packed_tokens, none_allowed=True)
         if self.tree_logprobs:  # TRL's own passes (tree_logprobs=False) apply NEFTune per row as usual
             refuse_neftune(self)
 
@@ -283,7 +291,8 @@ def install_tree_heads(
     """Put the tree fused head on a TRL trainer's policy (the base model of a PEFT policy) and reference model.
 
     Args:
-        trainer: a ``TreeGRPOTrainer``/``TreeDPOTrainer`` after TRL's ``__init__`` installed its own heads (its
+        trainer: a ``TreeGRPOTrainer``/``TreeRLOOTrainer``/``TreeDPOTrainer``/``TreeKTOTrainer`` after TRL's
+            ``__init__`` installed its own heads (its
             ``args`` carry ``max_packed_tokens`` and ``tree_self_check``).
         policy_outputs: per-token fields the policy pass computes (the reference computes ``log_probs`` only).
         temperature, cast_lm_head_to_fp32: as TRL gives them to its ``add_fused_lm_head``.
@@ -298,5 +307,6 @@ def install_tree_heads(
     )
     policy = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
     add_tree_fused_lm_head(policy, outputs=policy_outputs, **settings)
+    keep_training_kernels(policy)  # no-grad passes (reference precompute, evaluation) must not repack 4-bit weights
     if trainer.ref_model is not None:
         add_tree_fused_lm_head(trainer.accelerator.unwrap_model(trainer.ref_model), name="ref_model", **settings)

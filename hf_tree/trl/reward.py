@@ -22,12 +22,13 @@ from trl import RewardConfig, RewardTrainer
 
 from hf_tree.config import config_field
 from hf_tree.models.check import self_check_setting, tree_self_check_field
+from hf_tree.models.check_guard import keep_training_kernels
 from hf_tree.models.dropout import warn_if_dropout
 from hf_tree.models.quantization import log_quantized_base
-from hf_tree.packing import PackingConfig
+from hf_tree.packing import PackingConfig, check_max_packed_tokens
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.training_arguments import refuse_neftune
-from hf_tree.trl.glue import log_tree_stats, prepare_trl_args
+from hf_tree.trl.glue import log_tree_stats, prepare_trl_args, trl_max_packed_tokens_field
 from hf_tree.trl.reward_head import add_tree_reward_forward
 
 
@@ -43,23 +44,13 @@ class TreeRewardConfig(RewardConfig):
             "comparison)."
         },
     )
-    max_packed_tokens: int | None = field(
-        default=None,
-        metadata={
-            "help": "Capacity of one packed row in tokens. None: the tokens of TRL's forward (rows x padded length), "
-            "so no packed row holds more tokens than TRL's own forward. A larger tree is split by its branches "
-            "(exact; the prompt is repeated)."
-        },
-    )
+    max_packed_tokens: int | None = trl_max_packed_tokens_field()
     tree_self_check: bool = tree_self_check_field()
     merge_in_batch: bool = config_field(PackingConfig, "merge_in_batch")
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        if self.max_packed_tokens is not None and (
-            not isinstance(self.max_packed_tokens, int) or self.max_packed_tokens < 1
-        ):
-            raise ValueError(f"max_packed_tokens={self.max_packed_tokens!r} must be a positive integer, or None.")
+        check_max_packed_tokens(self.max_packed_tokens, none_allowed=True)
         if self.tree_rewards:  # TRL's own forward (tree_rewards=False) applies NEFTune per row as usual
             refuse_neftune(self)
 
@@ -87,6 +78,7 @@ class TreeRewardTrainer(FSDPFullSaveMixin, RewardTrainer):
             self_check_setting(self.args.tree_self_check),
             merge_in_batch=self.args.merge_in_batch,
         )
+        keep_training_kernels(base)  # evaluation's no-grad passes must not repack 4-bit weights
         warn_if_dropout(self.model, "keep disable_dropout=True (RewardConfig's default)")
 
     def compute_loss(

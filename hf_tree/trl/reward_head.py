@@ -32,6 +32,7 @@ from transformers.modeling_outputs import SequenceClassifierOutputWithPast
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.models.check import probe_tree_exactness, refuse_known_unsupported, self_check_enabled
+from hf_tree.models.check_guard import CheckedModel
 from hf_tree.models.length_rope import longest_exact_branch
 from hf_tree.packing import PackingStats
 from hf_tree.trl.logprobs import backbone_hidden_states, pack_rows
@@ -151,13 +152,13 @@ def add_tree_reward_forward(
         model: a ``GenericForSequenceClassification`` (the base model of a PEFT model) on ``tree_flash``.
         max_packed_tokens: packed row capacity; ``None``: the call's ``B * T`` tokens (no packed row holds more
             tokens than the model's own forward).
-        self_check: run ``hf_tree.models.check``'s refusals and probe before the first tree pass (``None``: on
-            unless ``HF_TREE_SELF_CHECK=0``).
+        self_check: run ``hf_tree.models.check``'s refusals and probe before the first tree pass, and its guard
+            (``hf_tree.models.check_guard``) on every later one (``None``: on unless ``HF_TREE_SELF_CHECK=0``).
         merge_in_batch: merge the call's rows into tries by their tokens; ``False``: each row a tree of its own.
     """
     check_reward_model(model)
     previous_forward = getattr(model, "hf_tree_previous_forward", None) or model.forward
-    checked = False
+    checked: CheckedModel | None = None  # set by the first call
 
     @functools.wraps(type(model).forward)
     def forward(
@@ -175,10 +176,14 @@ def add_tree_reward_forward(
                 "does not support (it handles input_ids and attention_mask; no labels, position_ids, embeddings, "
                 "cache or extra outputs). Set tree_rewards=False to use the model's own forward."
             )
-        if not checked and self_check_enabled(self_check):  # the original forward runs the probe (see trl_glue)
-            refuse_known_unsupported(self)
-            probe_tree_exactness(self, previous_forward, length_limit=longest_exact_branch(self.config))
-        checked = True
+        enabled = self_check_enabled(self_check)
+        if checked is None:
+            if enabled:  # the original forward runs the probe (see trl_glue)
+                refuse_known_unsupported(self)
+                probe_tree_exactness(self, previous_forward, length_limit=longest_exact_branch(self.config))
+            checked = CheckedModel.of(self)
+        elif enabled:
+            checked.refuse_changes(self)
         pad_token_id = self.config.get_text_config().pad_token_id
         capacity = max_packed_tokens or input_ids.numel()
         layout = layout_pooled_rows(input_ids, attention_mask, pad_token_id, capacity, merge_in_batch)

@@ -289,6 +289,7 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             batches_per_step=self.args.gradient_accumulation_steps * self.args.world_size,
             shuffle=self.args.train_sampling_strategy == "random",
             seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
+            ranks=self.args.world_size,
         )
         num_rows, num_batches = int(sampler.num_rows.sum()), len(sampler)
         trl_batches = -(-num_rows // self.args.per_device_train_batch_size)  # ceil: TRL's micro-batches per epoch

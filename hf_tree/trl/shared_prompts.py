@@ -38,7 +38,7 @@ import logging
 from collections import defaultdict
 from collections.abc import Hashable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -127,6 +127,42 @@ class SharedPromptStats:
     unit_tokens: int = 0
     row_tokens: int = 0
     """Tokens of the scored rows (prompt and completion, up to the last scored token), as TRL forwards them."""
+
+
+class _ScoredGroup(NamedTuple):
+    """One prompt group's share of a shared policy pass."""
+
+    predicting: torch.Tensor
+    """``[M, D]`` the hidden states that predict the group's scored tokens."""
+    targets: np.ndarray
+    """``[M]`` the scored tokens."""
+    output_index: np.ndarray
+    """``[M]`` their flat index into TRL's ``[B, T - 1]`` output."""
+    forwarded: int
+    """Tokens forwarded for the group (its piece, when forwarded now, and its tree)."""
+
+
+def _rows_by_prompt(ids: np.ndarray, real: np.ndarray, prompt_width: int) -> dict[tuple[int, ...], list]:
+    """The rows of a micro-batch (``ids``/``real`` ``[B, T]``: token ids, not padding) that score a token, grouped by
+    their prompt tokens: ``{prompt: [(row, first real column, scored columns [K] int64), ...]}``.
+
+    Raises:
+        ValueError: for a row that is not a non-empty left-padded prompt and a right-padded completion.
+    """
+    groups: dict[tuple[int, ...], list[tuple[int, int, np.ndarray]]] = defaultdict(list)
+    for row in range(ids.shape[0]):
+        run = np.nonzero(real[row])[0]
+        columns = np.nonzero(real[row, prompt_width:])[0] + prompt_width
+        if columns.size == 0:
+            continue
+        start = int(run[0])
+        if run.size != int(run[-1]) + 1 - start or start >= prompt_width:
+            raise ValueError(
+                f"row {row}: {OPTION} needs a non-empty left-padded prompt and a right-padded completion (one "
+                "contiguous run of real tokens)."
+            )
+        groups[tuple(ids[row, start:prompt_width].tolist())].append((row, start, columns))
+    return groups
 
 
 class SharedPromptPolicyMixin:
@@ -300,23 +336,34 @@ class SharedPromptPolicyMixin:
         prompt of the micro-batch is shared or the model's first-use probe rules the pass out (the packed pass runs)."""
         ids = input_ids.detach().cpu().numpy()
         real = attention_mask.detach().cpu().numpy() != 0
-        batch_size, width = ids.shape
-        prompt_width = width - logits_to_keep
-        groups: dict[tuple[int, ...], list[tuple[int, int, np.ndarray]]] = defaultdict(list)
-        for row in range(batch_size):
-            run = np.nonzero(real[row])[0]
-            columns = np.nonzero(real[row, prompt_width:])[0] + prompt_width
-            if columns.size == 0:
-                continue
-            start = int(run[0])
-            if run.size != int(run[-1]) + 1 - start or start >= prompt_width:
-                raise ValueError(
-                    f"row {row}: {OPTION} needs a non-empty left-padded prompt and a right-padded completion (one "
-                    "contiguous run of real tokens)."
-                )
-            groups[tuple(ids[row, start:prompt_width].tolist())].append((row, start, columns))
+        groups = _rows_by_prompt(ids, real, ids.shape[1] - logits_to_keep)
         if not groups:
             return None
+        self._refuse_stale_pieces()
+
+        later = self._later_prompts()
+        automatic = self.args.tree_share_across_microbatches is None
+        if automatic and not any(prompt in later or prompt in self._shared_pieces for prompt in groups):
+            return None  # nothing to share: the per-micro-batch packed pass
+        checked = self._checked_for_shared_pass(model, automatic)
+        if checked is None:
+            return None
+        causal_lm, logit_head = checked
+        backbone = backbone_of(causal_lm)
+        device = causal_lm.get_input_embeddings().weight.device
+        scored = [
+            self._score_prompt_group(backbone, causal_lm, prompt, rows, ids, later, device)
+            for prompt, rows in groups.items()
+        ]
+        log_probs, entropy = self._values_in_trl_order(causal_lm, logit_head, scored, ids.shape, logits_to_keep, device)
+
+        mode = "train" if self.model.training else "eval"
+        forwarded = sum(group.forwarded for group in scored)
+        self._metrics[mode]["tree/dedup_ratio"].append(int(real.sum()) / max(forwarded, 1))
+        return log_probs, entropy, None
+
+    def _refuse_stale_pieces(self) -> None:
+        """``RuntimeError`` when prompt pieces of an earlier optimizer step were never backpropagated."""
         stale = [p for p in self._shared_pieces.values() if p.global_step != self.state.global_step]
         if stale:  # backward_shared_prompts did not run on the last micro-batch of the previous optimizer step
             self._shared_pieces = {}
@@ -326,10 +373,13 @@ class SharedPromptPolicyMixin:
                 "with accelerate's sync_gradients set on the last one, as transformers.Trainer does."
             )
 
-        later = self._later_prompts()
-        automatic = self.args.tree_share_across_microbatches is None
-        if automatic and not any(prompt in later or prompt in self._shared_pieces for prompt in groups):
-            return None  # nothing to share: the per-micro-batch packed pass
+    def _checked_for_shared_pass(self, model: torch.nn.Module, automatic: bool) -> tuple[Any, Any] | None:
+        """``(causal LM, its logit head)`` after the first-use check and the depth-first probe; ``None`` when the
+        probe rules the shared pass out under the automatic setting (then off for good, with one log line).
+
+        Raises:
+            ValueError: when the probe rules it out and ``tree_share_across_microbatches=True``.
+        """
         unwrapped = self.accelerator.unwrap_model(model)
         causal_lm = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
         self_check = self_check_setting(self.args.tree_self_check)
@@ -342,52 +392,76 @@ class SharedPromptPolicyMixin:
             self._share_prompts = False  # no piece exists yet: the first shared pass probes the model
             logger.warning("hf_tree: the shared-prompt policy pass is off: %s", error)
             return None
-        backbone = backbone_of(causal_lm)
-        device = causal_lm.get_input_embeddings().weight.device
-        stats = self.shared_prompt_stats
-        predicting, targets, output_index = [], [], []
-        forwarded = 0
-        for prompt, rows in groups.items():
-            piece = self._shared_pieces.get(prompt)
-            if piece is None and len(prompt) > 1 and prompt in later:
-                piece = self._forward_piece(backbone, causal_lm, prompt, device)
-                forwarded += piece.length
-            offset = piece.length if piece is not None else 0
-            sequences = [ids[row, start + offset : int(columns[-1]) + 1].tolist() for row, start, columns in rows]
-            tree = Tree.from_sequences(sequences, branch_fields={"row": [r for r, _, _ in rows]})
-            position_ids = torch.from_numpy(tree.position_ids + offset)[None].to(device)
-            kv_end = torch.from_numpy(tree.kv_end)[None].to(device=device, dtype=torch.int32)
-            extra = {}
-            if piece is not None:
-                extra["kv_prefix"] = PrefixCache.over(piece.leaves, piece.positions, kv_end, position_ids)
-            check_rope_lengths(causal_lm.config, position_ids)
-            with self.accelerator.autocast():
-                hidden = backbone(
-                    input_ids=torch.from_numpy(tree.input_ids)[None].to(device),
-                    position_ids=position_ids,
-                    kv_end=kv_end,
-                    use_cache=False,
-                    **extra,
-                ).last_hidden_state[0]
-            forwarded += tree.num_tokens
-            stats.unit_tokens += tree.num_tokens
-            local = []
-            for branch, (row, start, columns) in enumerate(rows):
-                flat = tree.branch_flat_indices(branch)
-                local.append(flat[columns - start - offset - 1])  # the token before each scored one
-                targets.append(ids[row, columns])
-                output_index.append(row * (width - 1) + columns - 1)
-                stats.row_tokens += int(columns[-1]) + 1 - start
-            predicting.append(hidden.index_select(0, torch.from_numpy(np.concatenate(local)).to(device)))
+        return causal_lm, logit_head
 
+    def _score_prompt_group(
+        self,
+        backbone: torch.nn.Module,
+        causal_lm: torch.nn.Module,
+        prompt: tuple[int, ...],
+        rows: list[tuple[int, int, np.ndarray]],
+        ids: np.ndarray,
+        later: set[tuple[int, ...]],
+        device: torch.device,
+    ) -> _ScoredGroup:
+        """One prompt's rows (``_rows_by_prompt``) as one packed tree over the prompt's piece (forwarded first when a
+        later micro-batch of the step holds the prompt too; without a piece the tree holds the prompt)."""
+        width = ids.shape[1]
+        stats = self.shared_prompt_stats
+        forwarded = 0
+        piece = self._shared_pieces.get(prompt)
+        if piece is None and len(prompt) > 1 and prompt in later:
+            piece = self._forward_piece(backbone, causal_lm, prompt, device)
+            forwarded += piece.length
+        offset = piece.length if piece is not None else 0
+        sequences = [ids[row, start + offset : int(columns[-1]) + 1].tolist() for row, start, columns in rows]
+        tree = Tree.from_sequences(sequences, branch_fields={"row": [r for r, _, _ in rows]})
+        position_ids = torch.from_numpy(tree.position_ids + offset)[None].to(device)
+        kv_end = torch.from_numpy(tree.kv_end)[None].to(device=device, dtype=torch.int32)
+        extra = {}
+        if piece is not None:
+            extra["kv_prefix"] = PrefixCache.over(piece.leaves, piece.positions, kv_end, position_ids)
+        check_rope_lengths(causal_lm.config, position_ids)
+        with self.accelerator.autocast():
+            hidden = backbone(
+                input_ids=torch.from_numpy(tree.input_ids)[None].to(device),
+                position_ids=position_ids,
+                kv_end=kv_end,
+                use_cache=False,
+                **extra,
+            ).last_hidden_state[0]
+        forwarded += tree.num_tokens
+        stats.unit_tokens += tree.num_tokens
+        local, targets, output_index = [], [], []
+        for branch, (row, start, columns) in enumerate(rows):
+            flat = tree.branch_flat_indices(branch)
+            local.append(flat[columns - start - offset - 1])  # the token before each scored one
+            targets.append(ids[row, columns])
+            output_index.append(row * (width - 1) + columns - 1)
+            stats.row_tokens += int(columns[-1]) + 1 - start
+        predicting = hidden.index_select(0, torch.from_numpy(np.concatenate(local)).to(device))
+        return _ScoredGroup(predicting, np.concatenate(targets), np.concatenate(output_index), forwarded)
+
+    def _values_in_trl_order(
+        self,
+        causal_lm: torch.nn.Module,
+        logit_head: Any,
+        scored: list[_ScoredGroup],
+        batch_shape: tuple[int, int],
+        logits_to_keep: int,
+        device: torch.device,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The groups' scored tokens through TRL's fused head, as ``[B, logits_to_keep]`` log-probs and entropies
+        (``batch_shape``: the micro-batch's ``(B, T)``)."""
+        batch_size, width = batch_shape
         # TRL's row order (its kernel's float32 gradients round by the order of the rows it scores)
-        output_index = np.concatenate(output_index)
+        output_index = np.concatenate([group.output_index for group in scored])
         order = np.argsort(output_index, kind="stable")
-        hidden = torch.cat(predicting).index_select(0, torch.from_numpy(order).to(device))
+        hidden = torch.cat([group.predicting for group in scored]).index_select(0, torch.from_numpy(order).to(device))
         values = fused_head_values(
             causal_lm,
             hidden,
-            torch.from_numpy(np.concatenate(targets)[order]),
+            torch.from_numpy(np.concatenate([group.targets for group in scored])[order]),
             self.temperature,
             ("log_probs", "entropy"),
             getattr(self.args, "cast_lm_head_to_fp32", False),
@@ -397,10 +471,7 @@ class SharedPromptPolicyMixin:
         log_probs, entropy = (
             scatter_to_rows(values[k], index, shape)[:, -logits_to_keep:] for k in ("log_probs", "entropy")
         )
-
-        mode = "train" if self.model.training else "eval"
-        self._metrics[mode]["tree/dedup_ratio"].append(int(real.sum()) / max(forwarded, 1))
-        return log_probs, entropy, None
+        return log_probs, entropy
 
     def _forward_piece(
         self, backbone: torch.nn.Module, causal_lm: torch.nn.Module, prompt: tuple[int, ...], device: torch.device

@@ -70,11 +70,16 @@ def tree_dispatch(original: Callable[..., object], tree_op: Callable[..., object
     return dispatch
 
 
+def is_tree_dispatch(function: object) -> bool:
+    """Whether ``function`` is a ``tree_dispatch`` (a mixer op this module installed)."""
+    return hasattr(function, "__hf_tree_original__")
+
+
 def install_module_mixers(module: ModuleType) -> None:
     """Rebind the mixer ops (``TREE_OPS``) that one modeling module defines. Idempotent."""
     for op_name, tree_op in TREE_OPS.items():
         original = getattr(module, op_name, None)
-        if original is None or hasattr(original, "__hf_tree_original__"):
+        if original is None or is_tree_dispatch(original):
             continue
         setattr(module, op_name, tree_dispatch(original, tree_op))
 
@@ -102,5 +107,5 @@ def uninstall_tree_mixers(modules: tuple[str, ...] = TREE_MIXER_MODULES) -> None
             continue
         for op_name in TREE_OPS:
             current = getattr(module, op_name, None)
-            if current is not None and hasattr(current, "__hf_tree_original__"):
+            if current is not None and is_tree_dispatch(current):
                 setattr(module, op_name, current.__hf_tree_original__)
