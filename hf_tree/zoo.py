@@ -55,6 +55,7 @@ STATES = ("exact", "refused", "not buildable", "error", "MISMATCH")
 _SIZES = {
     **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim"), 32),
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads"), 2),
+    **dict.fromkeys(("num_attention_heads_per_layer",), 2),
     **dict.fromkeys(("decoder_attention_heads",), 2),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 1),
     **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim", "v_head_dim", "kv_lora_rank"), 16),
@@ -63,13 +64,15 @@ _SIZES = {
     **dict.fromkeys(("decoder_ffn_dim", "encoder_ffn_dim", "dim_ff"), 64),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_k"), 2),
-    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "n_group", "topk_group"), 1),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_experts_per_token"), 2),
+    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "num_expert_group"), 1),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"), 2),
     **dict.fromkeys(("encoder_layers",), 1),
     **dict.fromkeys(("state_size", "ssm_state_size", "mamba_d_state", "linear_key_head_dim"), 8),
     **dict.fromkeys(("linear_value_head_dim", "mamba_head_dim", "linear_conv_kernel_dim"), 8),
     **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "mamba_n_heads", "n_groups"), 2),
+    **dict.fromkeys(("linear_head_dim",), 8),
+    **dict.fromkeys(("linear_num_heads",), 2),
     **dict.fromkeys(("mamba_n_groups",), 1),
     "vocab_size": VOCAB,
     "max_position_embeddings": 128,
@@ -95,6 +98,8 @@ _GEOMETRY = {
     "linear_value_head_dim",
     "mamba_head_dim",
     "linear_conv_kernel_dim",
+    "linear_head_dim",
+    "linear_num_heads",
     "linear_num_key_heads",
     "linear_num_value_heads",
     "mamba_n_heads",
@@ -115,6 +120,88 @@ _LEVELS = (
         **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim"), 64),
     },
 )
+
+
+# Per-family values applied after the generic shrink, where it cannot know a constraint of the family (each
+# entry says which). Keyed by ``model_type``; applied to nested configs (``text_config``) of that type too.
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    # the default config leaves head_dim None, and the attention computes head_dim ** -0.5
+    "ministral": {"head_dim": 16},
+    "hunyuan_v1_dense": {"head_dim": 16},
+    "hunyuan_v1_moe": {"head_dim": 16},
+    # the default leaves num_key_value_heads None, and the attention divides by it
+    "nemotron": {"num_key_value_heads": 1},
+    # GPT-J / CodeGen: the rotary part of a head (rotary_dim, 64 by default) must fit the 16-dim tiny head
+    "gptj": {"rotary_dim": 8},
+    "codegen": {"rotary_dim": 8},
+    # the default leaves the expert counts None (the MoE block needs them)
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    # dots3: its sliding-window layers' head_dim must equal qk_nope_head_dim + qk_rope_head_dim (MLA elsewhere)
+    "dots3_note_text": {"head_dim": 16},
+    # DBRX reads rope_theta from its attention sub-config, whose default has none
+    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0}},
+    # Cohere Compass indexes rope_parameters by layer type, and the default has one flat entry
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+    # LFM2-MoE: the default has no layer_types and 2 dense layers first; one short-convolution layer, one
+    # attention layer and a conv layer with experts
+    "lfm2_moe": {
+        "num_hidden_layers": 3,
+        "num_dense_layers": 1,
+        "layer_types": ["conv", "full_attention", "conv"],
+    },
+    # Gemma 3n: the last num_kv_shared_layers layers reuse the KV of the last earlier layer of their kind, so
+    # two layers of each kind (sliding, full) with the last two shared; per-layer lists follow the 4 layers
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "intermediate_size": [64] * 4,
+        "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+        "laurel_rank": 8,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB,
+    },
+    # Gemma 4: per-layer input embeddings of vocab_size_per_layer_input x (layers * hidden_size_per_layer_input)
+    "gemma4_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB},
+    "gemma4_unified_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB},
+    # Qwen 4-exp's QSA indexer: every field set or none, indexer_kv_heads 1, the budget a multiple of the
+    # compression ratio and shorter than the probe branches (so selection drops blocks); hyper-connections > 1
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+        "hc_count": 2,
+        "hc_lowrank": 8,
+    },
+    # pure Mamba2: num_heads * head_dim = expand * hidden_size (2 * 32), chunks shorter than the branches
+    "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": WINDOW},
+    # Dory: n_input_layers + n_recurrent_layers + n_output_layers = num_hidden_layers (the middle one looped)
+    "dory": {
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+    },
+}
+
+
+def _apply_family_overrides(values: dict, model_type: str) -> None:
+    """``FAMILY_OVERRIDES`` of ``model_type``, and of each nested config's own ``model_type``, in place."""
+    for value in values.values():
+        if isinstance(value, dict) and isinstance(value.get("model_type"), str):
+            _apply_family_overrides(value, value["model_type"])
+    for key, value in FAMILY_OVERRIDES.get(model_type, {}).items():
+        values[key] = copy.deepcopy(value)
 
 
 def _length_switch(model_type: str, rope_type: str, switch: int) -> tuple[str, dict]:
@@ -165,10 +252,19 @@ class ZooResult:
     layer_types: list[str] = field(default_factory=list)
 
 
+# Per-layer kind lists: ``layer_types`` and its relatives (``mlp_layer_types``, ``indexer_types``), Zamba's
+# ``layers_block_type`` and GPT-Neo's ``attention_layers``.
+_KIND_LIST_SUFFIXES = ("layer_types", "indexer_types", "layers_block_type", "attention_layers")
+
+
 def _one_layer_of_each_kind(values: dict) -> None:
-    """Keep, of the per-layer lists (``layer_types``, ``mlp_layer_types``, ...), the first layer of every kind of
-    each list (at least two layers), and set the layer count to match."""
-    lists = {k: v for k, v in values.items() if str(k).endswith("layer_types") and isinstance(v, list) and v}
+    """Keep, of the per-layer kind lists (``_KIND_LIST_SUFFIXES``), the first layer of every kind of each list (at
+    least two layers) and set the layer count to match; every other list of one entry per layer (Gemma 3n's
+    ``intermediate_size``, Laguna's ``num_attention_heads_per_layer``) keeps the same layers, and
+    ``per_layer_config`` (keyed by layer index: Gemma 4, dots3) is renumbered to them."""
+    lists = {
+        k: v for k, v in values.items() if str(k).endswith(_KIND_LIST_SUFFIXES) and isinstance(v, list) and v
+    }
     if not lists:
         return
     length = len(next(iter(lists.values())))
@@ -176,11 +272,30 @@ def _one_layer_of_each_kind(values: dict) -> None:
     keep = sorted({v.index(kind) for v in lists.values() for kind in dict.fromkeys(v)})
     if len(keep) < 2 and length >= 2:
         keep = sorted(set(keep) | {0, 1})
-    for key, kinds in lists.items():
-        values[key] = [kinds[i] for i in keep]
+    for key, value in values.items():
+        if isinstance(value, list) and len(value) == length:
+            values[key] = [value[i] for i in keep]
+    per_layer = values.get("per_layer_config")
+    if isinstance(per_layer, dict):
+        values["per_layer_config"] = {str(keep.index(int(k))): v for k, v in per_layer.items() if int(k) in keep}
     for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
         if key in values:
             values[key] = len(keep)
+
+
+def _tie_mla_dims(values: dict) -> None:
+    """Multi-head latent attention (DeepSeek V2/V3 and the families built on them): the stored query/key head
+    dimension is ``qk_nope_head_dim + qk_rope_head_dim``, ``head_dim`` (the rotary's) is ``qk_rope_head_dim``, and
+    every query head has its own key head (the eager path repeats keys by ``heads // num_key_value_heads``)."""
+    nope, rope = values.get("qk_nope_head_dim"), values.get("qk_rope_head_dim")
+    if isinstance(values.get("kv_lora_rank"), int) and isinstance(values.get("num_attention_heads"), int):
+        if isinstance(values.get("num_key_value_heads"), int):
+            values["num_key_value_heads"] = values["num_attention_heads"]
+    if isinstance(nope, int) and isinstance(rope, int):
+        if "qk_head_dim" in values:
+            values["qk_head_dim"] = nope + rope
+        if isinstance(values.get("head_dim"), int) and isinstance(values.get("kv_lora_rank"), int):
+            values["head_dim"] = rope
 
 
 def shrink_config(values: dict, level: int = 0) -> dict:
@@ -192,10 +307,13 @@ def shrink_config(values: dict, level: int = 0) -> dict:
             continue
         elif key in sizes and isinstance(value, int) and not isinstance(value, bool):
             values[key] = sizes[key]
+        elif key in sizes and isinstance(value, list) and value and all(type(v) is int for v in value):
+            values[key] = [sizes[key]] * len(value)  # one size per layer
     for key in ("sliding_window", "attention_chunk_size", "local_attention", "window_size"):
         if isinstance(values.get(key), int) and not isinstance(values.get(key), bool) and values[key] > WINDOW:
             values[key] = WINDOW
     _one_layer_of_each_kind(values)
+    _tie_mla_dims(values)
     for head_dim, heads in (("mamba_d_head", "mamba_n_heads"), ("mamba_head_dim", "mamba_n_heads")):
         # Mamba: heads * head dim = expand * hidden size
         if level == 0 and isinstance(values.get(head_dim), int) and isinstance(values.get(heads), int):
@@ -215,7 +333,9 @@ def tiny_config(model_type: str, level: int = 0) -> transformers.PretrainedConfi
     ``_LEVELS``) and rebuilt, so derived fields follow. A name of ``ZOO_VARIANTS`` applies its overrides last."""
     model_type, overrides = ZOO_VARIANTS.get(model_type, (model_type, {}))
     default = transformers.AutoConfig.for_model(model_type)
-    values = shrink_config(default.to_dict(), level) | copy.deepcopy(overrides)
+    values = shrink_config(default.to_dict(), level)
+    _apply_family_overrides(values, model_type)
+    values |= copy.deepcopy(overrides)
     for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
         values.pop(key, None)
     values.update(attention_dropout=0.0, use_cache=False, tie_word_embeddings=values.get("tie_word_embeddings", True))
