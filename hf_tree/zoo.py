@@ -139,8 +139,6 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     # dots3: its sliding-window layers' head_dim must equal qk_nope_head_dim + qk_rope_head_dim (MLA elsewhere)
     "dots3_note_text": {"head_dim": 16},
-    # DBRX reads rope_theta from its attention sub-config, whose default has none
-    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0}},
     # Cohere Compass indexes rope_parameters by layer type, and the default has one flat entry
     "cohere_compass_text": {
         "layer_types": ["sliding_attention", "full_attention"],
@@ -184,6 +182,33 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     },
     # pure Mamba2: num_heads * head_dim = expand * hidden_size (2 * 32), chunks shorter than the branches
     "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": WINDOW},
+    # Zamba2: the derived sizes of its __post_init__ (stored in the default, not recomputed from a dict):
+    # mamba heads * head dim = mamba_expand * hidden, attention over the concatenated [hidden, embeddings]
+    "zamba2": {
+        "n_mamba_heads": 4,
+        "mamba_headdim": 16,
+        "attention_hidden_size": 64,
+        "attention_head_dim": 32,
+        "kv_channels": 16,
+        "num_query_groups": 2,
+        "chunk_size": WINDOW,
+        "layers_block_type": ["linear_attention", "hybrid"],
+        "hybrid_layer_ids": [1],
+    },
+    # Zamba ties every hybrid layer's shared transformer to the first one's, so it needs two hybrid layers
+    # (its attention runs over [hidden, embeddings]: 2 * hidden wide)
+    "zamba": {
+        "num_hidden_layers": 3,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+        "attention_hidden_size": 64,
+        "attention_head_dim": 32,
+    },
+    # DBRX reads rope_theta from its attention sub-config, whose default has none, and clamps q/k/v with clip_qkv,
+    # which fails when None (the default); the released model clips at 8
+    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # dots3 (image-text-audio): each encoder's adapter input width is its hidden size, its output width the text's
+    "dots3_note_vision_encoder": {"adapter_in_dim": 32, "adapter_out_dim": 32},
+    "dots3_note_audio_encoder": {"adapter_input_size": 32, "adapter_out_dim": 32},
     # Dory: n_input_layers + n_recurrent_layers + n_output_layers = num_hidden_layers (the middle one looped)
     "dory": {
         "num_hidden_layers": 3,
