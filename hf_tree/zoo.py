@@ -209,6 +209,20 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # dots3 (image-text-audio): each encoder's adapter input width is its hidden size, its output width the text's
     "dots3_note_vision_encoder": {"adapter_in_dim": 32, "adapter_out_dim": 32},
     "dots3_note_audio_encoder": {"adapter_input_size": 32, "adapter_out_dim": 32},
+    # XLNet: d_head = d_model // n_head
+    "xlnet": {"d_head": 16},
+    # ZAYA supports one expert per token only
+    "zaya": {"num_experts_per_tok": 1},
+    # X-MOD routes through per-language adapters and needs a language for plain input_ids
+    "xmod": {"default_language": "en_XX"},
+    # xLSTM: its embedding width is a separate field from hidden_size
+    "xlstm": {"embedding_dim": 32, "chunk_size": WINDOW},
+    # BLT: the byte encoder/decoder read the global transformer's width from their own fields
+    "blt_local_encoder": {"hidden_size_global": 32},
+    "blt_local_decoder": {"hidden_size_global": 32},
+    "blt_global_transformer": {"encoder_cross_output_size": 32},
+    # Reformer: the axial position embedding widths sum to hidden_size, their shape covers the positions
+    "reformer": {"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [4, 8], "attention_head_size": 16},
     # Dory: n_input_layers + n_recurrent_layers + n_output_layers = num_hidden_layers (the middle one looped)
     "dory": {
         "num_hidden_layers": 3,
