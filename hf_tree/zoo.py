@@ -49,7 +49,7 @@ WINDOW = 4  # sliding windows / attention chunks, shorter than the test sequence
 # Relative error accepted as exact: float64 models still keep some float32 internals (HF's RMSNorm upcasts to
 # float32; see docs/ECOSYSTEM facts), ~1e-7 here; the silent failures this suite exists for are >= 1e-4.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
-STATES = ("exact", "refused", "not buildable", "error", "MISMATCH")
+STATES = ("exact", "refused", "unrunnable", "not buildable", "error", "MISMATCH")
 
 # Size keys (whichever a config has) and their tiny values.
 _SIZES = {
@@ -122,6 +122,7 @@ _LEVELS = (
 )
 
 
+_GEMMA4_ASSISTANT_TEXT = {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
 # Per-family values applied after the generic shrink, where it cannot know a constraint of the family (each
 # entry says which). Keyed by ``model_type``; applied to nested configs (``text_config``) of that type too.
 FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
@@ -209,6 +210,12 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # dots3 (image-text-audio): each encoder's adapter input width is its hidden size, its output width the text's
     "dots3_note_vision_encoder": {"adapter_in_dim": 32, "adapter_out_dim": 32},
     "dots3_note_audio_encoder": {"adapter_input_size": 32, "adapter_out_dim": 32},
+    # Gemma 4 assistants (draft models): no per-layer inputs, every layer reads the target model's shared KV
+    "gemma4_assistant": {"text_config": {"model_type": "gemma4_text", **_GEMMA4_ASSISTANT_TEXT}},
+    "gemma4_unified_assistant": {"text_config": {"model_type": "gemma4_text", **_GEMMA4_ASSISTANT_TEXT}},
+    # MusicGen's decoder reads a (batch * num_codebooks, length) input; a packed tree row is one stream
+    "musicgen_decoder": {"num_codebooks": 1},
+    "musicgen_melody_decoder": {"num_codebooks": 1},
     # XLNet: d_head = d_model // n_head
     "xlnet": {"d_head": 16},
     # ZAYA supports one expert per token only
@@ -234,13 +241,28 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
 }
 
 
-def _apply_family_overrides(values: dict, model_type: str) -> None:
-    """``FAMILY_OVERRIDES`` of ``model_type``, and of each nested config's own ``model_type``, in place."""
+# Types whose causal-LM class is built from one sub-config of the type's composite config (MusicGen's decoder; the
+# composite config itself lacks the decoder's fields): the key of that sub-config.
+CAUSAL_LM_SUBCONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder"}
+
+
+def _apply_family_overrides(values: dict, model_type: str, level: int) -> None:
+    """``FAMILY_OVERRIDES`` of ``model_type``, and of each nested config's own ``model_type``, in place. An override
+    of a sub-config updates only the fields it names; one naming a ``model_type`` where the default has no
+    sub-config starts from that type's tiny default."""
     for value in values.values():
         if isinstance(value, dict) and isinstance(value.get("model_type"), str):
-            _apply_family_overrides(value, value["model_type"])
+            _apply_family_overrides(value, value["model_type"], level)
     for key, value in FAMILY_OVERRIDES.get(model_type, {}).items():
-        values[key] = copy.deepcopy(value)
+        value = copy.deepcopy(value)
+        if isinstance(value, dict) and not isinstance(values.get(key), dict) and "model_type" in value:
+            sub_type = value["model_type"]
+            values[key] = shrink_config(transformers.AutoConfig.for_model(sub_type).to_dict(), level)
+            _apply_family_overrides(values[key], sub_type, level)
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key].update(value)  # a sub-config: only the fields named
+        else:
+            values[key] = value
 
 
 def _length_switch(model_type: str, rope_type: str, switch: int) -> tuple[str, dict]:
@@ -262,6 +284,21 @@ ZOO_VARIANTS = {
     "phi3 (longrope, switch 64)": _length_switch("phi3", "longrope", 64),
     "llama (dynamic, switch 10)": _length_switch("llama", "dynamic", 10),
     "llama (dynamic, switch 64)": _length_switch("llama", "dynamic", 64),
+}
+
+
+# Types transformers itself cannot run as a causal LM on token ids, whatever the config (state "unrunnable"; the
+# table gives this reason and transformers' error): why no tiny config exists.
+UNRUNNABLE = {
+    "gemma4_assistant": "transformers' own default config fails its validation (the error below); a valid one is a "
+    "draft model for speculative decoding, whose forward requires the target model's inputs_embeds and "
+    "shared_kv_states, not token ids",
+    "gemma4_unified_assistant": "a draft model for speculative decoding: its forward requires the target model's "
+    "inputs_embeds and shared_kv_states, not token ids",
+    "git": "GIT picks its attention class from a fixed table keyed by the attention implementation's name "
+    "(GIT_SELF_ATTENTION_CLASSES), so no registered attention function (tree_flash included) can be loaded",
+    "gemma3n": "its vision tower is a timm model, and timm (with torchvision) is not a dependency of hf_tree; the "
+    "text model (gemma3n_text) is the row that judges Gemma 3n",
 }
 
 
@@ -373,8 +410,11 @@ def tiny_config(model_type: str, level: int = 0) -> transformers.PretrainedConfi
     model_type, overrides = ZOO_VARIANTS.get(model_type, (model_type, {}))
     default = transformers.AutoConfig.for_model(model_type)
     values = shrink_config(default.to_dict(), level)
-    _apply_family_overrides(values, model_type)
+    _apply_family_overrides(values, model_type, level)
     values |= copy.deepcopy(overrides)
+    if model_type in CAUSAL_LM_SUBCONFIG:
+        values = values[CAUSAL_LM_SUBCONFIG[model_type]]
+        model_type = values["model_type"]
     for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
         values.pop(key, None)
     values.update(attention_dropout=0.0, use_cache=False, tie_word_embeddings=values.get("tie_word_embeddings", True))
@@ -391,10 +431,14 @@ def build_tiny(model_type: str, dtype: torch.dtype, level: int = 0) -> torch.nn.
     except Exception as error:  # noqa: BLE001 - any failure means: cannot be built tiny
         raise NotBuildable(f"config: {type(error).__name__}: {first_line(error)}") from error
     torch.manual_seed(0)
+    base_type = ZOO_VARIANTS.get(model_type, (model_type,))[0]
+    build = (
+        getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[base_type])._from_config
+        if base_type in CAUSAL_LM_SUBCONFIG  # the sub-config's type is not in the causal-LM mapping
+        else transformers.AutoModelForCausalLM.from_config
+    )
     try:
-        model = transformers.AutoModelForCausalLM.from_config(
-            copy.deepcopy(config), attn_implementation="tree_flash", dtype=dtype
-        )
+        model = build(copy.deepcopy(config), attn_implementation="tree_flash", dtype=dtype)
     except Exception as error:  # noqa: BLE001
         if isinstance(error, ValueError) and raised_by_hf_tree(error):  # a family refused by name on load
             raise RefusedOnLoad(f"load: {first_line(error, 400)}") from error
@@ -557,7 +601,13 @@ def _build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, t
 
 def _check(result: ZooResult) -> None:
     branches, masks = probe_branches()
-    model, dtype = _build_runnable(result.model_type, branches[0])
+    try:
+        model, dtype = _build_runnable(result.model_type, branches[0])
+    except NotBuildable as error:
+        if result.model_type not in UNRUNNABLE:
+            raise
+        result.state, result.detail = "unrunnable", f"{UNRUNNABLE[result.model_type]} (transformers: {error})"
+        return
     result.model_class, result.dtype = type(model).__name__, str(dtype).replace("torch.", "")
     result.layer_types = _layer_types(model)
     tolerance = TOLERANCE[dtype]
