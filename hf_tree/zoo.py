@@ -338,9 +338,7 @@ def _one_layer_of_each_kind(values: dict) -> None:
     least two layers) and set the layer count to match; every other list of one entry per layer (Gemma 3n's
     ``intermediate_size``, Laguna's ``num_attention_heads_per_layer``) keeps the same layers, and
     ``per_layer_config`` (keyed by layer index: Gemma 4, dots3) is renumbered to them."""
-    lists = {
-        k: v for k, v in values.items() if str(k).endswith(_KIND_LIST_SUFFIXES) and isinstance(v, list) and v
-    }
+    lists = {k: v for k, v in values.items() if str(k).endswith(_KIND_LIST_SUFFIXES) and isinstance(v, list) and v}
     if not lists:
         return
     length = len(next(iter(lists.values())))
@@ -765,10 +763,12 @@ def run_zoo(
     model_types: Sequence[str],
     table: Callable[[Sequence[Any]], str],
     json_path: str | None = None,
+    on_report: Callable[[str, Sequence[Any]], None] | None = None,
 ) -> int:
     """The zoo benchmarks' driver: ``check`` each model type (one thread; progress on stderr), print the markdown
-    ``table`` of the results, write them as JSON to ``json_path`` if given. Returns the exit status: 1 if any
-    architecture is a silent ``MISMATCH``, else 0."""
+    ``table`` of the results (after a line naming the versions), write them as JSON to ``json_path`` if given and
+    pass the printed report and the results to ``on_report``. Returns the exit status: 1 if any architecture is a
+    silent ``MISMATCH``, else 0."""
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
@@ -777,8 +777,10 @@ def run_zoo(
         result = check(model_type)
         print(f"{model_type}: {result.state} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
         results.append(result)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}\n")
-    print(table(results))
+    report = f"transformers {transformers.__version__}, torch {torch.__version__}\n\n{table(results)}"
+    print(report)
+    if on_report:
+        on_report(report, results)
     if json_path:
         with open(json_path, "w") as f:
             json.dump([dataclasses.asdict(r) for r in results], f, indent=1)
