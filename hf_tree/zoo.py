@@ -59,7 +59,9 @@ _SIZES = {
     **dict.fromkeys(("decoder_attention_heads",), 2),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 1),
     **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim", "v_head_dim", "kv_lora_rank"), 16),
-    **dict.fromkeys(("qk_nope_head_dim", "qk_rope_head_dim", "q_lora_rank"), 8),
+    # MLA: query/key heads of qk_nope + qk_rope = 24 dims against 16-dim value heads, as in the released models
+    **dict.fromkeys(("qk_nope_head_dim",), 16),
+    **dict.fromkeys(("qk_rope_head_dim", "q_lora_rank"), 8),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff", "inner_dim"), 64),
     **dict.fromkeys(("decoder_ffn_dim", "encoder_ffn_dim", "dim_ff"), 64),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
@@ -575,7 +577,7 @@ def classified(result: Any, check: Callable[[], None], time_limit: int) -> Any:
     return result
 
 
-def _build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, torch.dtype]:
+def build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, torch.dtype]:
     """The smallest shrink level and the widest dtype (float64, else float32) at which the tiny model builds and
     runs its own forward (it must, to serve as its own oracle); ``NotBuildable`` with the first reason otherwise."""
     first_error: NotBuildable | None = None
@@ -600,7 +602,7 @@ def _build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, t
 def _check(result: ZooResult) -> None:
     branches, masks = probe_branches()
     try:
-        model, dtype = _build_runnable(result.model_type, branches[0])
+        model, dtype = build_runnable(result.model_type, branches[0])
     except NotBuildable as error:
         if result.model_type not in UNRUNNABLE:
             raise
