@@ -124,6 +124,11 @@ _LEVELS = (
 )
 
 
+_GEMMA4_TEXT = {
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": VOCAB,
+    "per_layer_config": {"1": {"head_dim": 32}},
+}
 _GEMMA4_ASSISTANT_TEXT = {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
 # Per-family values applied after the generic shrink, where it cannot know a constraint of the family (each
 # entry says which). Keyed by ``model_type``; applied to nested configs (``text_config``) of that type too.
@@ -157,6 +162,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
         "num_dense_layers": 1,
         "layer_types": ["conv", "full_attention", "conv"],
     },
+    # LongCat-Flash: its zero (identity) experts and its experts' width are fields of their own
+    "longcat_flash": {"zero_expert_num": 2, "expert_ffn_hidden_size": 32},
     # Gemma 3n: the last num_kv_shared_layers layers reuse the KV of the last earlier layer of their kind, so
     # two layers of each kind (sliding, full) with the last two shared; per-layer lists follow the 4 layers
     "gemma3n_text": {
@@ -170,8 +177,10 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
         "vocab_size_per_layer_input": VOCAB,
     },
     # Gemma 4: per-layer input embeddings of vocab_size_per_layer_input x (layers * hidden_size_per_layer_input)
-    "gemma4_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB},
-    "gemma4_unified_text": {"hidden_size_per_layer_input": 8, "vocab_size_per_layer_input": VOCAB},
+    # of the per-layer inputs; the full-attention layers (kept layer 1, per_layer_config) have heads twice as wide as
+    # the sliding ones, as released (512 vs 256), which the generic shrink would make equal
+    "gemma4_text": _GEMMA4_TEXT,
+    "gemma4_unified_text": _GEMMA4_TEXT,
     # Qwen 4-exp's QSA indexer: every field set or none, indexer_kv_heads 1, the budget a multiple of the
     # compression ratio and shorter than the probe branches (so selection drops blocks); hyper-connections > 1
     "qwen4_exp_text": {

@@ -135,7 +135,7 @@ def test_per_layer_fields_follow_the_kept_layers():
     a per-layer list keeps the same layers; MLA: query/key dims tied, one key head per query head."""
     gemma4 = tiny_config("gemma4_text")
     assert gemma4.layer_types == ["sliding_attention", "full_attention"]
-    assert list(gemma4.per_layer_config) == [1]  # the default's first full-attention layer (5) is kept layer 1
+    assert [layer.head_dim for layer in gemma4.per_layer_config] == [16, 32]  # the default's layer 5 is kept layer 1
     laguna = tiny_config("laguna")
     assert len(laguna.num_attention_heads_per_layer) == laguna.num_hidden_layers == len(laguna.layer_types)
     mla = tiny_config("deepseek_v3")
