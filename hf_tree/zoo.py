@@ -76,6 +76,10 @@ _SIZES = {
     **dict.fromkeys(("linear_head_dim",), 8),
     **dict.fromkeys(("linear_num_heads",), 2),
     **dict.fromkeys(("mamba_n_groups",), 1),
+    # sparse-attention indexers (DeepSeek V3.2, GLM-DSA, dots3, AXK2): fewer selected keys than the branches have
+    **dict.fromkeys(("index_n_heads",), 2),
+    **dict.fromkeys(("index_head_dim",), 16),
+    **dict.fromkeys(("index_topk",), WINDOW),
     "vocab_size": VOCAB,
     "max_position_embeddings": 128,
 }
@@ -146,7 +150,7 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v2": {"num_experts_per_tok": 2},
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
     # dots3: its sliding-window layers' head_dim must equal qk_nope_head_dim + qk_rope_head_dim (MLA elsewhere)
-    "dots3_note_text": {"head_dim": 16},
+    "dots3_note_text": {"head_dim": _SIZES["qk_nope_head_dim"] + _SIZES["qk_rope_head_dim"]},
     # Cohere Compass indexes rope_parameters by layer type, and the default has one flat entry
     "cohere_compass_text": {
         "layer_types": ["sliding_attention", "full_attention"],
@@ -236,6 +240,8 @@ FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
     # xLSTM: its embedding width is a separate field from hidden_size
     "xlstm": {"embedding_dim": 32, "chunk_size": WINDOW},
     # BLT: the byte encoder/decoder read the global transformer's width from their own fields
+    # (and its hash n-gram embeddings have a vocabulary of their own, 500002 by default)
+    "blt": {"encoder_hash_byte_group_vocab": 64},
     "blt_local_encoder": {"hidden_size_global": 32},
     "blt_local_decoder": {"hidden_size_global": 32},
     "blt_global_transformer": {"encoder_cross_output_size": 32},
@@ -394,7 +400,13 @@ def shrink_config(values: dict, level: int = 0) -> dict:
             values[key] = sizes[key]
         elif key in sizes and isinstance(value, list) and value and all(type(v) is int for v in value):
             values[key] = [sizes[key]] * len(value)  # one size per layer
-    for key in ("sliding_window", "attention_chunk_size", "local_attention", "window_size"):
+    for key in (
+        "sliding_window",
+        "attention_chunk_size",
+        "local_attention",
+        "window_size",
+        "local_attention_window_len",
+    ):
         if isinstance(values.get(key), int) and not isinstance(values.get(key), bool) and values[key] > WINDOW:
             values[key] = WINDOW
     _one_layer_of_each_kind(values)
