@@ -149,6 +149,13 @@ def test_a_type_transformers_cannot_run_is_unrunnable_with_its_error():
     assert "GIT_SELF_ATTENTION_CLASSES" in result.detail and "KeyError: 'tree_flash'" in result.detail
 
 
+def test_an_output_embedding_per_codebook_is_refused_by_name():
+    """MusicGen (built from its decoder sub-config): one LM head per codebook, not one vocabulary projection."""
+    result = check_architecture("musicgen")
+    assert result.state == "refused"
+    assert "MusicgenForCausalLM's output embedding is a ModuleList" in result.detail
+
+
 def test_readme_counts_match_the_docs_table():
     """``python benchmarks/model_zoo.py --write-docs`` writes both; a hand edit of one shows here."""
 
