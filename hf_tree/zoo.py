@@ -775,9 +775,9 @@ def error_cell(value: float | None) -> str:
     return "" if value is None else f"{value:.1e}"
 
 
-def state_counts(results: Sequence[Any]) -> str:
-    """The tables' last line: how many results ended in each of ``STATES``."""
-    counts = {state: sum(r.state == state for r in results) for state in STATES}
+def state_counts(results: Sequence[Any], states: Sequence[str] = STATES) -> str:
+    """The tables' last line: how many results ended in each of ``states``."""
+    counts = {state: sum(r.state == state for r in results) for state in states}
     return ", ".join(f"{state}: {n}" for state, n in counts.items()) + f" (of {len(results)})"
 
 
