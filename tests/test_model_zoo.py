@@ -67,7 +67,8 @@ def test_length_switch_variants_are_refused_when_crossed_and_exact_below(variant
 
 
 # Types the generic shrink could not build before hf_tree.zoo.FAMILY_OVERRIDES and the per-layer / MLA rules
-# (issue 43): the families users fine-tune most, built tiny and run through their own forward (fast) ...
+# (issue 43), built tiny and run through their own forward (build only: ~10 s for all on an idle machine); the
+# verdicts are the zoo's (docs/models.md). First the families users fine-tune most, ...
 FORMERLY_NOT_BUILDABLE = [
     "gemma4_text",
     "gemma3n_text",
@@ -94,8 +95,8 @@ FORMERLY_NOT_BUILDABLE = [
     "dbrx",
     "dots1",
 ]
-# ... and the rest (slow: multimodal composites and larger sub-configs).
-FORMERLY_NOT_BUILDABLE_SLOW = [
+# ... then multimodal composites and the rest.
+FORMERLY_NOT_BUILDABLE_MORE = [
     "gemma4",
     "gemma4_unified",
     "gemma4_unified_text",
@@ -117,17 +118,10 @@ FORMERLY_NOT_BUILDABLE_SLOW = [
 ]
 
 
-@pytest.mark.parametrize("model_type", FORMERLY_NOT_BUILDABLE)
+@pytest.mark.parametrize("model_type", FORMERLY_NOT_BUILDABLE + FORMERLY_NOT_BUILDABLE_MORE)
 def test_formerly_not_buildable_types_build_tiny(model_type):
     model, _ = build_runnable(model_type, probe_branches()[0][0])
     assert sum(p.numel() for p in model.parameters()) < 2_000_000  # tiny: no default-sized table left over
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("model_type", FORMERLY_NOT_BUILDABLE_SLOW)
-def test_formerly_not_buildable_composites_build_tiny(model_type):
-    model, _ = build_runnable(model_type, probe_branches()[0][0])
-    assert sum(p.numel() for p in model.parameters()) < 2_000_000
 
 
 def test_per_layer_fields_follow_the_kept_layers():
