@@ -2,8 +2,10 @@
 
 For each ``model_type`` of ``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``, ``check_architecture`` builds the model from its
 default config shrunk generically (``tiny_config``: hidden 32, 2 heads, one decoder layer of each kind in
-``layer_types``, a small vocabulary, windows/chunks of 4 tokens so that they matter) in float64 (float32 where the
-model cannot run float64), and checks
+``layer_types`` with every per-layer field following, a small vocabulary, windows/chunks of 4 tokens so that they
+matter; ``FAMILY_OVERRIDES`` where a family ties fields the generic shrink cannot know) in float64 (float32 where the
+model cannot run float64; judged at the float32 bar where ``FLOAT32_INTERNALS`` says it computes in float32), and
+checks
 
 (a) training: ``tree_causal_lm_loss`` (with its first-use self-check) and every parameter gradient equal training
     on each branch alone with the model's own attention (``sdpa``, else ``eager``) and its own logits;
@@ -13,7 +15,8 @@ model cannot run float64), and checks
     tree's loss and gradients equal per-branch training plus the model's own router loss of the branches.
 
 States: ``exact`` (a and b hold), ``refused`` (``tree_causal_lm_loss`` raised a ``ValueError`` before training;
-dual mode is still checked), ``not buildable`` (with the reason), ``error`` (an exception that is not our
+dual mode is still checked), ``unrunnable`` (transformers itself cannot run the type on token ids: ``UNRUNNABLE``
+says why), ``not buildable`` (with the reason), ``error`` (an exception that is not our
 ``ValueError``) and ``MISMATCH`` (a silent difference: the bar is zero). Used by ``benchmarks/model_zoo.py`` and
 ``tests/test_model_zoo.py``.
 """
@@ -49,28 +52,42 @@ WINDOW = 4  # sliding windows / attention chunks, shorter than the test sequence
 # Relative error accepted as exact: float64 models still keep some float32 internals (HF's RMSNorm upcasts to
 # float32; see docs/ECOSYSTEM facts), ~1e-7 here; the silent failures this suite exists for are >= 1e-4.
 TOLERANCE = {torch.float64: 1e-6, torch.float32: 1e-4}
-STATES = ("exact", "refused", "not buildable", "error", "MISMATCH")
+# Types that compute part of their forward in float32 even in a float64 model, judged at the float32 bar: the part,
+# and why a leak still shows (a branch leak moves gradients by >= 1e-4).
+FLOAT32_INTERNALS = {
+    "longcat_flash": "its router computes its logits in float32 (router gradients ~2e-6 apart in float64)",
+}
+STATES = ("exact", "refused", "unrunnable", "not buildable", "error", "MISMATCH")
 
 # Size keys (whichever a config has) and their tiny values.
 _SIZES = {
     **dict.fromkeys(("hidden_size", "n_embd", "d_model", "embed_dim", "model_dim", "dim"), 32),
     **dict.fromkeys(("num_attention_heads", "n_head", "num_heads", "n_heads", "encoder_attention_heads"), 2),
+    **dict.fromkeys(("num_attention_heads_per_layer",), 2),
     **dict.fromkeys(("decoder_attention_heads",), 2),
     **dict.fromkeys(("num_key_value_heads", "num_kv_heads", "n_kv_heads", "multi_query_group_num"), 1),
     **dict.fromkeys(("head_dim", "kv_channels", "attention_head_dim", "v_head_dim", "kv_lora_rank"), 16),
-    **dict.fromkeys(("qk_nope_head_dim", "qk_rope_head_dim", "q_lora_rank"), 8),
+    # MLA: query/key heads of qk_nope + qk_rope = 24 dims against 16-dim value heads, as in the released models
+    **dict.fromkeys(("qk_nope_head_dim",), 16),
+    **dict.fromkeys(("qk_rope_head_dim", "q_lora_rank"), 8),
     **dict.fromkeys(("intermediate_size", "ffn_dim", "n_inner", "ffn_hidden_size", "d_ff", "inner_dim"), 64),
     **dict.fromkeys(("decoder_ffn_dim", "encoder_ffn_dim", "dim_ff"), 64),
     **dict.fromkeys(("moe_intermediate_size", "shared_expert_intermediate_size", "expert_intermediate_size"), 32),
     **dict.fromkeys(("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts"), 4),
-    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_k"), 2),
-    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "n_group", "topk_group"), 1),
+    **dict.fromkeys(("num_experts_per_tok", "moe_topk", "top_k", "moe_k", "num_experts_per_token"), 2),
+    **dict.fromkeys(("n_shared_experts", "num_shared_experts", "n_group", "topk_group", "num_expert_group"), 1),
     **dict.fromkeys(("num_hidden_layers", "n_layer", "num_layers", "n_layers", "decoder_layers"), 2),
     **dict.fromkeys(("encoder_layers",), 1),
     **dict.fromkeys(("state_size", "ssm_state_size", "mamba_d_state", "linear_key_head_dim"), 8),
     **dict.fromkeys(("linear_value_head_dim", "mamba_head_dim", "linear_conv_kernel_dim"), 8),
     **dict.fromkeys(("linear_num_key_heads", "linear_num_value_heads", "mamba_n_heads", "n_groups"), 2),
+    **dict.fromkeys(("linear_head_dim",), 8),
+    **dict.fromkeys(("linear_num_heads",), 2),
     **dict.fromkeys(("mamba_n_groups",), 1),
+    # sparse-attention indexers (DeepSeek V3.2, GLM-DSA, dots3, AXK2): fewer selected keys than the branches have
+    **dict.fromkeys(("index_n_heads",), 2),
+    **dict.fromkeys(("index_head_dim",), 16),
+    **dict.fromkeys(("index_topk",), WINDOW),
     "vocab_size": VOCAB,
     "max_position_embeddings": 128,
 }
@@ -95,6 +112,8 @@ _GEOMETRY = {
     "linear_value_head_dim",
     "mamba_head_dim",
     "linear_conv_kernel_dim",
+    "linear_head_dim",
+    "linear_num_heads",
     "linear_num_key_heads",
     "linear_num_value_heads",
     "mamba_n_heads",
@@ -117,6 +136,160 @@ _LEVELS = (
 )
 
 
+_GEMMA4_TEXT = {
+    "hidden_size_per_layer_input": 8,
+    "vocab_size_per_layer_input": VOCAB,
+    "per_layer_config": {"1": {"head_dim": 32}},
+}
+_GEMMA4_ASSISTANT_TEXT = {"hidden_size_per_layer_input": 0, "vocab_size_per_layer_input": 0}
+# Per-family values applied after the generic shrink, where it cannot know a constraint of the family (each
+# entry says which). Keyed by ``model_type``; applied to nested configs (``text_config``) of that type too.
+FAMILY_OVERRIDES: dict[str, dict[str, Any]] = {
+    # the default config leaves head_dim None, and the attention computes head_dim ** -0.5
+    "ministral": {"head_dim": 16},
+    "hunyuan_v1_dense": {"head_dim": 16},
+    "hunyuan_v1_moe": {"head_dim": 16},
+    # the default leaves num_key_value_heads None, and the attention divides by it
+    "nemotron": {"num_key_value_heads": 1},
+    # GPT-J / CodeGen: the rotary part of a head (rotary_dim, 64 by default) must fit the 16-dim tiny head
+    "gptj": {"rotary_dim": 8},
+    "codegen": {"rotary_dim": 8},
+    # the default leaves the expert counts None (the MoE block needs them)
+    "deepseek_v2": {"num_experts_per_tok": 2},
+    "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    # dots3: its sliding-window layers' head_dim must equal qk_nope_head_dim + qk_rope_head_dim (MLA elsewhere)
+    "dots3_note_text": {"head_dim": _SIZES["qk_nope_head_dim"] + _SIZES["qk_rope_head_dim"]},
+    # Cohere Compass indexes rope_parameters by layer type, and the default has one flat entry
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+            "full_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    },
+    # LFM2-MoE: the default has no layer_types and 2 dense layers first; one short-convolution layer, one
+    # attention layer and a conv layer with experts
+    "lfm2_moe": {
+        "num_hidden_layers": 3,
+        "num_dense_layers": 1,
+        "layer_types": ["conv", "full_attention", "conv"],
+    },
+    # LongCat-Flash: its zero (identity) experts and its experts' width are fields of their own
+    "longcat_flash": {"zero_expert_num": 2, "expert_ffn_hidden_size": 32},
+    # Gemma 3n: the last num_kv_shared_layers layers reuse the KV of the last earlier layer of their kind, so
+    # two layers of each kind (sliding, full) with the last two shared; per-layer lists follow the 4 layers
+    "gemma3n_text": {
+        "num_hidden_layers": 4,
+        "layer_types": ["sliding_attention", "full_attention"] * 2,
+        "num_kv_shared_layers": 2,
+        "intermediate_size": [64] * 4,
+        "activation_sparsity_pattern": [0.95, 0.0, 0.0, 0.0],
+        "laurel_rank": 8,
+        "hidden_size_per_layer_input": 8,
+        "vocab_size_per_layer_input": VOCAB,
+    },
+    # Gemma 4: per-layer input embeddings of vocab_size_per_layer_input x (layers * hidden_size_per_layer_input)
+    # of the per-layer inputs; the full-attention layers (kept layer 1, per_layer_config) have heads twice as wide as
+    # the sliding ones, as released (512 vs 256), which the generic shrink would make equal
+    "gemma4_text": _GEMMA4_TEXT,
+    "gemma4_unified_text": _GEMMA4_TEXT,
+    # Qwen 4-exp's QSA indexer: every field set or none, indexer_kv_heads 1, the budget a multiple of the
+    # compression ratio and shorter than the probe branches (so selection drops blocks); hyper-connections > 1
+    "qwen4_exp_text": {
+        "indexer_n_heads": 2,
+        "indexer_kv_heads": 1,
+        "indexer_head_dim": 16,
+        "indexer_budget": 8,
+        "indexer_compress_ratio": 4,
+        "hc_count": 2,
+        "hc_lowrank": 8,
+    },
+    # pure Mamba2: num_heads * head_dim = expand * hidden_size (2 * 32), chunks shorter than the branches
+    "mamba2": {"num_heads": 4, "head_dim": 16, "n_groups": 1, "chunk_size": WINDOW},
+    # Zamba2: the derived sizes of its __post_init__ (stored in the default, not recomputed from a dict):
+    # mamba heads * head dim = mamba_expand * hidden, attention over the concatenated [hidden, embeddings]
+    "zamba2": {
+        "n_mamba_heads": 4,
+        "mamba_headdim": 16,
+        "attention_hidden_size": 64,
+        "attention_head_dim": 32,
+        "kv_channels": 16,
+        "num_query_groups": 2,
+        "chunk_size": WINDOW,
+        "layers_block_type": ["linear_attention", "hybrid"],
+        "hybrid_layer_ids": [1],
+    },
+    # Zamba ties every hybrid layer's shared transformer to the first one's, so it needs two hybrid layers
+    # (its attention runs over [hidden, embeddings]: 2 * hidden wide)
+    "zamba": {
+        "num_hidden_layers": 3,
+        "layers_block_type": ["linear_attention", "hybrid", "hybrid"],
+        "attention_hidden_size": 64,
+        "attention_head_dim": 32,
+    },
+    # DBRX reads rope_theta from its attention sub-config, whose default has none, and clamps q/k/v with clip_qkv,
+    # which fails when None (the default); the released model clips at 8
+    "dbrx": {"attn_config": {"kv_n_heads": 1, "rope_theta": 10000.0, "clip_qkv": 8.0}},
+    # dots3 (image-text-audio): each encoder's adapter input width is its hidden size, its output width the text's
+    "dots3_note_vision_encoder": {"adapter_in_dim": 32, "adapter_out_dim": 32},
+    "dots3_note_audio_encoder": {"adapter_input_size": 32, "adapter_out_dim": 32},
+    # Gemma 4 assistants (draft models): no per-layer inputs, every layer reads the target model's shared KV
+    "gemma4_assistant": {"text_config": {"model_type": "gemma4_text", **_GEMMA4_ASSISTANT_TEXT}},
+    "gemma4_unified_assistant": {"text_config": {"model_type": "gemma4_text", **_GEMMA4_ASSISTANT_TEXT}},
+    # MusicGen's decoder reads a (batch * num_codebooks, length) input; a packed tree row is one stream
+    "musicgen_decoder": {"num_codebooks": 1},
+    "musicgen_melody_decoder": {"num_codebooks": 1},
+    # XLNet: d_head = d_model // n_head
+    "xlnet": {"d_head": 16},
+    # ZAYA supports one expert per token only
+    "zaya": {"num_experts_per_tok": 1},
+    # X-MOD routes through per-language adapters and needs a language for plain input_ids
+    "xmod": {"default_language": "en_XX"},
+    # xLSTM: its embedding width is a separate field from hidden_size
+    "xlstm": {"embedding_dim": 32, "chunk_size": WINDOW},
+    # BLT: the byte encoder/decoder read the global transformer's width from their own fields
+    # (and its hash n-gram embeddings have a vocabulary of their own, 500002 by default)
+    "blt": {"encoder_hash_byte_group_vocab": 64},
+    "blt_local_encoder": {"hidden_size_global": 32},
+    "blt_local_decoder": {"hidden_size_global": 32},
+    "blt_global_transformer": {"encoder_cross_output_size": 32},
+    # Reformer: the axial position embedding widths sum to hidden_size, their shape covers the positions
+    "reformer": {"axial_pos_embds_dim": [16, 16], "axial_pos_shape": [4, 8], "attention_head_size": 16},
+    # Dory: n_input_layers + n_recurrent_layers + n_output_layers = num_hidden_layers (the middle one looped)
+    "dory": {
+        "num_hidden_layers": 3,
+        "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+        "n_input_layers": 1,
+        "n_recurrent_layers": 1,
+        "n_output_layers": 1,
+    },
+}
+
+
+# Types whose causal-LM class is built from one sub-config of the type's composite config (MusicGen's decoder; the
+# composite config itself lacks the decoder's fields): the key of that sub-config.
+CAUSAL_LM_SUBCONFIG = {"musicgen": "decoder", "musicgen_melody": "decoder"}
+
+
+def _apply_family_overrides(values: dict, model_type: str, level: int) -> None:
+    """``FAMILY_OVERRIDES`` of ``model_type``, and of each nested config's own ``model_type``, in place. An override
+    of a sub-config updates only the fields it names; one naming a ``model_type`` where the default has no
+    sub-config starts from that type's tiny default."""
+    for value in values.values():
+        if isinstance(value, dict) and isinstance(value.get("model_type"), str):
+            _apply_family_overrides(value, value["model_type"], level)
+    for key, value in FAMILY_OVERRIDES.get(model_type, {}).items():
+        value = copy.deepcopy(value)
+        if isinstance(value, dict) and not isinstance(values.get(key), dict) and "model_type" in value:
+            sub_type = value["model_type"]
+            values[key] = shrink_config(transformers.AutoConfig.for_model(sub_type).to_dict(), level)
+            _apply_family_overrides(values[key], sub_type, level)
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            values[key].update(value)  # a sub-config: only the fields named
+        else:
+            values[key] = value
+
+
 def _length_switch(model_type: str, rope_type: str, switch: int) -> tuple[str, dict]:
     """A ``ZOO_VARIANTS`` entry: ``model_type`` with a length-dependent rope switching at ``switch`` tokens
     (8 rotary frequencies: the tiny head dimension is 16)."""
@@ -136,6 +309,21 @@ ZOO_VARIANTS = {
     "phi3 (longrope, switch 64)": _length_switch("phi3", "longrope", 64),
     "llama (dynamic, switch 10)": _length_switch("llama", "dynamic", 10),
     "llama (dynamic, switch 64)": _length_switch("llama", "dynamic", 64),
+}
+
+
+# Types transformers itself cannot run as a causal LM on token ids, whatever the config (state "unrunnable"; the
+# table gives this reason and transformers' error): why no tiny config exists.
+UNRUNNABLE = {
+    "gemma4_assistant": "transformers' own default config fails its validation (the error below); a valid one is a "
+    "draft model for speculative decoding, whose forward requires the target model's inputs_embeds and "
+    "shared_kv_states, not token ids",
+    "gemma4_unified_assistant": "a draft model for speculative decoding: its forward requires the target model's "
+    "inputs_embeds and shared_kv_states, not token ids",
+    "git": "GIT picks its attention class from a fixed table keyed by the attention implementation's name "
+    "(GIT_SELF_ATTENTION_CLASSES), so no registered attention function (tree_flash included) can be loaded",
+    "gemma3n": "its vision tower is a timm model, and timm (with torchvision) is not a dependency of hf_tree; the "
+    "text model (gemma3n_text) is the row that judges Gemma 3n",
 }
 
 
@@ -165,10 +353,17 @@ class ZooResult:
     layer_types: list[str] = field(default_factory=list)
 
 
+# Per-layer kind lists: ``layer_types`` and its relatives (``mlp_layer_types``, ``indexer_types``), Zamba's
+# ``layers_block_type`` and GPT-Neo's ``attention_layers``.
+_KIND_LIST_SUFFIXES = ("layer_types", "indexer_types", "layers_block_type", "attention_layers")
+
+
 def _one_layer_of_each_kind(values: dict) -> None:
-    """Keep, of the per-layer lists (``layer_types``, ``mlp_layer_types``, ...), the first layer of every kind of
-    each list (at least two layers), and set the layer count to match."""
-    lists = {k: v for k, v in values.items() if str(k).endswith("layer_types") and isinstance(v, list) and v}
+    """Keep, of the per-layer kind lists (``_KIND_LIST_SUFFIXES``), the first layer of every kind of each list (at
+    least two layers) and set the layer count to match; every other list of one entry per layer (Gemma 3n's
+    ``intermediate_size``, Laguna's ``num_attention_heads_per_layer``) keeps the same layers, and
+    ``per_layer_config`` (keyed by layer index: Gemma 4, dots3) is renumbered to them."""
+    lists = {k: v for k, v in values.items() if str(k).endswith(_KIND_LIST_SUFFIXES) and isinstance(v, list) and v}
     if not lists:
         return
     length = len(next(iter(lists.values())))
@@ -176,11 +371,30 @@ def _one_layer_of_each_kind(values: dict) -> None:
     keep = sorted({v.index(kind) for v in lists.values() for kind in dict.fromkeys(v)})
     if len(keep) < 2 and length >= 2:
         keep = sorted(set(keep) | {0, 1})
-    for key, kinds in lists.items():
-        values[key] = [kinds[i] for i in keep]
+    for key, value in values.items():
+        if isinstance(value, list) and len(value) == length:
+            values[key] = [value[i] for i in keep]
+    per_layer = values.get("per_layer_config")
+    if isinstance(per_layer, dict):
+        values["per_layer_config"] = {str(keep.index(int(k))): v for k, v in per_layer.items() if int(k) in keep}
     for key in ("num_hidden_layers", "n_layer", "num_layers", "n_layers"):
         if key in values:
             values[key] = len(keep)
+
+
+def _tie_mla_dims(values: dict) -> None:
+    """Multi-head latent attention (DeepSeek V2/V3 and the families built on them): the stored query/key head
+    dimension is ``qk_nope_head_dim + qk_rope_head_dim``, ``head_dim`` (the rotary's) is ``qk_rope_head_dim``, and
+    every query head has its own key head (the eager path repeats keys by ``heads // num_key_value_heads``)."""
+    nope, rope = values.get("qk_nope_head_dim"), values.get("qk_rope_head_dim")
+    if isinstance(values.get("kv_lora_rank"), int) and isinstance(values.get("num_attention_heads"), int):
+        if isinstance(values.get("num_key_value_heads"), int):
+            values["num_key_value_heads"] = values["num_attention_heads"]
+    if isinstance(nope, int) and isinstance(rope, int):
+        if "qk_head_dim" in values:
+            values["qk_head_dim"] = nope + rope
+        if isinstance(values.get("head_dim"), int) and isinstance(values.get("kv_lora_rank"), int):
+            values["head_dim"] = rope
 
 
 def shrink_config(values: dict, level: int = 0) -> dict:
@@ -192,10 +406,19 @@ def shrink_config(values: dict, level: int = 0) -> dict:
             continue
         elif key in sizes and isinstance(value, int) and not isinstance(value, bool):
             values[key] = sizes[key]
-    for key in ("sliding_window", "attention_chunk_size", "local_attention", "window_size"):
+        elif key in sizes and isinstance(value, list) and value and all(type(v) is int for v in value):
+            values[key] = [sizes[key]] * len(value)  # one size per layer
+    for key in (
+        "sliding_window",
+        "attention_chunk_size",
+        "local_attention",
+        "window_size",
+        "local_attention_window_len",
+    ):
         if isinstance(values.get(key), int) and not isinstance(values.get(key), bool) and values[key] > WINDOW:
             values[key] = WINDOW
     _one_layer_of_each_kind(values)
+    _tie_mla_dims(values)
     for head_dim, heads in (("mamba_d_head", "mamba_n_heads"), ("mamba_head_dim", "mamba_n_heads")):
         # Mamba: heads * head dim = expand * hidden size
         if level == 0 and isinstance(values.get(head_dim), int) and isinstance(values.get(heads), int):
@@ -215,7 +438,12 @@ def tiny_config(model_type: str, level: int = 0) -> transformers.PretrainedConfi
     ``_LEVELS``) and rebuilt, so derived fields follow. A name of ``ZOO_VARIANTS`` applies its overrides last."""
     model_type, overrides = ZOO_VARIANTS.get(model_type, (model_type, {}))
     default = transformers.AutoConfig.for_model(model_type)
-    values = shrink_config(default.to_dict(), level) | copy.deepcopy(overrides)
+    values = shrink_config(default.to_dict(), level)
+    _apply_family_overrides(values, model_type, level)
+    values |= copy.deepcopy(overrides)
+    if model_type in CAUSAL_LM_SUBCONFIG:
+        values = values[CAUSAL_LM_SUBCONFIG[model_type]]
+        model_type = values["model_type"]
     for key in ("model_type", "transformers_version", "architectures", "dtype", "torch_dtype"):
         values.pop(key, None)
     values.update(attention_dropout=0.0, use_cache=False, tie_word_embeddings=values.get("tie_word_embeddings", True))
@@ -232,10 +460,14 @@ def build_tiny(model_type: str, dtype: torch.dtype, level: int = 0) -> torch.nn.
     except Exception as error:  # noqa: BLE001 - any failure means: cannot be built tiny
         raise NotBuildable(f"config: {type(error).__name__}: {first_line(error)}") from error
     torch.manual_seed(0)
+    base_type = ZOO_VARIANTS.get(model_type, (model_type,))[0]
+    build = (
+        getattr(transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[base_type])._from_config
+        if base_type in CAUSAL_LM_SUBCONFIG  # the sub-config's type is not in the causal-LM mapping
+        else transformers.AutoModelForCausalLM.from_config
+    )
     try:
-        model = transformers.AutoModelForCausalLM.from_config(
-            copy.deepcopy(config), attn_implementation="tree_flash", dtype=dtype
-        )
+        model = build(copy.deepcopy(config), attn_implementation="tree_flash", dtype=dtype)
     except Exception as error:  # noqa: BLE001
         if isinstance(error, ValueError) and raised_by_hf_tree(error):  # a family refused by name on load
             raise RefusedOnLoad(f"load: {first_line(error, 400)}") from error
@@ -374,7 +606,7 @@ def classified(result: Any, check: Callable[[], None], time_limit: int) -> Any:
     return result
 
 
-def _build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, torch.dtype]:
+def build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, torch.dtype]:
     """The smallest shrink level and the widest dtype (float64, else float32) at which the tiny model builds and
     runs its own forward (it must, to serve as its own oracle); ``NotBuildable`` with the first reason otherwise."""
     first_error: NotBuildable | None = None
@@ -398,10 +630,16 @@ def _build_runnable(model_type: str, ids: list[int]) -> tuple[torch.nn.Module, t
 
 def _check(result: ZooResult) -> None:
     branches, masks = probe_branches()
-    model, dtype = _build_runnable(result.model_type, branches[0])
+    try:
+        model, dtype = build_runnable(result.model_type, branches[0])
+    except NotBuildable as error:
+        if result.model_type not in UNRUNNABLE:
+            raise
+        result.state, result.detail = "unrunnable", f"{UNRUNNABLE[result.model_type]} (transformers: {error})"
+        return
     result.model_class, result.dtype = type(model).__name__, str(dtype).replace("torch.", "")
     result.layer_types = _layer_types(model)
-    tolerance = TOLERANCE[dtype]
+    tolerance = TOLERANCE[torch.float32 if result.model_type in FLOAT32_INTERNALS else dtype]
 
     train_state, train_detail = _check_training(result, model, branches, masks, tolerance)
     router_detail = _check_router_loss(result, model, branches, masks, tolerance) if train_state == "exact" else ""
@@ -545,9 +783,9 @@ def error_cell(value: float | None) -> str:
     return "" if value is None else f"{value:.1e}"
 
 
-def state_counts(results: Sequence[Any]) -> str:
-    """The tables' last line: how many results ended in each of ``STATES``."""
-    counts = {state: sum(r.state == state for r in results) for state in STATES}
+def state_counts(results: Sequence[Any], states: Sequence[str] = STATES) -> str:
+    """The tables' last line: how many results ended in each of ``states``."""
+    counts = {state: sum(r.state == state for r in results) for state in states}
     return ", ".join(f"{state}: {n}" for state, n in counts.items()) + f" (of {len(results)})"
 
 
@@ -556,10 +794,12 @@ def run_zoo(
     model_types: Sequence[str],
     table: Callable[[Sequence[Any]], str],
     json_path: str | None = None,
+    on_report: Callable[[str, Sequence[Any]], None] | None = None,
 ) -> int:
     """The zoo benchmarks' driver: ``check`` each model type (one thread; progress on stderr), print the markdown
-    ``table`` of the results, write them as JSON to ``json_path`` if given. Returns the exit status: 1 if any
-    architecture is a silent ``MISMATCH``, else 0."""
+    ``table`` of the results (after a line naming the versions), write them as JSON to ``json_path`` if given and
+    pass the printed report and the results to ``on_report``. Returns the exit status: 1 if any architecture is a
+    silent ``MISMATCH``, else 0."""
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore")
     torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
@@ -568,8 +808,10 @@ def run_zoo(
         result = check(model_type)
         print(f"{model_type}: {result.state} ({result.seconds:.1f} s)", file=sys.stderr, flush=True)
         results.append(result)
-    print(f"transformers {transformers.__version__}, torch {torch.__version__}\n")
-    print(table(results))
+    report = f"transformers {transformers.__version__}, torch {torch.__version__}\n\n{table(results)}"
+    print(report)
+    if on_report:
+        on_report(report, results)
     if json_path:
         with open(json_path, "w") as f:
             json.dump([dataclasses.asdict(r) for r in results], f, indent=1)

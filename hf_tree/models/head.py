@@ -166,6 +166,13 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
             f"{name} has no separate output embedding (get_output_embeddings()); hf_tree scores the "
             "last hidden state with it, so it supports causal LMs of the form backbone + LM head."
         )
+    weight = getattr(embedding, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+        raise ValueError(
+            f"{name}'s output embedding is a {type(embedding).__name__} without one [vocab, hidden] weight (e.g. "
+            "MusicGen's one head per codebook); hf_tree scores the last hidden state with a single vocabulary "
+            "projection, so this model family is not supported by its tree passes."
+        )
     text_config = causal_lm.config.get_text_config()
     softcap = getattr(text_config, "final_logit_softcapping", None)
 

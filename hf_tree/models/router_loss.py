@@ -75,7 +75,8 @@ def tree_router_loss(
     """
     function = load_balancing_function(model)
     num_experts = router_logits[0].shape[-1]
-    top_k = model.config.get_text_config().num_experts_per_tok
+    # the top-k the model's own forward passes: DBRX keeps it on the model (from ffn_config.moe_top_k), not the config
+    top_k = getattr(model, "num_experts_per_tok", None) or model.config.get_text_config().num_experts_per_tok
     weightings = multiplicity.reshape(-1, multiplicity.shape[-1]).to(router_logits[0].device)
     losses = [function(router_logits, num_experts, top_k, weights[None, :]) for weights in weightings]
     return torch.stack(losses).mean()
