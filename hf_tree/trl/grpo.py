@@ -21,6 +21,7 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.glue import prepare_trl_args
+from hf_tree.trl.group_generation import GroupPrefillGenerationMixin
 from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
 from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin, TreeRolloutArguments
 
@@ -31,7 +32,9 @@ class TreeGRPOConfig(TreeRolloutArguments, GRPOConfig):
     ``tree_share_across_microbatches`` (``TreeRolloutArguments``)."""
 
 
-class TreeGRPOTrainer(FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, GRPOTrainer):
+class TreeGRPOTrainer(
+    FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, GroupPrefillGenerationMixin, GRPOTrainer
+):
     """``GRPOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is

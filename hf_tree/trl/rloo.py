@@ -19,6 +19,7 @@ from trl import RLOOConfig, RLOOTrainer
 
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.glue import prepare_trl_args
+from hf_tree.trl.group_generation import GroupPrefillGenerationMixin
 from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
 from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin, TreeRolloutArguments
 
@@ -29,7 +30,9 @@ class TreeRLOOConfig(TreeRolloutArguments, RLOOConfig):
     ``tree_share_across_microbatches`` (``TreeRolloutArguments``)."""
 
 
-class TreeRLOOTrainer(FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, RLOOTrainer):
+class TreeRLOOTrainer(
+    FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, GroupPrefillGenerationMixin, RLOOTrainer
+):
     """``RLOOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``RLOOTrainer``'s arguments with ``args`` a ``TreeRLOOConfig``; the model is put on
