@@ -13,6 +13,7 @@ import logging
 import pytest
 import torch
 from datasets import Dataset
+from peft import LoraConfig
 from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -106,6 +107,7 @@ class EmbeddingTokens:
 TRAINERS = {
     "grpo": (GRPOTrainer, GRPOConfig, TreeGRPOTrainer, TreeGRPOConfig),
     "rloo": (RLOOTrainer, RLOOConfig, TreeRLOOTrainer, TreeRLOOConfig),
+    "grpo_lora": (GRPOTrainer, GRPOConfig, TreeGRPOTrainer, TreeGRPOConfig),  # generate() of a PeftModel
 }
 
 
@@ -122,6 +124,8 @@ def test_trainer_generation_equals_trl(kind, do_sample, tmp_path, caplog):
     if not do_sample:
         settings["generation_kwargs"] = {"do_sample": False}
     setup = dict(train_dataset=Dataset.from_dict({"prompt": prompts}), processing_class=word_tokenizer())
+    if kind == "grpo_lora":
+        setup["peft_config"] = LoraConfig(r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
     completions, embedded = {}, {}
     for name, cls, config in (("trl", trl_cls, trl_config), ("tree", tree_cls, tree_config)):
         trainer = cls(path, zero_reward, trainer_args(config, path, torch.float64, **settings), **setup)

@@ -79,8 +79,9 @@ def generation_fallback_cause(model: torch.nn.Module, generation_config: Generat
         return f"cache_implementation={config.cache_implementation!r} (the shared prompts live in a DynamicCache)"
     if config.prefill_chunk_size is not None:
         return "prefill_chunk_size (chunked prefill)"
-    if not type(model)._supports_default_dynamic_cache() and not _base_supports_dynamic_cache(model):
-        return f"{type(model).__name__} has no default DynamicCache"
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the model it wraps
+    if not type(causal_lm)._supports_default_dynamic_cache():
+        return f"{type(causal_lm).__name__} has no default DynamicCache"
     if model.training and _dropout_active(model):
         return "dropout active in the generating model (a forward of other shapes draws other random numbers)"
     layers = DynamicCache(config=_text_config(model)).layers
@@ -173,11 +174,6 @@ def prefilling_once(
 
 def _text_config(model: torch.nn.Module) -> Any:
     return model.config.get_text_config(decoder=True)
-
-
-def _base_supports_dynamic_cache(model: torch.nn.Module) -> bool:
-    base = getattr(model, "get_base_model", None)
-    return base is not None and type(base())._supports_default_dynamic_cache()
 
 
 def _dropout_active(model: torch.nn.Module) -> bool:
