@@ -52,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--device", default="cpu", help="cpu or cuda")
     parser.add_argument("--quick", action="store_true", help="a tiny random Llama with SmolLM2's tokenizer (smoke)")
+    parser.add_argument(
+        "--generation-only", action="store_true", help="no training: time generate() of one group per step, both ways"
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)  # internal: JSON arguments of one trainer's run
     args = parser.parse_args(argv)
     if args.quick:
@@ -279,6 +282,51 @@ def report(setting: str, results: dict[str, dict]) -> None:
     print("identical completions per step: " + " ".join(f"{s:.2f}" for s in same))
 
 
+def generation_only(args: argparse.Namespace, path: str) -> None:
+    """Generation alone, round-robin per step: ``generate`` on the G left-padded copies of each prompt (TRL's call) vs
+    ``generate_prefilling_once`` on the same batch, same seed, sampled; CPU and wall seconds, identical completions."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+
+    from hf_tree.trl.group_generation import generate_prefilling_once
+
+    torch.set_num_threads(args.threads)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).to(args.device).eval()
+    config = GenerationConfig(
+        max_new_tokens=args.completion_len, do_sample=True, temperature=1.0, top_p=1.0, top_k=0,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+    )  # fmt: skip
+    print("| prompt | G | TRL generate s (cpu) | once per group s (cpu) | ratio (cpu) | ratio (wall) | identical |")
+    print("|---|---|---|---|---|---|---|")
+    for prompt_len in args.prompt_lens:
+        for generations in args.generations:
+            seconds = {name: {c: [] for c in CLOCKS} for name in METHODS}
+            same = []
+            for step, prompt in enumerate(agent_prompts(tokenizer, args.steps, prompt_len)):
+                ids = torch.tensor([tokenizer(prompt)["input_ids"]] * generations, device=args.device)
+                mask = torch.ones_like(ids)
+                out = {}
+                for name in METHODS:
+                    torch.manual_seed(step)
+                    begin = {c: clock() for c, clock in CLOCKS.items()}
+                    with torch.no_grad():
+                        if name == "trl":
+                            out[name] = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)
+                        else:
+                            out[name] = generate_prefilling_once(
+                                model, model.generate, ids, mask, generation_config=config
+                            )
+                    for c, clock in CLOCKS.items():
+                        seconds[name][c].append(clock() - begin[c])
+                same.append(float((out["trl"] == out["tree"]).all(dim=1).float().mean()))
+            med = {n: {c: median_after_first(v) for c, v in seconds[n].items()} for n in METHODS}
+            print(
+                f"| {prompt_len} | {generations} | {med['trl']['cpu']:.2f} | {med['tree']['cpu']:.2f} | "
+                f"{med['trl']['cpu'] / med['tree']['cpu']:.2f} | {med['trl']['wall'] / med['tree']['wall']:.2f} | "
+                f"{statistics.mean(same):.2f} |"
+            )
+
+
 def main() -> None:
     args = parse_args()
     if args.worker:
@@ -286,6 +334,12 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as folder:
         path = model_path(args.quick, folder)
+        if args.generation_only:
+            print(
+                f"Generation only, float32, completions <= {args.completion_len} sampled tokens, medians after step 1"
+            )
+            generation_only(args, path)
+            return
         name = "tiny random Llama (SmolLM2 tokenizer)" if args.quick else "SmolLM2-135M-Instruct"
         print(
             f"GRPO end to end, {name}, float32, {args.device}, {args.threads} thread(s): {args.prompts_per_step} "
