@@ -22,6 +22,7 @@ active dropout (a training-mode forward would draw other random numbers).
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -124,6 +125,8 @@ def generate_prefilling_once(
     # generate's own rule (GenerationMixin._prepare_position_ids_for_generation)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     cache = DynamicCache(config=_text_config(model))
+    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the model it wraps
+    last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(causal_lm.forward).parameters else {}
     with torch.no_grad():
         model(
             input_ids=ids[:, :-1],
@@ -131,11 +134,10 @@ def generate_prefilling_once(
             position_ids=positions[:, :-1],
             cache=cache,
             use_cache=True,
-            logits_to_keep=1,
+            **last_only,  # the prefill's logits are not used
         )
-    cache.reorder_cache(
-        torch.tensor(inverse, device=input_ids.device)
-    )  # each row gets its prompt's keys/values and recurrent/conv states
+    # each row gets its prompt's keys/values and conv/recurrent states
+    cache.reorder_cache(torch.tensor(inverse, device=input_ids.device))
     if stats is not None:
         stats.calls += 1
         stats.rows += batch
@@ -155,15 +157,21 @@ def prefilling_once(
     original = model.generate
 
     def wrapped(*args: Any, **kwargs: Any) -> Any:
-        ids = kwargs.pop("input_ids", args[0] if args else None)
-        mask = kwargs.pop("attention_mask", None)
-        reason = "positional arguments or no attention mask" if len(args) > 1 or mask is None or ids is None else None
-        reason = reason or generation_fallback_cause(model, kwargs.get("generation_config"))
-        if reason is not None or set(kwargs) - {"generation_config"}:
+        ids, mask = kwargs.get("input_ids"), kwargs.get("attention_mask")
+        extra = sorted(set(kwargs) - {"input_ids", "attention_mask", "generation_config"})
+        if args or ids is None or mask is None:
+            reason = "generate called without input_ids and attention_mask keywords"
+        elif extra:
+            reason = f"extra generate inputs {extra}"
+        else:
+            reason = generation_fallback_cause(model, kwargs.get("generation_config"))
+        if reason is not None:
             if cause is not None:
-                cause.append(reason or f"extra generate inputs {sorted(set(kwargs) - {'generation_config'})}")
-            return original(input_ids=ids, attention_mask=mask, **kwargs)
-        return generate_prefilling_once(model, original, ids, mask, stats, **kwargs)
+                cause.append(reason)
+            return original(*args, **kwargs)
+        return generate_prefilling_once(
+            model, original, ids, mask, stats, generation_config=kwargs.get("generation_config")
+        )
 
     model.generate = wrapped
     try:
