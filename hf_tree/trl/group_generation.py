@@ -13,7 +13,8 @@ for the prefill) and padding. Greedy and sampled completions equal TRL's (float6
 rounding of a prompt forwarded in a batch of another size: tests/test_group_generation.py).
 
 Where this cannot be exact it falls back to TRL's own call, logged once per cause: vLLM (its prefix caching shares
-prompts already), transformers continuous batching, image prompts, beam search and assisted decoding, a
+prompts already), transformers continuous batching, FSDP or DeepSpeed on several processes (a sharded forward is
+collective: ranks would run different forwards), image prompts, beam search and assisted decoding, a
 ``cache_implementation`` or a model without a default ``DynamicCache``, cache layers other than the dynamic,
 sliding-window and linear-attention ones (hybrids whose every layer is recurrent, quantized or indexed caches), and
 active dropout (a training-mode forward would draw other random numbers).
@@ -225,6 +226,10 @@ class GroupPrefillGenerationMixin:
             return "use_transformers_continuous_batching=True (continuous batching manages its own cache)"
         if images is not None or multimodal_fields:
             return "image prompts (their features would be computed per copy)"
+        sharded = getattr(self, "is_fsdp_enabled", False) or getattr(self, "is_deepspeed_enabled", False)
+        if sharded and self.accelerator.num_processes > 1:
+            # a sharded forward gathers parameters collectively: every rank would need the same extra prefill forward
+            return "FSDP or DeepSpeed on several processes (ranks whose prompts differ would run different forwards)"
         return None
 
     def _log_group_prefill_fallback(self, cause: str) -> None:

@@ -85,8 +85,9 @@ class TreeRolloutArguments(TreeLogProbArguments):
             "help": "Generation (TRL's transformers path, use_vllm=False): forward each distinct prompt once and "
             "expand its cache to the group's rows (keys/values and the conv/recurrent states of hybrids) instead of "
             "prefilling every copy; completions equal TRL's (tests/test_group_generation.py). Falls back to TRL's "
-            "own call, logged once, for vLLM, continuous batching, image prompts, beam search, a "
-            "cache_implementation and caches it cannot expand (hf_tree.trl.group_generation). False: off."
+            "own call, logged once, for vLLM, continuous batching, FSDP/DeepSpeed on several processes, image prompts, "
+            "beam search, a cache_implementation and caches it cannot expand (hf_tree.trl.group_generation). "
+            "False: off."
         },
     )
 
