@@ -7,8 +7,10 @@ partial groups or several groups) and runs the model once on them. The one-line 
 
     from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer  # instead of trl's GRPOConfig, GRPOTrainer
 
-Generation, rewards, advantages and the loss are TRL's own, and the log-probs and entropies equal TRL's (see
-``hf_tree.trl.logprobs`` and tests/test_grpo.py). The reference pass works with a separate reference model and with a
+Generation is TRL's own call with each distinct prompt prefilled once and its cache expanded to the group
+(``hf_tree.trl.group_generation``, ``tree_prefill_once_per_group``: the same completions as TRL's). Rewards, advantages
+and the loss are TRL's own, and the log-probs and entropies equal TRL's (see ``hf_tree.trl.logprobs`` and
+tests/test_grpo.py). The reference pass works with a separate reference model and with a
 disabled PEFT adapter alike.
 """
 
@@ -21,17 +23,20 @@ from trl import GRPOConfig, GRPOTrainer
 
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.glue import prepare_trl_args
+from hf_tree.trl.group_generation import GroupPrefillGenerationMixin
 from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
 from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin, TreeRolloutArguments
 
 
 @dataclass
 class TreeGRPOConfig(TreeRolloutArguments, GRPOConfig):
-    """``GRPOConfig`` plus ``tree_logprobs``, ``max_packed_tokens`` (see ``TreeLogProbArguments``) and
-    ``tree_share_across_microbatches`` (``TreeRolloutArguments``)."""
+    """``GRPOConfig`` plus ``tree_logprobs``, ``max_packed_tokens`` (see ``TreeLogProbArguments``),
+    ``tree_share_across_microbatches`` and ``tree_prefill_once_per_group`` (``TreeRolloutArguments``)."""
 
 
-class TreeGRPOTrainer(FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, GRPOTrainer):
+class TreeGRPOTrainer(
+    FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, GroupPrefillGenerationMixin, GRPOTrainer
+):
     """``GRPOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is

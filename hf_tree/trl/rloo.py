@@ -6,8 +6,9 @@ passes through ``_get_per_token_logps_and_entropies``), so it shares ``TreeGRPOT
 
     from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer  # instead of trl's RLOOConfig, RLOOTrainer
 
-Generation, rewards (with the KL penalty of ``beta``), leave-one-out advantages and the sequence-level clipped loss
-are TRL's own; the log-probs equal TRL's (tests/test_rloo.py).
+Generation prefills each distinct prompt once (``hf_tree.trl.group_generation``, as ``TreeGRPOTrainer``). Rewards
+(with the KL penalty of ``beta``), leave-one-out advantages and the sequence-level clipped loss are TRL's own; the
+log-probs equal TRL's (tests/test_rloo.py).
 """
 
 from __future__ import annotations
@@ -19,17 +20,20 @@ from trl import RLOOConfig, RLOOTrainer
 
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.glue import prepare_trl_args
+from hf_tree.trl.group_generation import GroupPrefillGenerationMixin
 from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
 from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin, TreeRolloutArguments
 
 
 @dataclass
 class TreeRLOOConfig(TreeRolloutArguments, RLOOConfig):
-    """``RLOOConfig`` plus ``tree_logprobs``, ``max_packed_tokens`` (see ``TreeLogProbArguments``) and
-    ``tree_share_across_microbatches`` (``TreeRolloutArguments``)."""
+    """``RLOOConfig`` plus ``tree_logprobs``, ``max_packed_tokens`` (see ``TreeLogProbArguments``),
+    ``tree_share_across_microbatches`` and ``tree_prefill_once_per_group`` (``TreeRolloutArguments``)."""
 
 
-class TreeRLOOTrainer(FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, RLOOTrainer):
+class TreeRLOOTrainer(
+    FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, GroupPrefillGenerationMixin, RLOOTrainer
+):
     """``RLOOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``RLOOTrainer``'s arguments with ``args`` a ``TreeRLOOConfig``; the model is put on

@@ -61,8 +61,8 @@ logger = logging.getLogger("hf_tree")
 
 @dataclass
 class TreeRolloutArguments(TreeLogProbArguments):
-    """``TreeLogProbArguments`` plus the option of the online RL trainers (``TreeGRPOConfig``, ``TreeRLOOConfig``);
-    DPO/KTO have no micro-batches of one group, so their configs do not carry it."""
+    """``TreeLogProbArguments`` plus the options of the online RL trainers (``TreeGRPOConfig``, ``TreeRLOOConfig``);
+    DPO/KTO neither generate nor have micro-batches of one group, so their configs do not carry them."""
 
     tree_share_across_microbatches: bool | None = field(
         default=None,
@@ -76,6 +76,18 @@ class TreeRolloutArguments(TreeLogProbArguments):
             "(ValueError) with several processes other than DDP/FSDP2 (FSDP1, HSDP, tensor parallel), DeepSpeed, "
             "fp16, an MoE router loss, a vision-language model, reentrant gradient checkpointing or "
             "tree_logprobs=False. False: off."
+        },
+    )
+
+    tree_prefill_once_per_group: bool = field(
+        default=True,
+        metadata={
+            "help": "Generation (TRL's transformers path, use_vllm=False): forward each distinct prompt once and "
+            "expand its cache to the group's rows (keys/values and the conv/recurrent states of hybrids) instead of "
+            "prefilling every copy; completions equal TRL's (tests/test_group_generation.py). Falls back to TRL's "
+            "own call, logged once, for vLLM, continuous batching, FSDP/DeepSpeed on several processes, image prompts, "
+            "beam search, a cache_implementation and caches it cannot expand (hf_tree.trl.group_generation). "
+            "False: off."
         },
     )
 
