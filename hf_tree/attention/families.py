@@ -13,6 +13,10 @@ from typing import Any
 
 _OWN_ATTENTION = "its own attention code adds the mask to the scores, outside transformers' attention interface"
 _ALIBI = "ALiBi: a position bias added to the attention mask outside the attention function"
+_OWN_CLASSES = (
+    "its own eager/sdpa/flash attention classes (chosen by the attention name: tree_flash would pick its flash-attn "
+    "class) apply the mask, outside transformers' attention interface"
+)
 
 # model_type -> (family, why).
 REFUSED_FAMILIES: dict[str, tuple[str, str]] = {
@@ -28,16 +32,15 @@ REFUSED_FAMILIES: dict[str, tuple[str, str]] = {
     "gpt_neox_japanese": ("GPT-NeoX-Japanese", _OWN_ATTENTION),
     "doge": ("Doge", "dynamic mask attention: the layer computes its mask from the attention mask itself"),
     "hy_v4": ("HY-v4", "indexed attention: the layer selects its keys from the attention mask itself"),
+    "falcon": ("Falcon", _OWN_CLASSES),
+    "gpt_neo": ("GPT-Neo", _OWN_CLASSES),
 }
 
 
 def refused_family(config: Any) -> tuple[str, str] | None:
-    """``(family, why)`` when hf_tree refuses the model of ``config`` (a transformers ``PretrainedConfig``) by name;
-    Falcon only with ``alibi=True``."""
-    model_type = getattr(config, "model_type", "")
-    if model_type == "falcon" and getattr(config, "alibi", False):
-        return "Falcon with alibi=True", _ALIBI
-    return REFUSED_FAMILIES.get(model_type)
+    """``(family, why)`` when hf_tree refuses the model of ``config`` (a transformers ``PretrainedConfig``) by
+    name."""
+    return REFUSED_FAMILIES.get(getattr(config, "model_type", ""))
 
 
 def refuse_family(config: Any, model_name: str) -> None:
