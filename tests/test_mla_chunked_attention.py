@@ -34,28 +34,12 @@ from tests.helpers import (
     tiny_model,
 )
 from tests.test_attention_models import backend, forest
-from tests.workloads import packed_rows, qkv
+from tests.workloads import TINY_DEEPSEEK_V3, packed_rows, qkv
 
 VOCAB = 97
 LOSS_TOLERANCE = 1e-9
 GRAD_TOLERANCE = 1e-5  # float32 routers / RoPE inside float64 models (measured <= 4e-7)
-# Tiny MLA: query/key heads of 8 (nope) + 8 (rope) = 16, value heads of 4; every KV head is a query head's own.
-DEEPSEEK = dict(
-    num_key_value_heads=4,
-    q_lora_rank=16,
-    kv_lora_rank=16,
-    qk_rope_head_dim=8,
-    qk_nope_head_dim=8,
-    v_head_dim=4,
-    n_routed_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=16,
-    first_k_dense_replace=1,
-    n_group=1,
-    topk_group=1,
-    n_shared_experts=1,
-    experts_implementation="eager",  # grouped_mm experts refuse float64
-)
+DEEPSEEK = dict(TINY_DEEPSEEK_V3, experts_implementation="eager")  # grouped_mm experts refuse float64
 MLA_FAMILIES = {"deepseek_v2": dict(DEEPSEEK, q_lora_rank=None), "deepseek_v3": DEEPSEEK}
 # Tiny Llama 4 text: layer 0 chunked (chunks of 4 depths, RoPE), layer 1 full attention (NoPE).
 LLAMA4 = dict(
