@@ -73,9 +73,12 @@ def _check_mask(module: torch.nn.Module, attention_mask, sliding_window: int | N
             "Train this model without kv_end, or drop the inputs that add the overlay.",
         )
     local_size = arguments.get("local_size")
-    # transformers' chunked masks (create_chunked_causal_mask) pass the config's attention_chunk_size as local_size
-    chunk = getattr(arguments.get("config"), "attention_chunk_size", None)
-    chunked = local_size is not None and local_size != sliding_window and local_size == chunk
+    # transformers' chunked masks (create_chunked_causal_mask) pass the config's attention_chunk_size as local_size;
+    # only configs with chunked_attention layers build them
+    config = arguments.get("config")
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked_layers = "chunked_attention" in (getattr(config, "layer_types", None) or ())
+    chunked = chunked_layers and local_size is not None and local_size != sliding_window and local_size == chunk
     if local_size is not None and local_size != sliding_window and not chunked:
         _refuse(
             module,
