@@ -240,8 +240,10 @@ ROWS: tuple[Row, ...] = (
     Row("sft Qwen3-MoE --router_aux_loss_coef 0.5", "sft", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
     Row("dpo Qwen3-MoE --router_aux_loss_coef 0.5", "dpo", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
     Row("grpo Qwen3-MoE --router_aux_loss_coef 0.5", "grpo", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
-    # MLA (value heads of another size than query/key heads; issue 43): DeepSeek V3 declares no router loss
-    Row("sft DeepSeek V3 (MLA, MoE)", "sft", model="mla_model", fast=True),
+    # MLA (value heads of another size than query/key heads; issue 43): DeepSeek V3 declares no router loss. At
+    # COMMON's rate 0.5 float32 rounding of the first step (every update within 4.5e-6 of TRL's after one step) grows
+    # to 1.1e-4 in the second step's kv_a_layernorm update; at 0.05 every update is within 1.2e-5 after two.
+    Row("sft DeepSeek V3 (MLA, MoE)", "sft", ("--learning_rate", "0.05"), model="mla_model"),
     Row("grpo DeepSeek V3 (MLA, MoE)", "grpo", model="mla_model"),
     _rloo("defaults", fast=True),
     _rloo("--beta 0", "--beta", "0"),

@@ -226,3 +226,12 @@ def test_hrm_text_loads_with_tree_flash_and_matches_per_branch():
     loss, reference, tree_grads, ref_grads = tree_and_branch_runs(model, groups, batch)
     assert relative_error(loss, reference) <= 1e-5
     assert float32_floor_grad_error(tree_grads, ref_grads) <= 1e-4
+
+
+def test_flash_attn_refuses_chunks_by_name():
+    """flash-attn has sliding windows but no chunks: refused with the reason (``cuda`` then runs ``flex``)."""
+    from hf_tree.attention.flash import flash_attn_refusal
+
+    kv_end, _ = packed_rows(seed=23)
+    q, _, v = qkv(kv_end, (4, 2), torch.bfloat16)
+    assert "no chunked attention" in flash_attn_refusal(q, v, attention_chunk=4)
