@@ -15,6 +15,7 @@ import torch
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.attention import (
+    BACKEND_ENV_VAR,
     blocked_tree_attention,
     dense_tree_mask,
     flex_tree_attention,
@@ -33,8 +34,7 @@ from tests.helpers import (
     run,
     tiny_model,
 )
-from tests.test_attention_models import backend, forest
-from tests.workloads import TINY_DEEPSEEK_V3, packed_rows, qkv
+from tests.workloads import TINY_DEEPSEEK_V3, forest, packed_rows, qkv
 
 VOCAB = 97
 LOSS_TOLERANCE = 1e-9
@@ -83,10 +83,11 @@ def tree_and_branch_runs(model, groups, batch, backward: bool = True):
 # ----------------------------------------------------------------------------------------------------- MLA
 @pytest.mark.parametrize("engine", ["segments", "blocked", "reference"])
 @pytest.mark.parametrize("family", sorted(MLA_FAMILIES))
-def test_mla_models_match_per_branch(family, engine):
+def test_mla_models_match_per_branch(family, engine, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV_VAR, engine)
     groups, batch = forest(seed=1)
     assert batch["input_ids"].shape[0] > 1
-    with float64_family_norms(), backend(engine):
+    with float64_family_norms():
         model = tiny_model(family, vocab_size=VOCAB, **MLA_FAMILIES[family])
         attention = model.model.layers[0].self_attn
         assert attention.qk_head_dim != attention.v_head_dim
@@ -96,10 +97,11 @@ def test_mla_models_match_per_branch(family, engine):
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
-def test_mla_flex_forward_matches_per_branch():
+def test_mla_flex_forward_matches_per_branch(monkeypatch):
     """Flex has no CPU backward: the loss value checks the padded heads through its kernel."""
+    monkeypatch.setenv(BACKEND_ENV_VAR, "flex")
     groups, batch = forest(seed=2)
-    with float64_family_norms(), backend("flex"):
+    with float64_family_norms():
         model = tiny_model("deepseek_v3", vocab_size=VOCAB, **DEEPSEEK)
         loss, reference, _, _ = tree_and_branch_runs(model, groups, batch, backward=False)
     assert relative_error(loss, reference) <= LOSS_TOLERANCE
@@ -192,9 +194,10 @@ def deep_forest():
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 @pytest.mark.parametrize("engine", ["cpu", "blocked", "reference", "flex"])
-def test_llama4_chunked_attention_matches_per_branch(engine):
+def test_llama4_chunked_attention_matches_per_branch(engine, monkeypatch):
+    monkeypatch.setenv(BACKEND_ENV_VAR, engine)
     groups, batch = deep_forest()
-    with float64_norms(), backend(engine):
+    with float64_norms():
         model = tiny_model("llama4_text", vocab_size=VOCAB, **LLAMA4)
         assert model.config.layer_types == ["chunked_attention", "full_attention"]
         flex = engine == "flex"  # no CPU backward: the loss only

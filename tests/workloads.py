@@ -257,3 +257,12 @@ TINY_DEEPSEEK_V3 = dict(
     topk_group=1,
     n_shared_experts=1,
 )
+
+
+def forest(seed: int, num_trees: int = 4, max_packed_tokens: int = 64, pad_to_multiple_of: int = 16):
+    """(groups of (sequences, masks), collated batch): several trees per row, several rows, padding."""
+    rng = random.Random(seed)
+    groups = [random_tree_branches(rng, rng.randint(2, 5)) for _ in range(num_trees)]
+    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in groups])
+    return groups, batch
