@@ -24,7 +24,7 @@ from tests.helpers import (
     relative_error,
     tiny_model,
 )
-from tests.workloads import random_tree_branches
+from tests.workloads import forest, random_tree_branches
 
 VOCAB = 97
 TOLERANCE = 1e-9
@@ -45,15 +45,6 @@ def backend(name: str):
         yield
     finally:
         set_attention_backend(None)
-
-
-def forest(seed: int, num_trees: int = 4, max_packed_tokens: int = 64, pad_to_multiple_of: int = 16):
-    """(groups of (sequences, masks), collated batch): several trees per row, several rows, padding."""
-    rng = random.Random(seed)
-    groups = [random_tree_branches(rng, rng.randint(2, 5)) for _ in range(num_trees)]
-    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=pad_to_multiple_of)
-    batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in groups])
-    return groups, batch
 
 
 def tree_loss_and_grads(model, batch):

@@ -290,16 +290,19 @@ def test_more_hybrid_models_match_per_branch(family):
     test_hybrid_model_tree_training_matches_per_branch(family)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Mamba2ForCausalLM.forward (transformers 5.23) does not pass the model kwargs (kv_end) to its backbone, so "
-    "its mixers cannot see the tree: it trains wrong under tree_flash and must be refused.",
-)
-def test_pure_mamba2_model_drops_kv_end():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_pure_mamba2_model_matches_per_branch(checkpointing):
+    """Mamba2ForCausalLM.forward drops the model's keyword arguments; hf_tree hands kv_end on to its backbone
+    (hf_tree.models.mixers.install.KWARG_DROPPING_HEADS), whose blocks pass it to the tree-aware scan and conv. A
+    block's checkpoint keeps the keyword arguments it was called with, so a recompute sees kv_end too."""
     model = hybrid_model("mamba2")
+    if checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     sdpa_refused = type(model).set_attn_implementation  # no attention at all: the oracle's "sdpa" means "eager"
     model.set_attn_implementation = lambda name: sdpa_refused(model, "eager" if name == "sdpa" else name)
     loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(model)
+    assert relative_error(loss, reference) <= FLOAT32_FLOOR
     assert float32_floor_grad_error(tree_grads, ref_grads) <= FLOAT32_FLOOR
 
 

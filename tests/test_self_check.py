@@ -117,11 +117,11 @@ def test_peft_wrapped_leak_is_refused():
 
 def test_known_non_tree_aware_mixer_is_refused_by_name():
     config = transformers.AutoConfig.for_model(
-        "mamba2", vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, n_groups=1
+        "mamba", vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2
     )
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="tree_flash")
-    assert "Mamba2Mixer" in NOT_TREE_AWARE_MODULES
-    with pytest.raises(ValueError, match="Mamba2Mixer: Mamba2ForCausalLM does not pass kv_end"):
+    assert "MambaMixer" in NOT_TREE_AWARE_MODULES
+    with pytest.raises(ValueError, match="MambaMixer: Mamba \\(selective scan\\) mixer"):
         tree_causal_lm_loss(model, tree_batch())
 
 

@@ -238,3 +238,31 @@ KTO_ROWS = {
     "completion": [" w20 w21", " w22", " w23 w24 w25", " w26", " w27 w28", " w27"],
     "label": [True, False, True, False, False, True],
 }
+
+
+# Tiny DeepSeek V3 (multi-head latent attention: query/key heads of 8 nope + 8 rope = 16, value heads of 4; every KV
+# head is a query head's own) with 4 routed experts, top-2, one dense layer first.
+TINY_DEEPSEEK_V3 = dict(
+    num_key_value_heads=4,
+    q_lora_rank=16,
+    kv_lora_rank=16,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=8,
+    v_head_dim=4,
+    n_routed_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=16,
+    first_k_dense_replace=1,
+    n_group=1,
+    topk_group=1,
+    n_shared_experts=1,
+)
+
+
+def forest(seed: int, num_trees: int = 4, max_packed_tokens: int = 64, pad_to_multiple_of: int = 16):
+    """(groups of (sequences, masks), collated batch): several trees per row, several rows, padding."""
+    rng = random.Random(seed)
+    groups = [random_tree_branches(rng, rng.randint(2, 5)) for _ in range(num_trees)]
+    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=pad_to_multiple_of)
+    batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in groups])
+    return groups, batch

@@ -22,7 +22,14 @@ from hf_tree.attention.blocked import blocked_tree_attention
 from hf_tree.attention.dual import DeferredMask, model_attention_forward
 from hf_tree.attention.flash import cuda_tree_attention, flash_tree_attention
 from hf_tree.attention.flex import flex_tree_attention
-from hf_tree.attention.mask import check_bidirectional_block, dense_tree_mask, render_mask, tree_mask_mod
+from hf_tree.attention.head_dims import equal_head_dims
+from hf_tree.attention.mask import (
+    check_bidirectional_block,
+    dense_tree_mask,
+    render_mask,
+    tree_mask_mod,
+    visible_keys_per_query,
+)
 from hf_tree.attention.options import tree_mode_options
 from hf_tree.attention.prefix import PrefixCache, attention_layer, prefix_tree_attention
 from hf_tree.attention.reference import reference_tree_attention
@@ -132,6 +139,14 @@ def tree_attention_forward(
         scaling=options.scaling, sliding_window=options.sliding_window, softcap=options.softcap, sinks=options.sinks
     )
     engine = scoped_attention_engine()  # e.g. hf_tree.parallel's context parallel: local rows, all keys
+    if options.attention_chunk is not None:
+        if engine is not None:
+            raise ValueError(
+                f"chunked attention (attention_chunk_size={options.attention_chunk}, Llama 4) inside an "
+                "attention_engine_scope (tree context parallel): the scoped engine has no chunks. Train without "
+                "context parallel."
+            )
+        engine_options["attention_chunk"] = options.attention_chunk  # only when set: scoped engines lack it
     if bidirectional_block is not None:
         check_bidirectional_block("tree_flash", kv_end, bidirectional_block)
         if engine is not None or kv_prefix is not None:
@@ -149,6 +164,8 @@ def tree_attention_forward(
         )
     if engine is None:
         engine = ENGINES[select_backend(query.device)]
+    # MLA (value head size != query/key head size): every engine runs one padded head size, exactly
+    query, key, value, value_dim = equal_head_dims(query, key, value)
     if kv_prefix is not None:  # depth-first execution: this unit's keys/values are its descendants' cache
         layer = attention_layer(module)
         prefix_key, prefix_value = kv_prefix.record(("key", layer), key), kv_prefix.record(("value", layer), value)
@@ -156,8 +173,14 @@ def tree_attention_forward(
             out = prefix_tree_attention(
                 query, key, value, prefix_key, prefix_value, kv_prefix, engine, **engine_options
             )
-            return out, None
-    return engine(query, key, value, kv_end, position_ids=options.position_ids, **engine_options), None
+            return out[..., :value_dim], None
+    position_ids = options.position_ids
+    if position_ids is None and options.attention_chunk is not None:
+        # Llama 4's layers do not pass position_ids; a token's index in its branch (what transformers' chunks count)
+        # is its depth, the number of its ancestors
+        position_ids = visible_keys_per_query(kv_end) - 1
+    out = engine(query, key, value, kv_end, position_ids=position_ids, **engine_options)
+    return out[..., :value_dim], None
 
 
 __all__ = [

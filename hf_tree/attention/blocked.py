@@ -3,7 +3,7 @@
 The tree mask gives every query block ``[q0, q1)`` a small key set: the ancestors of ``q0`` (keys
 ``j < q0`` with ``kv_end[j] > q0``; a later query of the block sees no other earlier key, because its
 visible keys' subtrees contain ``q0`` too) plus the block itself. Keys visible to every query of the
-block (``j <= q0``, ``kv_end[j] >= q1``, and inside the sliding window of the deepest query) come first
+block (``j <= q0``, ``kv_end[j] >= q1``, and inside the sliding window or chunk of every query) come first
 and get no mask; only the remaining columns are masked. Siblings, other trees of the row and padding
 never enter a matmul. With a bidirectional overlay (``bidirectional_block``), the later tokens of a block that a
 query block cuts join its keys as masked columns.
@@ -32,6 +32,7 @@ from hf_tree.attention.mask import (
     check_bidirectional_block,
     check_sinks,
     check_window_depths,
+    lowest_visible_depth,
     tree_mask_mod,
     visible_keys_per_query,
 )
@@ -108,9 +109,10 @@ def _plan_row(
     tile_elements: int,
     device: torch.device,
     block: torch.Tensor | None = None,
+    chunk: int | None = None,
 ) -> Iterator[_Block]:
     """The blocks of one row (``kv_end``/``depth``/``block``: ``[N]`` int64 on the CPU; ``block``: bidirectional
-    block ids, ``-1`` for none), index tensors on ``device``."""
+    block ids, ``-1`` for none; ``chunk``: attention chunk in depths), index tensors on ``device``."""
     for q0, q1 in _block_bounds(kv_end, num_heads, tile_elements):
         candidates = torch.cat([torch.nonzero(kv_end[:q0] > q0).flatten(), torch.arange(q0, q1)])
         ends = kv_end[candidates]
@@ -119,19 +121,23 @@ def _plan_row(
             shared = _block_keys(kv_end, block, q0, q1)
             candidates, ends = torch.cat([candidates, shared]), torch.cat([ends, kv_end[shared]])
             full = torch.cat([full, torch.zeros(shared.numel(), dtype=torch.bool)])
-        if window is not None:
-            block_depth = depth[q0:q1]
+        lowest = lowest_visible_depth(depth[q0:q1], window, chunk) if depth is not None else None
+        if lowest is not None:  # window / chunk start of each query: keys above every query's are skipped
             key_depth = depth[candidates]
-            reachable = key_depth > block_depth.min() - window  # seen by the block's shallowest query
+            reachable = key_depth >= lowest.min()
             candidates, ends, key_depth = candidates[reachable], ends[reachable], key_depth[reachable]
-            full = full[reachable] & (key_depth > block_depth.max() - window)
+            full = full[reachable] & (key_depth >= lowest.max())
         keys = torch.cat([candidates[full], candidates[~full]])
         num_full = int(full.sum())
         partial = keys[num_full:]
         hidden = None
         if partial.numel():
             mask_mod = tree_mask_mod(
-                kv_end[None], None if depth is None else depth[None], window, None if block is None else block[None]
+                kv_end[None],
+                None if depth is None else depth[None],
+                window,
+                None if block is None else block[None],
+                chunk,
             )
             visible = mask_mod(0, None, torch.arange(q0, q1)[:, None], partial[None, :])
             hidden = (~visible).to(device)
@@ -211,12 +217,14 @@ class _Planner:
     kv_end: torch.Tensor
     """``[B, N]`` int64."""
     depth: torch.Tensor | None
-    """``[B, N]`` int64, only with a sliding window."""
+    """``[B, N]`` int64, only with a sliding window or attention chunks."""
     window: int | None
     num_heads: int
     tile_elements: int
     bidirectional_block: torch.Tensor | None = None
     """``[B, N]`` int64 bidirectional block ids (``-1``: none), or ``None``."""
+    chunk: int | None = None
+    """Attention chunk in depth positions (Llama 4), or ``None``."""
 
     def blocks(self, device: torch.device) -> Iterator[tuple[int, _Block]]:
         """``(row, block)`` pairs, planned lazily (the plan of a block lives only while it is in flight)."""
@@ -224,7 +232,7 @@ class _Planner:
             depth = None if self.depth is None else self.depth[b]
             overlay = None if self.bidirectional_block is None else self.bidirectional_block[b]
             for block in _plan_row(
-                self.kv_end[b], depth, self.window, self.num_heads, self.tile_elements, device, overlay
+                self.kv_end[b], depth, self.window, self.num_heads, self.tile_elements, device, overlay, self.chunk
             ):
                 yield b, block
 
@@ -434,6 +442,7 @@ def blocked_tree_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
     tile_elements: int | None = None,
 ) -> torch.Tensor:
     """Tree attention computed block by block over visible keys only; arguments and result as
@@ -444,7 +453,7 @@ def blocked_tree_attention(
         tile_elements: target size of one score tile (heads x block rows x keys), which sets the block
             size; default: one query row's bytes over the tiles' bytes per element (``_tile_bytes``).
     """
-    check_window_depths("blocked_tree_attention", position_ids, sliding_window)
+    check_window_depths("blocked_tree_attention", position_ids, sliding_window, attention_chunk)
     check_sinks("blocked_tree_attention", sinks, query.shape[1])
     check_bidirectional_block("blocked_tree_attention", kv_end, bidirectional_block)
     if query.shape[1] % key.shape[1]:
@@ -453,13 +462,16 @@ def blocked_tree_attention(
         tile_elements = max(MIN_TILE_ELEMENTS, query[0].numel() * query.element_size() // _tile_bytes(query))
     planner = _Planner(
         kv_end=kv_end.detach().to("cpu", torch.int64),
-        depth=None if sliding_window is None else position_ids.detach().to("cpu", torch.int64),
+        depth=None
+        if sliding_window is None and attention_chunk is None
+        else position_ids.detach().to("cpu", torch.int64),
         window=sliding_window,
         num_heads=query.shape[1],
         tile_elements=tile_elements,
         bidirectional_block=None
         if bidirectional_block is None
         else bidirectional_block.detach().to("cpu", torch.int64),
+        chunk=attention_chunk,
     )
     query, key, value = autocast_inputs(query, key, value)
     with torch.autocast(query.device.type, enabled=False):

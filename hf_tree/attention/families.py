@@ -13,6 +13,16 @@ from typing import Any
 
 _OWN_ATTENTION = "its own attention code adds the mask to the scores, outside transformers' attention interface"
 _ALIBI = "ALiBi: a position bias added to the attention mask outside the attention function"
+# DeepSeek sparse attention (DSA) and its descendants: per branch the selection would be exact if the indexer's scores
+# were masked with the tree mask, but transformers applies the mask there, in model code that tree_flash cannot reach.
+_INDEXER = (
+    "a sparse-attention indexer selects each query's top-k keys from scores it masks with the attention mask itself, "
+    "outside the attention function (tree_flash holds the tree mask only inside attention)"
+)
+_OWN_CLASSES = (
+    "its own eager/sdpa/flash attention classes (chosen by the attention name: tree_flash would pick its flash-attn "
+    "class) apply the mask, outside transformers' attention interface"
+)
 
 # model_type -> (family, why).
 REFUSED_FAMILIES: dict[str, tuple[str, str]] = {
@@ -28,16 +38,29 @@ REFUSED_FAMILIES: dict[str, tuple[str, str]] = {
     "gpt_neox_japanese": ("GPT-NeoX-Japanese", _OWN_ATTENTION),
     "doge": ("Doge", "dynamic mask attention: the layer computes its mask from the attention mask itself"),
     "hy_v4": ("HY-v4", "indexed attention: the layer selects its keys from the attention mask itself"),
+    "deepseek_v32": ("DeepSeek V3.2", _INDEXER),
+    "glm_moe_dsa": ("GLM-MoE-DSA", _INDEXER),
+    "axk2": ("AXK2", _INDEXER),
+    "dots3_note": ("dots3-note", _INDEXER),
+    "qwen4_exp": (
+        "Qwen 4-exp",
+        "its QSA indexer selects compressed key blocks per query with the attention mask itself, outside the "
+        "attention function",
+    ),
+    "deepseek_v4": (
+        "DeepSeek V4",
+        "its compressed attention appends pooled key blocks to the keys and their bias to the attention mask, "
+        "outside the attention function",
+    ),
+    "falcon": ("Falcon", _OWN_CLASSES),
+    "gpt_neo": ("GPT-Neo", _OWN_CLASSES),
 }
 
 
 def refused_family(config: Any) -> tuple[str, str] | None:
-    """``(family, why)`` when hf_tree refuses the model of ``config`` (a transformers ``PretrainedConfig``) by name;
-    Falcon only with ``alibi=True``."""
-    model_type = getattr(config, "model_type", "")
-    if model_type == "falcon" and getattr(config, "alibi", False):
-        return "Falcon with alibi=True", _ALIBI
-    return REFUSED_FAMILIES.get(model_type)
+    """``(family, why)`` when hf_tree refuses the model of ``config`` (a transformers ``PretrainedConfig``) by
+    name."""
+    return REFUSED_FAMILIES.get(getattr(config, "model_type", ""))
 
 
 def refuse_family(config: Any, model_name: str) -> None:

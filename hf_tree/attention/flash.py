@@ -163,6 +163,7 @@ def flash_attn_refusal(
     value: torch.Tensor,
     sinks: torch.Tensor | None = None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> str | None:
     """Why the flash engine cannot run a call exactly (``query [B, H, N, D]``, ``value [B, Hkv, N, Dv]``), or
     ``None`` when it can."""
@@ -173,6 +174,8 @@ def flash_attn_refusal(
         )
     if has_bidirectional_blocks(bidirectional_block):
         return "bidirectional blocks: a causal varlen sequence cannot let a block's tokens see its later tokens"
+    if attention_chunk is not None:
+        return f"attention_chunk={attention_chunk}: flash-attn has sliding windows but no chunked attention"
     dtype = _input_dtype(query)
     if dtype not in FLASH_DTYPES:
         return f"{dtype}: flash-attn's kernels take float16/bfloat16 only (casting would change the results)"
@@ -200,6 +203,7 @@ def flash_tree_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Tree attention with ``flash_attn_varlen_func`` on CUDA (float16/bfloat16, or under such an autocast);
     arguments and result as ``reference_tree_attention`` (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]``,
@@ -207,7 +211,7 @@ def flash_tree_attention(
     ``FlashAttnRefused`` (a ``ValueError``) with the reason for what the kernel cannot compute exactly
     (``flash_attn_refusal``)."""
     check_sinks("flash_tree_attention", sinks, query.shape[1])
-    reason = flash_attn_refusal(query, value, sinks, bidirectional_block)
+    reason = flash_attn_refusal(query, value, sinks, bidirectional_block, attention_chunk)
     if reason is not None:
         raise FlashAttnRefused(
             f"attention backend 'flash_attn' cannot run this call: {reason}. Use 'flex' on CUDA (or the automatic "
@@ -240,11 +244,12 @@ def cuda_tree_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """The automatic engine on CUDA: ``flash_tree_attention`` where flash-attn can compute the call exactly (installed,
-    half-precision inputs, no sinks or bidirectional blocks), else ``flex_tree_attention``. Arguments and result as
-    ``reference_tree_attention``."""
-    can_flash = flash_attn_refusal(query, value, sinks, bidirectional_block) is None
+    half-precision inputs, no sinks, bidirectional blocks or attention chunks), else ``flex_tree_attention``.
+    Arguments and result as ``reference_tree_attention``."""
+    can_flash = flash_attn_refusal(query, value, sinks, bidirectional_block, attention_chunk) is None
     return (flash_tree_attention if can_flash else flex_tree_attention)(
         query,
         key,
@@ -256,4 +261,5 @@ def cuda_tree_attention(
         softcap=softcap,
         sinks=sinks,
         bidirectional_block=bidirectional_block,
+        attention_chunk=attention_chunk,
     )

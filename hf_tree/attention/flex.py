@@ -50,6 +50,7 @@ def tree_block_mask(
     sliding_window: int | None = None,
     block_size: int = BLOCK_SIZE,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> BlockMask:
     """The ``BlockMask`` of packed tree rows (uncached; see ``flex_tree_attention`` for the cached use).
 
@@ -60,8 +61,9 @@ def tree_block_mask(
         block_size: query and key block size.
         bidirectional_block: ``[B, N]`` block id per token (``-1``: none): tokens of one block see each other both
             ways (``tree_mask_mod``). A tile pair whose blocks' id ranges overlap is kept (as partial).
+        attention_chunk: chunk size in depth positions (Llama 4's chunked layers).
     """
-    check_window_depths("tree_block_mask", position_ids, sliding_window)
+    check_window_depths("tree_block_mask", position_ids, sliding_window, attention_chunk)
     check_bidirectional_block("tree_block_mask", kv_end, bidirectional_block)
     batch, n = kv_end.shape
     device = kv_end.device
@@ -84,11 +86,21 @@ def tree_block_mask(
         id_min = _block_summaries(torch.where(marked, ids, unmarked), block_size, fill_min=unmarked, fill_max=-1)[0]
         id_max = _block_summaries(torch.where(marked, ids, -1), block_size, fill_min=unmarked, fill_max=-1)[1]
         any_visible |= (id_min[:, :, None] <= id_max[:, None, :]) & (id_min[:, None, :] <= id_max[:, :, None])
-    if sliding_window is not None:
+    if sliding_window is not None or attention_chunk is not None:
         depth = position_ids.to(torch.int64)
         depth_min, depth_max = _block_summaries(depth, block_size, fill_min=n + 1, fill_max=-1)
+    if sliding_window is not None:
         any_visible &= depth_min[:, :, None] - depth_max[:, None, :] < sliding_window
         all_visible &= depth_max[:, :, None] - depth_min[:, None, :] < sliding_window
+    if attention_chunk is not None:  # chunk ranges of the two tiles overlap / are one and the same chunk
+        chunk_min, chunk_max = depth_min // attention_chunk, depth_max // attention_chunk
+        any_visible &= (chunk_min[:, :, None] <= chunk_max[:, None, :]) & (
+            chunk_min[:, None, :] <= chunk_max[:, :, None]
+        )
+        one_chunk = chunk_min == chunk_max
+        all_visible &= (one_chunk[:, :, None] & one_chunk[:, None, :]) & (
+            chunk_min[:, :, None] == chunk_min[:, None, :]
+        )
     partial = any_visible & ~all_visible
     counts, indices = _ordered(partial[:, None])
     full_counts, full_indices = _ordered(all_visible.expand(batch, -1, -1)[:, None])
@@ -98,7 +110,7 @@ def tree_block_mask(
         full_counts,
         full_indices,
         BLOCK_SIZE=block_size,
-        mask_mod=tree_mask_mod(kv_end, position_ids, sliding_window, bidirectional_block),
+        mask_mod=tree_mask_mod(kv_end, position_ids, sliding_window, bidirectional_block, attention_chunk),
         seq_lengths=(n, n),
     )
 
@@ -108,14 +120,17 @@ def cached_tree_block_mask(
     position_ids: torch.Tensor | None,
     sliding_window: int | None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> BlockMask:
     """``tree_block_mask`` built once per batch: keyed on the identity and version of ``kv_end`` (and of
-    ``position_ids`` when a sliding window reads them, and of ``bidirectional_block``)."""
-    depth = position_ids if sliding_window is not None else None
+    ``position_ids`` when a sliding window or chunks read them, and of ``bidirectional_block``)."""
+    depth = position_ids if sliding_window is not None or attention_chunk is not None else None
     return _cache.get(
         (kv_end, depth, bidirectional_block),
-        (sliding_window,),
-        lambda: tree_block_mask(kv_end, depth, sliding_window, bidirectional_block=bidirectional_block),
+        (sliding_window, attention_chunk),
+        lambda: tree_block_mask(
+            kv_end, depth, sliding_window, bidirectional_block=bidirectional_block, attention_chunk=attention_chunk
+        ),
     )
 
 
@@ -149,12 +164,13 @@ def flex_tree_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Tree attention with FlexAttention; arguments and result as ``reference_tree_attention`` (``query
     [B, H, N, D]``, ``key/value [B, Hkv, N, D]``, ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype).
     GQA/MQA is handled by Flex (K/V are not repeated). Sinks rescale each query's output by the share of its
     softmax mass left to the keys, ``sigmoid(lse - sink)``, from Flex's log-sum-exp ``lse`` (differentiable)."""
-    check_window_depths("flex_tree_attention", position_ids, sliding_window)
+    check_window_depths("flex_tree_attention", position_ids, sliding_window, attention_chunk)
     check_sinks("flex_tree_attention", sinks, query.shape[1])
     if not query.is_cuda:  # PyTorch's FlexAttention has no backward off CUDA: forward only
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
@@ -165,7 +181,7 @@ def flex_tree_attention(
             )
         query, key, value = query.detach(), key.detach(), value.detach()
         sinks = None if sinks is None else sinks.detach()
-    block_mask = cached_tree_block_mask(kv_end, position_ids, sliding_window, bidirectional_block)
+    block_mask = cached_tree_block_mask(kv_end, position_ids, sliding_window, bidirectional_block, attention_chunk)
     attend = _compiled_flex_attention() if query.is_cuda else flex_attention
     out = attend(
         query,

@@ -3,7 +3,9 @@
 Query ``i`` sees key ``j`` iff ``j <= i < kv_end[j]`` or, with a bidirectional overlay, both lie in the same
 bidirectional block (``block[i] == block[j] >= 0``: e.g. Gemma 3's image tokens, one block per image); and, with a
 sliding window, iff ``depth(i) - depth(j) < window`` (the window cuts the overlay too, as Gemma 3's local layers do:
-``AND(window, OR(causal, block))``). This module holds the only definitions of that rule
+``AND(window, OR(causal, block))``); with chunked attention (Llama 4), iff ``depth(i) // chunk == depth(j) // chunk``:
+a token's chunk is a function of its depth, so every branch keeps the chunks it has alone. This module holds the
+only definitions of that rule
 (``tree_mask_mod``), of the number of keys a query sees (``visible_keys_per_query``) and of the dtype
 attention computes its softmax in (``compute_dtype``); dense masks, block masks, the engines' per-block
 masks and the pictures are derived from them (the attention-gym pattern). Only tests, the reference
@@ -15,10 +17,31 @@ from __future__ import annotations
 import torch
 
 
-def check_window_depths(where: str, position_ids: torch.Tensor | None, sliding_window: int | None) -> None:
-    """Raise (naming ``where``) when a sliding window is asked for without the depths it measures."""
-    if sliding_window is not None and position_ids is None:
-        raise ValueError(f"{where}: a sliding_window needs position_ids (depths) to measure distance.")
+def check_window_depths(
+    where: str, position_ids: torch.Tensor | None, sliding_window: int | None, attention_chunk: int | None = None
+) -> None:
+    """Raise (naming ``where``) when a sliding window or attention chunks are asked for without the depths they
+    measure."""
+    if (sliding_window is not None or attention_chunk is not None) and position_ids is None:
+        raise ValueError(
+            f"{where}: a sliding_window or attention_chunk needs position_ids (depths) to measure distance."
+        )
+
+
+def lowest_visible_depth(
+    depth: torch.Tensor, sliding_window: int | None, attention_chunk: int | None
+) -> torch.Tensor | None:
+    """The shallowest key depth each query ``depth [...]`` may see on its own path (window and chunk start), or
+    ``None`` without either. Along one branch, where a key is never deeper than its query, this is the whole
+    local rule of ``tree_mask_mod``; engines use it to skip keys per query block."""
+    if sliding_window is None and attention_chunk is None:
+        return None
+    lowest = torch.full_like(depth, torch.iinfo(torch.int64).min)
+    if sliding_window is not None:
+        lowest = torch.maximum(lowest, depth - (sliding_window - 1))
+    if attention_chunk is not None:
+        lowest = torch.maximum(lowest, depth - depth % attention_chunk)
+    return lowest
 
 
 def check_sinks(where: str, sinks: torch.Tensor | None, num_heads: int) -> None:
@@ -51,6 +74,7 @@ def tree_mask_mod(
     position_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ):
     """A FlexAttention-style ``mask_mod(b, h, q, kv) -> bool`` for a batch of packed rows.
 
@@ -60,6 +84,8 @@ def tree_mask_mod(
         sliding_window: keys more than ``sliding_window - 1`` depth positions above the query are hidden.
         bidirectional_block: ``[B, N]`` integer block of each token, ``-1`` for none: tokens of one block see each
             other both ways (each block must lie inside one tree node; ``hf_tree.vision.forward`` checks it).
+        attention_chunk: keys in another chunk of ``attention_chunk`` depth positions than the query are hidden
+            (Llama 4's chunked attention, transformers' ``chunked_overlay`` measured in depths).
     """
 
     def mask_mod(b, h, q_idx, kv_idx):
@@ -70,6 +96,10 @@ def tree_mask_mod(
             visible = visible | ((block == bidirectional_block[b, kv_idx]) & (block >= 0))
         if sliding_window is not None:
             visible = visible & (position_ids[b, q_idx] - position_ids[b, kv_idx] < sliding_window)
+        if attention_chunk is not None:
+            visible = visible & (
+                position_ids[b, q_idx] // attention_chunk == position_ids[b, kv_idx] // attention_chunk
+            )
         return visible
 
     return mask_mod
@@ -80,14 +110,15 @@ def dense_tree_mask(
     position_ids: torch.Tensor | None = None,
     sliding_window: int | None = None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """``[B, N, N]`` bool mask, ``True`` where query (dim 1) sees key (dim 2). For tests and the reference."""
-    check_window_depths("dense_tree_mask", position_ids, sliding_window)
+    check_window_depths("dense_tree_mask", position_ids, sliding_window, attention_chunk)
     check_bidirectional_block("dense_tree_mask", kv_end, bidirectional_block)
     batch, n = kv_end.shape
     rows = torch.arange(batch, device=kv_end.device)[:, None, None]
     positions = torch.arange(n, device=kv_end.device)
-    mask_mod = tree_mask_mod(kv_end, position_ids, sliding_window, bidirectional_block)
+    mask_mod = tree_mask_mod(kv_end, position_ids, sliding_window, bidirectional_block, attention_chunk)
     return mask_mod(rows, None, positions[:, None], positions[None, :])
 
 

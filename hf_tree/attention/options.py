@@ -4,9 +4,11 @@ transformers' attention callers pass (checked against every ``attention_interfac
 the tree engines or refused here with a ``ValueError``; none is dropped.
 
 Honoured: ``scaling``, ``sliding_window`` (in depth positions), ``softcap``, ``s_aux`` (one sink logit per query
-head), ``position_ids`` (depths), causal masks of any layer type whose window the call passes. Refused: the
-keywords in ``REFUSED_KEYWORDS``, non-causal attention, dropout, a KV cache, padding or custom masks beside
-``kv_end``, and local masks (chunked attention) the call does not pass as ``sliding_window``.
+head), ``position_ids`` (depths), causal masks of any layer type whose window the call passes, and chunked attention
+(Llama 4: the layer's mask is chunked by the config's ``attention_chunk_size``; chunks are taken by depth). Refused:
+the keywords in ``REFUSED_KEYWORDS``, non-causal attention, dropout, a KV cache, padding or custom masks beside
+``kv_end``, other local masks the call does not pass as ``sliding_window``, and query scales computed from packed
+indices (Llama 4's attention temperature tuning, on rows as long as its ``floor_scale``).
 """
 
 from __future__ import annotations
@@ -41,16 +43,19 @@ class TreeAttentionOptions:
     """``[H]`` sink logits, or ``None``."""
     position_ids: torch.Tensor | None
     """``[B, N]`` depths."""
+    attention_chunk: int | None = None
+    """Chunked attention's chunk size in depth positions (Llama 4), or ``None``."""
 
 
 def _refuse(module: torch.nn.Module, what: str, fix: str) -> None:
     raise ValueError(f"tree_flash with kv_end (packed trees) in {type(module).__name__}: {what}. {fix}")
 
 
-def _check_mask(module: torch.nn.Module, attention_mask, sliding_window: int | None) -> None:
-    """The layer's mask must be one the tree engines reproduce from ``kv_end`` (+ ``sliding_window``)."""
+def _check_mask(module: torch.nn.Module, attention_mask, sliding_window: int | None) -> int | None:
+    """The layer's mask must be one the tree engines reproduce from ``kv_end`` (+ ``sliding_window``); returns the
+    chunk size of a chunked-attention mask (``None`` otherwise)."""
     if attention_mask is None:
-        return
+        return None
     if not isinstance(attention_mask, DeferredMask):
         _refuse(
             module,
@@ -68,12 +73,18 @@ def _check_mask(module: torch.nn.Module, attention_mask, sliding_window: int | N
             "Train this model without kv_end, or drop the inputs that add the overlay.",
         )
     local_size = arguments.get("local_size")
-    if local_size is not None and local_size != sliding_window:
+    # transformers' chunked masks (create_chunked_causal_mask) pass the config's attention_chunk_size as local_size;
+    # only configs with chunked_attention layers build them
+    config = arguments.get("config")
+    chunk = getattr(config, "attention_chunk_size", None)
+    chunked_layers = "chunked_attention" in (getattr(config, "layer_types", None) or ())
+    chunked = chunked_layers and local_size is not None and local_size != sliding_window and local_size == chunk
+    if local_size is not None and local_size != sliding_window and not chunked:
         _refuse(
             module,
-            f"the layer's mask limits attention to local_size={local_size} (chunked attention, or a window "
-            f"the layer does not pass to attention as sliding_window={sliding_window})",
-            "Chunked attention is not supported in tree mode.",
+            f"the layer's mask limits attention to local_size={local_size}, a window the layer does not pass to "
+            f"attention as sliding_window={sliding_window} (and not the config's attention_chunk_size={chunk})",
+            "Tree mode reproduces sliding windows the layer passes and chunked attention only.",
         )
     if attention_mask.padded:
         _refuse(
@@ -81,6 +92,24 @@ def _check_mask(module: torch.nn.Module, attention_mask, sliding_window: int | N
             "attention_mask hides some tokens",
             "Padding of packed rows is marked in kv_end (kv_end[j] = j + 1), as TreeDataCollator does; drop "
             "attention_mask from tree forwards.",
+        )
+    return local_size if chunked else None
+
+
+def _check_packed_index_scale(module: torch.nn.Module, num_tokens: int) -> None:
+    """Llama 4's NoPE layers scale queries by ``log1p(floor((i + 1) / floor_scale))`` of the packed index ``i``, not
+    of ``position_ids``: the same as each branch alone (every depth is at most its packed index) only while every
+    packed index stays below ``floor_scale - 1``."""
+    if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
+        return
+    floor_scale = getattr(module, "floor_scale", None)
+    if floor_scale is not None and num_tokens >= floor_scale:
+        _refuse(
+            module,
+            f"its attention temperature tuning scales queries by packed index (not depth) and a packed row of "
+            f"{num_tokens} tokens reaches floor_scale={floor_scale}",
+            f"Pack rows shorter than {floor_scale} tokens (max_packed_tokens < floor_scale), or set the config's "
+            "attn_temperature_tuning=False.",
         )
 
 
@@ -118,11 +147,13 @@ def tree_mode_options(
         if kwargs.get(name) is not None:
             _refuse(module, f"the layer passes {name}= ({meaning})", "Tree mode cannot apply it exactly.")
     sliding_window = kwargs.get("sliding_window")
-    _check_mask(module, attention_mask, sliding_window)
+    attention_chunk = _check_mask(module, attention_mask, sliding_window)
+    _check_packed_index_scale(module, query.shape[2])
     return TreeAttentionOptions(
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         sliding_window=sliding_window,
         softcap=kwargs.get("softcap"),
         sinks=kwargs.get("s_aux"),
         position_ids=kwargs.get("position_ids"),
+        attention_chunk=attention_chunk,
     )

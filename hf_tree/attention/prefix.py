@@ -147,6 +147,7 @@ def prefix_tree_attention(
     sliding_window: int | None = None,
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of a unit's queries over the row ``[prefix | unit]`` (``prefix.row_kv_end``, ``row_position_ids``).
 
@@ -156,7 +157,7 @@ def prefix_tree_attention(
         prefix_key, prefix_value: ``[B, Hkv, P, D]`` the ancestors' (``prefix``'s entries for this layer).
         prefix: the unit's cache (its row's ``kv_end`` and depths).
         engine: the tree engine of the call (``hf_tree.attention.ENGINES``' signature).
-        scaling, sliding_window, softcap, sinks: as in ``reference_tree_attention``.
+        scaling, sliding_window, softcap, sinks, attention_chunk: as in ``reference_tree_attention``.
 
     Returns:
         ``[B, N, H, D]`` in ``query``'s dtype. Where ``engine`` would run ``segments`` (CPU, no window, soft-cap or
@@ -170,6 +171,8 @@ def prefix_tree_attention(
     keys = torch.cat([prefix_key.to(key.dtype), key], dim=2)
     values = torch.cat([prefix_value.to(value.dtype), value], dim=2)
     options = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
+    if attention_chunk is not None:  # only then: engines of an attention_engine_scope need not know the keyword
+        options["attention_chunk"] = attention_chunk
     queries = torch.cat([query.new_zeros(*query.shape[:2], num_prefix, query.shape[3]), query], dim=2)
     if _runs_segments(engine, query, prefix.row_kv_end, options):  # the unit's rectangles only
         plan = plan_from_query(cached_segment_plan(prefix.row_kv_end), num_prefix, keys.shape[2])
@@ -178,10 +181,12 @@ def prefix_tree_attention(
     if num_prefix * num_prefix <= 2 * query.shape[2] * keys.shape[2]:
         out = engine(queries, keys, values, prefix.row_kv_end, position_ids=prefix.row_position_ids, **options)
         return out[:, num_prefix:]
-    check_window_depths("prefix_tree_attention", prefix.row_position_ids, sliding_window)
+    check_window_depths("prefix_tree_attention", prefix.row_position_ids, sliding_window, attention_chunk)
     rows = torch.arange(query.shape[0], device=query.device)[:, None, None]
     positions = torch.arange(keys.shape[2], device=query.device)
-    mask_mod = tree_mask_mod(prefix.row_kv_end, prefix.row_position_ids, sliding_window)
+    mask_mod = tree_mask_mod(
+        prefix.row_kv_end, prefix.row_position_ids, sliding_window, attention_chunk=attention_chunk
+    )
     visible = mask_mod(rows, None, positions[num_prefix:, None], positions[None, :])[:, None]  # [B, 1, N, P + N]
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=True)
@@ -195,6 +200,6 @@ def _runs_segments(engine: Callable[..., torch.Tensor], query: torch.Tensor, row
     sinks are asked for (the engine merges them into every row, the prefix's unwritten ones included)."""
     if engine not in (cpu_tree_attention, segment_tree_attention) or query.device.type != "cpu":
         return False
-    if any(options[name] is not None for name in ("sliding_window", "softcap", "sinks")):
+    if any(options.get(name) is not None for name in ("sliding_window", "softcap", "sinks", "attention_chunk")):
         return False
     return engine is segment_tree_attention or cached_segment_plan(row_kv_end).tokens_per_call >= MIN_TOKENS_PER_CALL

@@ -22,6 +22,7 @@ def reference_tree_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """Attention of a packed tree row.
 
@@ -37,12 +38,14 @@ def reference_tree_attention(
             every query's softmax denominator and attends to nothing, as in the models' eager attention.
         bidirectional_block: ``[B, N]`` block id per token (``-1``: none), if set: tokens of one block also see the
             block's later tokens (Gemma 3's image tokens; ``hf_tree.attention.mask.tree_mask_mod``).
+        attention_chunk: chunk size in depth positions (Llama 4's chunked layers), if set: a query sees the keys of
+            its own chunk only, as each branch alone would.
 
     Returns:
         ``[B, N, H, D]`` in ``query``'s dtype.
     """
     check_sinks("reference_tree_attention", sinks, query.shape[1])
-    visible = dense_tree_mask(kv_end, position_ids, sliding_window, bidirectional_block)[:, None]
+    visible = dense_tree_mask(kv_end, position_ids, sliding_window, bidirectional_block, attention_chunk)[:, None]
     out = masked_attention(query, key, value, visible, scaling=scaling, softcap=softcap, sinks=sinks)
     return out.transpose(1, 2).contiguous()
 

@@ -322,6 +322,7 @@ def segment_tree_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
     plan: SegmentPlan | None = None,
 ) -> torch.Tensor:
     """Tree attention from fused flash-attention calls on contiguous rectangles (CPU); arguments and result as
@@ -330,11 +331,11 @@ def segment_tree_attention(
     bidirectional overlay (``cpu_tree_attention`` sends those to the blocked engine)."""
     check_sinks("segment_tree_attention", sinks, query.shape[1])
     blocks = has_bidirectional_blocks(bidirectional_block)
-    if sliding_window is not None or softcap is not None or blocks:
+    if sliding_window is not None or softcap is not None or blocks or attention_chunk is not None:
         raise ValueError(
             f"segment_tree_attention got sliding_window={sliding_window}, softcap={softcap}, "
-            f"bidirectional_block={'set' if blocks else None}: its causal rectangles have none of them; use "
-            "blocked_tree_attention for such layers."
+            f"bidirectional_block={'set' if blocks else None}, attention_chunk={attention_chunk}: its causal "
+            "rectangles have none of them; use blocked_tree_attention for such layers."
         )
     del position_ids  # depths matter only for sliding windows
     if plan is None:
@@ -356,14 +357,16 @@ def cpu_tree_attention(
     softcap: float | None = None,
     sinks: torch.Tensor | None = None,
     bidirectional_block: torch.Tensor | None = None,
+    attention_chunk: int | None = None,
 ) -> torch.Tensor:
     """The automatic engine off CUDA: ``segment_tree_attention`` on CPU batches whose segments are long enough
     (``MIN_TOKENS_PER_CALL`` tokens per kernel call), else ``blocked_tree_attention`` (short segments,
-    softcapping, sliding windows, bidirectional blocks, other devices). Arguments and result as
+    softcapping, sliding windows, attention chunks, bidirectional blocks, other devices). Arguments and result as
     ``reference_tree_attention``."""
     if not has_bidirectional_blocks(bidirectional_block):
         bidirectional_block = None
-    if query.device.type == "cpu" and sliding_window is None and softcap is None and bidirectional_block is None:
+    local = sliding_window is not None or attention_chunk is not None
+    if query.device.type == "cpu" and not local and softcap is None and bidirectional_block is None:
         plan = cached_segment_plan(kv_end)
         if plan.tokens_per_call >= MIN_TOKENS_PER_CALL:
             return segment_tree_attention(query, key, value, kv_end, scaling=scaling, sinks=sinks, plan=plan)
@@ -378,4 +381,5 @@ def cpu_tree_attention(
         softcap=softcap,
         sinks=sinks,
         bidirectional_block=bidirectional_block,
+        attention_chunk=attention_chunk,
     )

@@ -62,9 +62,6 @@ NOT_TREE_AWARE_MODULES: dict[str, str] = {
         ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),
         "Mamba (selective scan) mixer: a causal conv and a scan run over the packed row",
     ),
-    # Mamba2ForCausalLM does not pass the model's keyword arguments (kv_end) to its backbone, so the tree-aware
-    # Mamba2 scan of hf_tree.models.mixers never sees the tree (the hybrids' Mamba2 mixers, which do, are exact).
-    **dict.fromkeys(("Mamba2Mixer",), "Mamba2ForCausalLM does not pass kv_end to its mixers"),
     **dict.fromkeys(("RwkvSelfAttention", "RwkvFeedForward"), "RWKV time mixing: a recurrent state over the row"),
     **dict.fromkeys(("RecurrentGemmaRecurrentBlock",), "RG-LRU recurrence and conv over the packed row"),
     **dict.fromkeys(("MiniMaxLightningAttention",), "lightning (linear) attention: a running state over the row"),

@@ -75,13 +75,45 @@ def is_tree_dispatch(function: object) -> bool:
     return hasattr(function, "__hf_tree_original__")
 
 
+# Causal-LM classes whose forward drops the model's keyword arguments instead of passing them to their backbone
+# (attribute named here), so kv_end would never reach the mixers: class name -> backbone attribute.
+KWARG_DROPPING_HEADS = {"Mamba2ForCausalLM": "backbone"}
+
+
+def pass_kv_end_to_backbone(forward: Callable[..., object], backbone: str) -> Callable[..., object]:
+    """``forward`` of a causal LM that hands ``kv_end`` on to its ``backbone`` attribute's forward (whose blocks pass
+    their keyword arguments to the mixers); unchanged without ``kv_end``."""
+
+    @functools.wraps(forward)
+    def tree_forward(self, *args, kv_end: torch.Tensor | None = None, **kwargs):
+        if kv_end is None:
+            return forward(self, *args, **kwargs)
+
+        def add_kv_end(_module, module_args, module_kwargs):
+            return module_args, module_kwargs | {"kv_end": kv_end}
+
+        handle = getattr(self, backbone).register_forward_pre_hook(add_kv_end, with_kwargs=True)
+        try:
+            return forward(self, *args, **kwargs)
+        finally:
+            handle.remove()
+
+    tree_forward.__hf_tree_original__ = forward
+    return tree_forward
+
+
 def install_module_mixers(module: ModuleType) -> None:
-    """Rebind the mixer ops (``TREE_OPS``) that one modeling module defines. Idempotent."""
+    """Rebind the mixer ops (``TREE_OPS``) that one modeling module defines, and let its causal LM pass ``kv_end``
+    on where it drops it (``KWARG_DROPPING_HEADS``). Idempotent."""
     for op_name, tree_op in TREE_OPS.items():
         original = getattr(module, op_name, None)
         if original is None or is_tree_dispatch(original):
             continue
         setattr(module, op_name, tree_dispatch(original, tree_op))
+    for class_name, backbone in KWARG_DROPPING_HEADS.items():
+        cls = getattr(module, class_name, None)
+        if cls is not None and not hasattr(cls.forward, "__hf_tree_original__"):
+            cls.forward = pass_kv_end_to_backbone(cls.forward, backbone)
 
 
 def install_tree_mixers(modules: tuple[str, ...] = TREE_MIXER_MODULES) -> list[str]:
@@ -109,3 +141,7 @@ def uninstall_tree_mixers(modules: tuple[str, ...] = TREE_MIXER_MODULES) -> None
             current = getattr(module, op_name, None)
             if current is not None and is_tree_dispatch(current):
                 setattr(module, op_name, current.__hf_tree_original__)
+        for class_name in KWARG_DROPPING_HEADS:
+            cls = getattr(module, class_name, None)
+            if cls is not None and hasattr(cls.forward, "__hf_tree_original__"):
+                cls.forward = cls.forward.__hf_tree_original__
