@@ -1,17 +1,17 @@
 """``hf-tree sft`` vs ``trl sft`` on tool-use conversations that share their tool schemas: step time, dedup, updates.
 
-The two trainers the two commands run (``TreeSFTTrainer`` and TRL's ``SFTTrainer``; ``hf-tree sft`` is TRL's script
-with that one swap) train the same model on the same rows with the same config: TRL's defaults (batch 8 per device,
-AdamW at 2e-5, ``max_length`` 1024, every token of a ``messages`` row trained) plus ``--bf16 false`` (float32: the
-updates are compared), the same seed (so the same batches: in-batch merging keeps TRL's sampler) and a loss logged
-every step; the tree run adds ``--overlong truncate`` (TRL's ``keep_start`` truncation: ``hf-tree sft`` refuses a row
-longer than ``max_length`` unless told what to do with it). Rounds alternate which trainer runs first; in each run the
-first step is warmup and the time of every later step is the wall time between the ends of consecutive steps (data
-loading and collation included).
+The two trainers the two commands run (``TreeSFTTrainer`` and TRL's ``SFTTrainer``; ``hf-tree sft`` is TRL's script with
+that one swap) train the same model on the same rows with the same config: TRL's defaults (batch 8 per device, AdamW at
+2e-5, every token of a ``messages`` row trained) plus ``--max_length 256`` (fast on a CPU; TRL's default is 1024),
+``--bf16 false`` (float32: the updates are compared), the same seed (so the same batches: in-batch merging keeps TRL's
+sampler) and a loss logged every step; the tree run adds ``--overlong truncate`` (TRL's ``keep_start`` truncation:
+``hf-tree sft`` refuses a row longer than ``max_length`` unless told what to do with it). Rounds alternate which trainer
+runs first; in each run the first step is warmup and the time of every later step is the wall time between the ends of
+consecutive steps (data loading and collation included).
 
 Data: the BFCL multi-turn tasks (``bfcl-eval``, ``hf_tree.data.bfcl``) rendered with their tool schemas by TRL's
-``qwen3.jinja`` (the schemas sit in the system turn; tasks with the same API classes share them). With TRL's
-``max_length`` 1024 a row keeps its first 1024 tokens, mostly the schemas: pass ``--max_length None`` for whole rows
+``qwen3.jinja`` (the schemas sit in the system turn; tasks with the same API classes share them). A row keeps its first
+``max_length`` tokens (TRL's truncation), at 256 or 1024 mostly schemas: ``--max_length None`` trains whole rows
 (~4-7k tokens). Model: a random Llama (``--hidden_size``, 2 layers) with SmolLM2's real tokenizer, fast on a CPU, or
 ``--model smollm2`` (SmolLM2-135M-Instruct, ``hf_tree.assets``).
 
@@ -23,7 +23,8 @@ into a visible difference (~1e-4) and a scale error would not show at all: ``--o
 (< 1e-4 is float32 rounding there; a missing or misweighted token moves updates by > 1e-3).
 
     python benchmarks/sft_vs_trl.py                       # ~5 min on a loaded 2-core CPU
-    python benchmarks/sft_vs_trl.py --model smollm2 --steps 6 --rounds 3 --max_length None
+    python benchmarks/sft_vs_trl.py --max_length 1024     # TRL's default length (a TRL step: ~1.5 min at load 20)
+    python benchmarks/sft_vs_trl.py --model smollm2 --steps 6 --rounds 3 --max_length None  # a GPU
 """
 
 from __future__ import annotations
@@ -116,11 +117,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     parser.add_argument("--hidden_size", type=int, default=64, help="the tiny Llama's width")
-    parser.add_argument("--tasks", type=int, default=64, help="BFCL 'base' tasks (rows) to load, of 200")
+    parser.add_argument("--tasks", type=int, default=32, help="BFCL 'base' tasks (rows) to load, of 200")
     parser.add_argument("--steps", type=int, default=3, help="optimizer steps per run (the first is warmup)")
     parser.add_argument("--rounds", type=int, default=2, help="runs of each trainer, alternating which goes first")
     parser.add_argument("--per_device_train_batch_size", type=int, default=8, help="TRL's default: 8")
-    parser.add_argument("--max_length", default="1024", help="TRL's default: 1024; 'None' keeps whole rows")
+    parser.add_argument("--max_length", default="256", help="TRL's default: 1024; 'None' keeps whole rows")
     parser.add_argument("--seed", type=int, default=42, help="TRL's default: 42")
     parser.add_argument("--optim", default=None, help="e.g. 'sgd' (TRL's default AdamW when not given)")
     args = parser.parse_args()
