@@ -4,8 +4,8 @@ The two trainers the two commands run (``TreeSFTTrainer`` and TRL's ``SFTTrainer
 that one swap) train the same model on the same rows with the same config: TRL's defaults (batch 8 per device, AdamW at
 2e-5, every token of a ``messages`` row trained) plus ``--max_length 256`` (fast on a CPU; TRL's default is 1024),
 ``--bf16 false`` (float32: the updates are compared), the same seed (so the same batches: in-batch merging keeps TRL's
-sampler) and a loss logged every step; the tree run adds ``--overlong truncate`` (TRL's ``keep_start`` truncation:
-``hf-tree sft`` refuses a row longer than ``max_length`` unless told what to do with it). Rounds alternate which trainer
+sampler) and a loss logged every step; both truncate a row longer than ``max_length`` to its start (TRL's
+``keep_start``; ``TreeSFTConfig``'s ``overlong="truncate"`` default, counted and logged). Rounds alternate which trainer
 runs first; in each run the first step is warmup and the time of every later step is the wall time between the ends of
 consecutive steps (data loading and collation included).
 
@@ -94,8 +94,6 @@ def write_model(folder: pathlib.Path, model: str, hidden_size: int) -> str:
 def run(kind: str, model_path: str, dataset, options: dict, output_dir: str):
     """One training run; returns (seconds per step after the first, logged dedup ratios, parameter updates)."""
     trainer_cls, config_cls = TRAINERS[kind]
-    if kind == "tree" and options["max_length"] is not None:
-        options = {**options, "overlong": "truncate"}  # TRL's keep_start; hf-tree refuses overlong rows by default
     args = config_cls(output_dir=output_dir, **options)
     trainer = trainer_cls(model=model_path, args=args, train_dataset=dataset)
     clock = StepClock()

@@ -93,7 +93,16 @@ def test_error_inside_training_is_one_line_from_a_folder_holding_hf_tree(tmp_pat
     (tmp_path / "hf_tree" / "__init__.py").write_text("")  # a shadow: `import hf_tree.trl` fails if it is imported
     args = ["sft", "--num_processes", "1", "--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir)]
     args += ["--output_dir", str(tmp_path / "out"), "--max_steps", "1", "--bf16", "False", "--report_to", "none"]
-    args += ["--max_packed_tokens", "8", "--tree_execution", "packed", "--tree_self_check", "False"]
+    args += [
+        "--max_packed_tokens",
+        "8",
+        "--tree_execution",
+        "packed",
+        "--overlong",
+        "error",
+        "--tree_self_check",
+        "False",
+    ]
     line = last_line(run_cli(args, tmp_path), short=False)  # after the run's own progress output
     assert line.startswith("hf-tree sft: batch row 0: branch 0 has ") and "more than max_branch_tokens=8" in line
     assert "set overlong='truncate' or 'drop'" in line  # the fix

@@ -181,8 +181,9 @@ def test_max_length_becomes_the_branch_limit():
 def test_truncation_keeps_the_start_as_trl_does(tmp_path, tokenizer):
     """TRL cuts a row longer than ``max_length`` to its first ``max_length`` tokens (``truncation_mode="keep_start"``,
     its default); ``overlong="truncate"`` cuts the branch the same way (counted), and the update equals TRL's (its
-    cross-entropy runs on float32 logits even in a float64 model: 1e-5); the untruncated update does not. Under the
-    default ``overlong="error"`` the longer branch is refused by name, and ``"keep_end"`` at init."""
+    cross-entropy runs on float32 logits even in a float64 model: 1e-5), and it is TreeSFTConfig's default (TRL's
+    rows train as TRL trains them); the untruncated update does not. Under ``overlong="error"`` the longer branch is
+    refused by name, and ``"keep_end"`` at init."""
     dataset = prompt_completion_dataset()
     prompts = [len(rendered(tokenizer, row["prompt"], add_generation_prompt=True)) for row in dataset]
     fulls = [len(rendered(tokenizer, row["prompt"] + row["completion"])) for row in dataset]
@@ -200,10 +201,11 @@ def test_truncation_keeps_the_start_as_trl_does(tmp_path, tokenizer):
 
     per_row = dict(group_by=GROUP_BY_ROW)
     with pytest.raises(ValueError, match=f"more than max_branch_tokens={max_length}"):
-        run(TreeSFTConfig, TreeSFTTrainer, "refused", max_length=max_length, **per_row).train()
+        run(TreeSFTConfig, TreeSFTTrainer, "refused", max_length=max_length, overlong="error", **per_row).train()
     trl = run(SFTConfig, SFTTrainer, "trl", max_length=max_length)
     assert max(len(ids) for ids in trl.train_dataset["input_ids"]) == max_length
-    tree = run(TreeSFTConfig, TreeSFTTrainer, "tree", max_length=max_length, overlong="truncate", **per_row)
+    tree = run(TreeSFTConfig, TreeSFTTrainer, "tree", max_length=max_length, **per_row)  # overlong="truncate" default
+    assert tree.args.overlong == "truncate"
     stats = pop_packing_stats(next(iter(tree.get_train_dataloader())))
     assert stats.num_truncated_branches == sum(length > max_length for length in fulls)
     whole = run(TreeSFTConfig, TreeSFTTrainer, "whole", max_length=None, **per_row)

@@ -47,7 +47,8 @@ REFUSED = {
     "completion_only_loss": ({"completion_only_loss": True}, "completion_only_loss=True cannot apply to vision"),
     "chat_template_path": ({"chat_template_path": "template.jinja"}, "chat_template_path cannot apply"),
     "truncation_mode": ({"truncation_mode": "keep_end", "max_length": 64}, "truncation_mode='keep_end' cannot apply"),
-    "overlong": ({"overlong": "truncate"}, "overlong='truncate' could cut an image"),
+    # TreeSFTConfig's default "truncate" never cuts an image branch: a longer one is refused naming its row
+    "overlong": ({"overlong": "truncate", "max_length": 8}, "Image branches are never truncated"),
     "tree_execution": ({"tree_execution": "depth_first"}, "tree_execution='depth_first' is not supported"),
     "max_length": ({"max_length": 8}, r"row 0 has a branch of \d+ tokens, more than max_branch_tokens=8"),
     "max_branch_tokens": ({"max_branch_tokens": 8}, "more than max_branch_tokens=8"),

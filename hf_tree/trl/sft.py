@@ -32,10 +32,11 @@ from trl.data_utils import maybe_convert_to_chatml
 
 from hf_tree.builders import MESSAGES_BRANCHES, TRAIN_ON, build_tree_dataset
 from hf_tree.builders.dataset import check_messages_options, detect_format
-from hf_tree.config import TreeArguments
+from hf_tree.config import TreeArguments, packing_field
 from hf_tree.data.sources import is_tree_dataset
 from hf_tree.loss import TreeLosses
 from hf_tree.models.dropout import warn_if_dropout
+from hf_tree.packing import OverlongPolicy
 from hf_tree.row_batching import BATCH_UNITS, TreePartDataset, TreeRowBatchSampler
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.sft_metrics import MeteredTokenLoss
@@ -56,10 +57,13 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
     TRL's ``max_length`` (per-sample limit) becomes the branch limit: ``max_branch_tokens`` defaults to
     ``min(max_length, max_packed_tokens)`` with ``tree_execution="packed"`` (a branch must fit a row), and to
     ``max_length`` itself with ``"auto"``/``"depth_first"`` (a tree holding a longer branch runs depth-first); longer
-    branches follow ``overlong`` instead of being cut silently (``overlong="truncate"`` keeps their start: TRL's
-    ``truncation_mode="keep_start"``; ``"keep_end"`` is refused).
+    branches follow ``overlong``, which here defaults to ``"truncate"`` (keep their start: TRL's
+    ``truncation_mode="keep_start"``, so TRL's rows train as TRL trains them; every truncated branch is counted, warned
+    about and logged as ``num_truncated_branches``); ``"error"`` refuses them, ``"keep_end"`` is refused.
     """
 
+    # TRL's SFTTrainer truncates every row to max_length; the one-word swap must train the same rows (reported here)
+    overlong: OverlongPolicy = packing_field("overlong", default="truncate")
     group_by: str | None = field(
         default=None,
         metadata={
@@ -132,7 +136,7 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
         if self.truncation_mode != "keep_start" and self.max_length is not None:
             raise ValueError(
                 f"truncation_mode={self.truncation_mode!r} cannot apply: a branch longer than max_length follows "
-                "overlong (an error by default; 'truncate' keeps its start, TRL's 'keep_start'; 'drop'), since a tree "
+                "overlong ('truncate' by default: keeps its start, TRL's 'keep_start'; 'error'; 'drop'), since a tree "
                 "cannot keep a branch's end and still share its prefix. Set truncation_mode='keep_start' (TRL's "
                 "default; 'keep_end' is deprecated there), or max_length=None."
             )

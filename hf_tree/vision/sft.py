@@ -13,7 +13,7 @@ their image and first turns), or one tree per row.
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import datasets
@@ -290,6 +290,8 @@ def prepare_vision_sft(
             "messages_branches='per_turn'; or leave completion_only_loss unset."
         )
     packing = args.packing_config()
+    if packing.overlong == "truncate":  # TreeSFTConfig's default: a cut could split an image, so a longer branch is
+        packing = replace(packing, overlong="error")  # refused here naming its row, never cut
     if packing.tree_execution == "auto":  # the default; an explicit "depth_first" is refused by MediaTreeCollator
         packing = packed_fallback(packing, "image trees: depth-first units do not carry the images' features yet")
     collator = MediaTreeCollator(packing=packing, pad_token_id=processing_class.tokenizer.pad_token_id or 0)
