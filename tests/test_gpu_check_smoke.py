@@ -34,6 +34,7 @@ def test_no_cuda_mode_skips_every_row_with_its_reason_and_exits_0():
     assert any(name.startswith("hybrid qwen3_5") for name in names)
 
 
+@pytest.mark.slow  # 16 checks in a subprocess
 def test_cpu_mode_measures_every_attention_row_against_the_float64_reference():
     """``--device cpu`` runs the script's own checks on the CPU engines: every attention row is measured (a finite
     error against the float64 reference, within twice the eager reference's same-dtype error) and passes."""

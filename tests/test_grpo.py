@@ -123,7 +123,7 @@ def test_generation_is_unchanged():
     assert torch.equal(model.generate(prompt, **kwargs), twin.generate(prompt, **kwargs))
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_one_step_matches_trl(tmp_path, monkeypatch, peft):
     """Full fine-tuning (separate reference model) and LoRA (reference = the adapter disabled)."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")

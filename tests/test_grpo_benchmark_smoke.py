@@ -6,9 +6,12 @@ from __future__ import annotations
 import math
 import re
 
+import pytest
+
 from tests.helpers import run_benchmark
 
 
+@pytest.mark.slow  # a benchmark run in a subprocess
 def test_benchmark_quick_runs():
     result = run_benchmark("grpo_dpo.py", "--quick")
     for title in ("GRPO log-prob passes", "DPO log-prob passes"):
