@@ -1,7 +1,7 @@
 """Fixtures shared by several test modules (each module opts in; none is autouse here), and the suite's rules:
 
 - **Tiers.** ``pytest`` alone runs the fast tier: tests marked ``slow`` or ``distributed`` are deselected (every
-  module's exactness is still covered by a fast test, see docs/design.md "Tests"). ``pytest --all`` runs every tier
+  module's exactness is still covered by a fast test, see FAST TIER COVERAGE below). ``pytest --all`` runs every tier
   (what CI runs: .ci/run); an explicit ``-m`` expression, or tests named by node id (``file.py::test``), choose for
   themselves.
 - **GPU.** A ``gpu``-marked test without a CUDA device is skipped, never failed.
@@ -24,6 +24,23 @@ CI_INSTALLED = {"gguf", "matplotlib", "PIL", "bitsandbytes", "deepspeed", "llm_s
 _CI_INSTALLS_IT = "CI installs it"
 _IMPORTORSKIP = re.compile(r"could not import '([\w.]+)'")
 SLOW_MARKERS = ("slow", "distributed")
+
+# FAST TIER COVERAGE: where the fast tier tests each part's exactness against the per-branch oracle
+# (hf_tree.testing). A slow test repeats one of these paths with other settings (a second dtype, LoRA, other loss
+# types, hypothesis sweeps, benchmark runs) or launches processes (distributed).
+#   attention engines        test_attention_engines.py (blocked, flex, segments), test_attention_models.py
+#   packing, collator, tree  test_packing.py, test_tree.py, test_validation.py
+#   loss                     test_loss_equivalence.py
+#   depth-first              test_depth_first.py::test_depth_first_matches_per_branch (+ hybrid, LoRA, softcap tests)
+#   TreeTrainer              test_trainer.py::test_three_sgd_steps_match_trainer_on_branches, test_trainer_paths.py
+#   TRL SFT                  test_sft.py::test_class_name_swap_trains_the_same_objective, test_sft_messages.py
+#   TRL GRPO                 test_grpo.py::test_one_step_matches_trl[full], test_grpo_depth_first.py (shared prompts)
+#   TRL RLOO, DPO, KTO, RM   test_rloo.py, test_dpo.py, test_kto.py, test_reward.py: test_one_step_matches_trl[full...]
+#   hybrids, MoE             test_hybrid_mixers.py, test_hybrid_trainers.py (Qwen3.5), test_moe_router_loss.py
+#   vision                   test_vision_forward.py, test_vision_trl.py, test_vision_zoo.py
+#   quantized bases          test_quantized.py (nf4)
+#   context parallel         test_context_parallel.py (the one-rank path)
+#   model zoo                test_model_zoo.py::test_fast_subset
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
