@@ -129,7 +129,8 @@ def attention_plan(device: torch.device) -> Plan:
 
 def attention_check(device: torch.device, engine: str, dtype: torch.dtype, case: dict) -> tuple[str, str]:
     """One engine, forward + backward on packed random forests (GQA 4/2, padding) vs the dense reference."""
-    from tests.helpers import detached64, relative_error, run
+    from hf_tree.testing import relative_error
+    from tests.helpers import detached64, run
     from tests.workloads import packed_rows, qkv
 
     kv_end, position_ids = (x.to(device) for x in packed_rows(seed=21, num_trees=12, max_packed_tokens=400))
@@ -155,7 +156,7 @@ def attention_check(device: torch.device, engine: str, dtype: torch.dtype, case:
 def tiny_family(family: str) -> torch.nn.Module:
     """A tiny float64 model of ``family`` from ``tests/helpers`` (seeded: every call builds the same weights), with
     attention heads of 16 dims (FlexAttention's Triton kernels need at least 16)."""
-    from tests.helpers import hybrid_model, tiny_model
+    from hf_tree.testing import hybrid_model, tiny_model
 
     if family == "qwen3_5_text":
         return hybrid_model(family, head_dim=16)
@@ -186,14 +187,7 @@ def tree_check(
     family: str, engine: str, dtype: torch.dtype, device: torch.device, depth_first: bool = False
 ) -> tuple[str, str]:
     """Tree training (packed rows, or depth-first) of ``family`` on ``engine`` in ``dtype`` vs every branch alone."""
-    from tests import helpers
-    from tests.helpers import (
-        float32_floor_grad_error,
-        grads_of,
-        max_grad_relative_error,
-        per_branch_forest_loss,
-        relative_error,
-    )
+    from hf_tree import testing
     from tests.workloads import branch_groups
 
     groups = branch_groups(seed=3, num_trees=6)
@@ -201,9 +195,9 @@ def tree_check(
 
     def branch_run(model) -> tuple[torch.Tensor, dict]:
         model.zero_grad()
-        loss = per_branch_forest_loss(model, groups)
+        loss = testing.per_branch_forest_loss(model, groups)
         loss.backward()
-        return loss.detach(), grads_of(model)
+        return loss.detach(), testing.grads_of(model)
 
     exact_loss, exact_grads = branch_run(build().to(device))
     eager_loss, eager_grads = branch_run(build().to(device, dtype))
@@ -216,18 +210,18 @@ def tree_check(
             batch = TreeDataCollator(max_packed_tokens=256, pad_to_multiple_of=128)([t.to_dict() for t in trees])
             loss = tree_causal_lm_loss(model, {k: v.to(device) for k, v in batch.items()})
             loss.backward()
-    tree_loss, tree_grads = loss.detach(), grads_of(model)
+    tree_loss, tree_grads = loss.detach(), testing.grads_of(model)
 
     # Qwen3.5's GatedDeltaNet computes in float32 inside even a float64 model, so the oracle is float32-accurate: its
     # tiny A_log / dt_bias gradients are measured against 1e-3 of the largest gradient and float32 errors below
-    # tests/helpers' FLOAT32_FLOOR are rounding, as tests/test_hybrid_mixers.py has it.
+    # hf_tree.testing's FLOAT32_FLOOR are rounding, as tests/test_hybrid_mixers.py has it.
     hybrid = family == "qwen3_5_text"
-    grad_error = float32_floor_grad_error if hybrid else max_grad_relative_error
+    grad_floor = testing.FLOAT32_GRAD_FLOOR if hybrid else testing.EXACT_GRAD_FLOOR
 
     def error(loss, grads) -> float:
-        return max(relative_error(loss, exact_loss), grad_error(grads, exact_grads))
+        return max(testing.relative_error(loss, exact_loss), testing.max_grad_error(grads, exact_grads, grad_floor))
 
-    floor = helpers.FLOAT32_FLOOR if hybrid else FLOAT32_FLOOR
+    floor = testing.FLOAT32_FLOOR if hybrid else FLOAT32_FLOOR
     return bounded(error(tree_loss, tree_grads), error(eager_loss, eager_grads), dtype, float32_floor=floor)
 
 
@@ -240,7 +234,7 @@ def trl_plan(device: torch.device) -> Plan:
 
 
 def updates_error(updates: dict, exact: dict) -> float:
-    from tests.helpers import relative_error
+    from hf_tree.testing import relative_error
 
     return max(relative_error(updates[name], update) for name, update in exact.items())
 

@@ -31,13 +31,13 @@ import numpy as np
 import torch
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:  # run as a script: tests.helpers imports from the repository
+if str(REPO) not in sys.path:  # run as a script: this checkout's hf_tree first
     sys.path.insert(0, str(REPO))
 
 from hf_tree.assets import load_smollm2_tokenizer  # noqa: E402
 from hf_tree.data.champ import champ_dataset  # noqa: E402
+from hf_tree.testing import tiny_model  # noqa: E402
 from hf_tree.trl.logprobs import pack_rows  # noqa: E402
-from tests.helpers import tiny_model  # noqa: E402
 
 BATCH_SIZE = 8  # TRL's per_device_train_batch_size default
 DESIRABLE = ("GPT-4", "GPT-4 Turbo")

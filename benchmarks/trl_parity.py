@@ -56,7 +56,8 @@ if str(REPO) not in sys.path:  # run as a script: tests.helpers and the reward m
     sys.path.insert(0, str(REPO))
 
 from hf_tree.models.dropout import DROPOUT_WARNING  # noqa: E402
-from tests.helpers import smollm2_tokenizer_or_skip, tiny_model  # noqa: E402
+from hf_tree.testing import tiny_model  # noqa: E402
+from tests.helpers import smollm2_tokenizer_or_skip  # noqa: E402
 from tests.workloads import TINY_DEEPSEEK_V3  # noqa: E402
 
 SCRIPTS = pathlib.Path(importlib.util.find_spec("trl").origin).parent / "scripts"

@@ -37,7 +37,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
@@ -45,6 +44,7 @@ import hf_tree  # noqa: F401  (registers tree_flash)
 from hf_tree.collator import TreeDataCollator
 from hf_tree.loss import tree_causal_lm_loss, tree_losses
 from hf_tree.models.introspection import own_attention, raised_by_hf_tree
+from hf_tree.testing import FLOAT32_GRAD_FLOOR, grads_of, max_grad_error, per_branch_forest_loss, relative_error
 from hf_tree.tree import Tree
 
 VOCAB = 128
@@ -494,46 +494,6 @@ def probe_branches() -> tuple[list[list[int]], list[list[int]]]:
     return branches, masks
 
 
-def parameter_grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().double(), b.detach().double()
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-# A parameter whose true gradient is tiny is measured against this fraction of the largest gradient norm. Hybrid
-# models compute their decay gates in float32 even in a float64 model (Qwen3.5's ``A_log``/``dt_bias`` gradients,
-# ~1e-5 of the largest, carry ~4e-6 relative rounding per branch); a branch leak moves every gradient by >= 1e-4.
-GRAD_FLOOR = 1e-3
-
-
-def max_grad_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
-    """Largest per-parameter relative error; a gradient below ``GRAD_FLOOR`` of the largest norm is measured against
-    that floor."""
-    if got.keys() != expected.keys():
-        return float("inf")
-    floor = GRAD_FLOOR * max((float(g.double().norm()) for g in expected.values()), default=0.0)
-    return max(
-        (float((got[n].double() - g.double()).norm()) / max(float(g.double().norm()), floor, 1e-300))
-        for n, g in expected.items()
-    )
-
-
-def per_branch_loss(model: torch.nn.Module, branches: Sequence[Sequence[int]], masks: Sequence[Sequence[int]]):
-    """Token-normalized CE of each branch run alone with the model's own attention and logits."""
-    total, count = 0.0, 0.0
-    with own_attention(model):
-        for branch, mask in zip(branches, masks):
-            ids = torch.tensor([list(branch)])
-            trained = torch.tensor(mask[1:], dtype=torch.float64)
-            logits = model(input_ids=ids, use_cache=False).logits[0, :-1]
-            ce = F.cross_entropy(logits.double(), ids[0, 1:], reduction="none")
-            total, count = total + (ce * trained).sum(), count + trained.sum()
-    return total / count
-
-
 def dual_mode_error(model: torch.nn.Module) -> float:
     """Relative error of ``tree_flash`` without ``kv_end`` against the model's own attention (real tokens only), on
     one unpadded row and a left-padded batch (skipped where the model's own attention cannot run padded batches)."""
@@ -670,14 +630,14 @@ def _check_training(result: ZooResult, model, branches, masks, tolerance: float)
             return "refused", f"training: {first_line(error, 400)}"
         return "error", f"training: {type(error).__name__}: {first_line(error, 300)}"
     loss.backward()
-    tree_grads = parameter_grads(model)
+    tree_grads = grads_of(model)
     model.zero_grad()
-    reference = per_branch_loss(model, branches, masks)
+    reference = per_branch_forest_loss(model, [(branches, masks)])
     reference.backward()
-    reference_grads = parameter_grads(model)
+    reference_grads = grads_of(model)
     model.zero_grad()
     result.loss_error = relative_error(loss, reference)
-    result.grad_error = max_grad_error(tree_grads, reference_grads)
+    result.grad_error = max_grad_error(tree_grads, reference_grads, floor=FLOAT32_GRAD_FLOOR)
     if result.loss_error <= tolerance and result.grad_error <= tolerance:
         return "exact", ""
     return "MISMATCH", "tree training differs from per-branch training"
@@ -727,13 +687,13 @@ def _check_router_loss(result: ZooResult, model, branches, masks, tolerance: flo
             result.router = "refused"
             return f"router loss: {first_line(error, 300)}"
         losses.model_loss().backward()
-        tree_grads = parameter_grads(model)
+        tree_grads = grads_of(model)
         model.zero_grad()
         with own_attention(model):  # the same forward again, now with the graph of the per-branch loss
             padded_router = model(input_ids=ids, attention_mask=attention_mask, use_cache=False).aux_loss
-        reference = per_branch_loss(model, branches, masks) + ROUTER_COEF * padded_router
+        reference = per_branch_forest_loss(model, [(branches, masks)]) + ROUTER_COEF * padded_router
         reference.backward()
-        reference_grads = parameter_grads(model)
+        reference_grads = grads_of(model)
         model.zero_grad()
     except Exception as error:  # noqa: BLE001 - classified, never hidden
         result.router = "error"
@@ -741,7 +701,8 @@ def _check_router_loss(result: ZooResult, model, branches, masks, tolerance: flo
     finally:
         config.output_router_logits = False
     result.router_error = max(
-        relative_error(losses.model_loss(), reference), max_grad_error(tree_grads, reference_grads)
+        relative_error(losses.model_loss(), reference),
+        max_grad_error(tree_grads, reference_grads, floor=FLOAT32_GRAD_FLOOR),
     )
     result.router = "exact" if result.router_error <= tolerance else "MISMATCH"
     return "" if result.router == "exact" else "router loss differs from per-branch training"

@@ -1,22 +1,21 @@
-"""Shared test helpers: tiny HF models built from configs (hybrids included), the per-branch oracle, exact training
-runs, the pieces of the TRL-against-tree-trainer comparisons and the ``accelerate launch`` command of the 2-process
-tests. The data and tree workloads live in tests/workloads.py; no test module imports another (issue 17).
+"""Shared test helpers: exact training runs, the pieces of the TRL-against-tree-trainer comparisons and the
+``accelerate launch`` command of the 2-process tests. The data and tree workloads live in tests/workloads.py; no
+test module imports another (issue 17).
 
-The oracle for anything tree-shaped: run the same model on each branch as an ordinary sequence
-(``attn_implementation="sdpa"``, standard shifted cross-entropy) and combine with the same normalization.
+The oracle itself (tiny models from configs, hybrids included; the per-branch reference loss and gradients; the
+error measures) lives in ``hf_tree.testing``, shared with the model zoo and the benchmarks; it is re-exported here
+under the names the tests use.
 """
 
 from __future__ import annotations
 
-import contextlib
-import copy
 import importlib.resources
 import json
 import os
 import socket
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 
 import pytest
@@ -24,201 +23,42 @@ import torch
 import torch.nn.functional as F
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import AutoModelForCausalLM, PreTrainedTokenizerFast
+from transformers import PreTrainedTokenizerFast
 
 import hf_tree  # noqa: F401  (registers tree_flash)
-
-TINY = dict(
-    vocab_size=97,
-    hidden_size=32,
-    intermediate_size=48,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    max_position_embeddings=512,
+from hf_tree.testing import (  # noqa: F401  (re-exported: the oracle, see hf_tree/testing.py)
+    FLOAT32_FLOOR,
+    FLOAT32_GRAD_FLOOR,
+    HYBRIDS,
+    MOE_SETTINGS,
+    SLOW_HYBRIDS,
+    TINY,
+    VOCAB,
+    float64_norms,
+    float64_qwen3_5_norms,
+    grads_of,
+    hybrid_model,
+    max_grad_error,
+    per_branch_forest_loss,
+    per_branch_loss,
+    relative_error,
+    replaced,
+    tiny_config,
+    tiny_model,
 )
-VOCAB = TINY["vocab_size"]  # token ids of the tiny-model workloads (tests/workloads.py)
+from hf_tree.testing import own_attention_name as own_attention  # noqa: F401  (a name: "sdpa" or "eager")
+
+# The gradient measures under the names the tests use: ``hf_tree.testing.max_grad_error`` with the float64 floor,
+# with the floor of float32 internals (hybrids), and per tensor against its own norm (state dicts, saved files).
+max_grad_relative_error = max_grad_error
 
 
-# Mixture-of-experts families (4 experts, top-2, float64-capable eager experts); gpt-oss also has sinks in every
-# layer and a small window on half of them, Qwen3.5-MoE a GatedDeltaNet layer before its attention layer.
-MOE_SETTINGS = {
-    "mixtral": dict(num_local_experts=4),
-    "qwen3_moe": dict(num_experts=4, moe_intermediate_size=16, head_dim=8),
-    "olmoe": dict(num_experts=4),
-    "gpt_oss": dict(num_local_experts=4, sliding_window=4, head_dim=8),
-    "qwen3_5_moe_text": dict(
-        num_experts=4,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-        head_dim=8,
-        layer_types=["linear_attention", "full_attention"],
-        linear_num_key_heads=2,
-        linear_num_value_heads=2,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-    ),
-}
+def float32_floor_grad_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    return max_grad_error(got, expected, floor=FLOAT32_GRAD_FLOOR)
 
 
-def tiny_config(family: str = "llama", **overrides) -> transformers.PretrainedConfig:
-    """A tiny random config of a decoder family (GQA: 4 query heads, 2 KV heads; ``MOE_SETTINGS`` for MoE ones)."""
-    kwargs = dict(TINY, **overrides)
-    if family == "qwen3":
-        kwargs.setdefault("head_dim", 8)
-    if family in MOE_SETTINGS:
-        kwargs = dict(MOE_SETTINGS[family], num_experts_per_tok=2, experts_implementation="eager") | kwargs
-    return transformers.AutoConfig.for_model(family, **kwargs)
-
-
-def tiny_model(
-    family: str = "llama", dtype: torch.dtype = torch.float64, attn: str = "tree_flash", seed: int = 0, **overrides
-) -> torch.nn.Module:
-    torch.manual_seed(seed)
-    config = tiny_config(family, **overrides)
-    return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation=attn, dtype=dtype)
-
-
-@contextlib.contextmanager
-def float64_norms() -> Iterator[None]:
-    """HF's RMSNorm upcasts to float32 even in a float64 model, which rounds a shared token's gradient
-    differently in a tree than per branch (~1e-7). Keep float64 in both models for 1e-9 tests (Gemma 3's too)."""
-    from transformers.models.gemma3.modeling_gemma3 import Gemma3RMSNorm
-    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssRMSNorm
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-    from transformers.models.mistral.modeling_mistral import MistralRMSNorm
-    from transformers.models.qwen2.modeling_qwen2 import Qwen2RMSNorm
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRMSNorm
-    from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VLRMSNorm
-    from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
-    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRMSNorm
-
-    def forward(self, hidden_states):
-        compute = torch.float64 if hidden_states.dtype == torch.float64 else torch.float32
-        h = hidden_states.to(compute)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        return self.weight * h.to(hidden_states.dtype)
-
-    classes = (
-        LlamaRMSNorm,
-        MistralRMSNorm,
-        Qwen2RMSNorm,
-        Qwen3RMSNorm,
-        GptOssRMSNorm,
-        Qwen2VLRMSNorm,
-        Qwen2_5_VLRMSNorm,
-        Qwen3VLTextRMSNorm,
-    )
-
-    def gemma3_forward(self, x):  # Gemma 3 scales by (1 + weight), in float32 upstream
-        compute = torch.float64 if x.dtype == torch.float64 else torch.float32
-        h = x.to(compute)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (h * (1.0 + self.weight.to(compute))).type_as(x)
-
-    with replaced(classes, "forward", forward), replaced((Gemma3RMSNorm,), "forward", gemma3_forward):
-        yield
-
-
-@contextlib.contextmanager
-def float64_qwen3_5_norms() -> Iterator[None]:
-    """``float64_norms`` for Qwen3.5's RMSNorm (``1 + weight``) and its GatedDeltaNet's gated RMSNorm, which compute
-    in float32 even in a float64 model (their float32 inputs are the same math in the same order)."""
-    from transformers.models.qwen3_5.modeling_qwen3_5 import Qwen3_5RMSNorm, Qwen3_5RMSNormGated
-
-    def norm(self, x):
-        h = x.to(torch.promote_types(x.dtype, torch.float32))
-        return (self._norm(h) * (1.0 + self.weight.to(h.dtype))).type_as(x)
-
-    def gated(self, hidden_states, gate):
-        compute = torch.promote_types(hidden_states.dtype, torch.float32)
-        h = hidden_states.to(compute)
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        h = self.weight * h.to(hidden_states.dtype)
-        return (h * F.silu(gate.to(compute))).to(hidden_states.dtype)
-
-    with replaced([Qwen3_5RMSNorm], "forward", norm), replaced([Qwen3_5RMSNormGated], "forward", gated):
-        yield
-
-
-@contextlib.contextmanager
-def replaced(owners: Sequence[object], name: str, value: object) -> Iterator[None]:
-    """Set ``owner.<name> = value`` on every owner (classes or modules) for the block, then restore the originals."""
-    originals = [getattr(owner, name) for owner in owners]
-    for owner in owners:
-        setattr(owner, name, value)
-    try:
-        yield
-    finally:
-        for owner, original in zip(owners, originals):
-            setattr(owner, name, original)
-
-
-def own_attention(model: torch.nn.Module) -> str:
-    """The model's own attention: ``sdpa``, or ``eager`` for models that refuse sdpa (softcapping, sinks)."""
-    return "sdpa" if model._supports_sdpa else "eager"
-
-
-def per_branch_loss(
-    model: torch.nn.Module,
-    sequences: Sequence[Sequence[int]],
-    loss_masks: Sequence[Sequence[int]] | None,
-    normalization: str = "token",
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of weighted CE, divisor) running each branch alone through ``model`` with its own attention."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(own_attention(model))
-    total, divisor = 0.0, 0.0
-    try:
-        for b, seq in enumerate(sequences):
-            ids = torch.tensor([list(seq)], device=model.device)
-            trained_tokens = list(loss_masks[b]) if loss_masks is not None else [1] * len(seq)
-            mask = torch.tensor(trained_tokens, dtype=torch.float64, device=ids.device)
-            mask[0] = 0
-            trained = mask[1:]
-            if trained.sum() == 0:
-                continue
-            logits = model(input_ids=ids).logits[0, :-1]
-            ce = F.cross_entropy(logits.to(torch.float64), ids[0, 1:], reduction="none") * trained
-            if normalization == "token":
-                total, divisor = total + ce.sum(), divisor + trained.sum()
-            else:
-                total, divisor = total + ce.sum() / trained.sum(), divisor + 1
-    finally:
-        model.set_attn_implementation(previous)
-    return total, torch.as_tensor(divisor, dtype=torch.float64)
-
-
-def per_branch_forest_loss(model: torch.nn.Module, groups, normalization: str = "token") -> torch.Tensor:
-    """The per-branch loss of every group ``(sequences, loss_masks)``: one differentiable scalar, each group's
-    ``per_branch_loss`` summed and divided by the summed divisor (as one optimizer step over all their branches)."""
-    total, divisor = 0.0, 0.0
-    for sequences, masks in groups:
-        t, d = per_branch_loss(model, sequences, masks, normalization)
-        total, divisor = total + t, divisor + d
-    return total / divisor
-
-
-def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.detach().to(torch.float64), b.detach().to(torch.float64)
-    return float((a - b).norm() / b.norm().clamp_min(1e-300))
-
-
-def max_grad_relative_error(model_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> float:
-    """Largest per-parameter relative error. A parameter whose true gradient is (near) zero, such as q/k
-    projections when all attended tokens are equal, is measured against 1e-6 of the largest gradient norm
-    instead of its own rounding-noise norm (~1e-18), which would turn float64 noise into O(1) "errors"."""
-    assert model_grads.keys() == ref_grads.keys()
-    floor = 1e-6 * max(float(g.to(torch.float64).norm()) for g in ref_grads.values())
-    errors = []
-    for name, ref in ref_grads.items():
-        ref64, got64 = ref.to(torch.float64), model_grads[name].to(torch.float64)
-        errors.append(float((got64 - ref64).norm()) / max(float(ref64.norm()), floor, 1e-300))
-    return max(errors)
-
-
-def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    return {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+def max_relative_error(got: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> float:
+    return max_grad_error(got, expected, floor=0.0)
 
 
 # ------------------------------------------------------------------------------- SmolLM2's real tokenizer
@@ -450,207 +290,7 @@ def one_step_trainer(
     )
 
 
-# ------------------------------------------------------------------------------------------ hybrid models
-# The models' torch functions and norms compute in float32 inside even in a float64 model.
-FLOAT32_FLOOR = 1e-4
-
-HYBRIDS = {
-    "qwen3_next": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-    ),
-    "qwen3_5_text": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        layer_types=["linear_attention", "linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        linear_conv_kernel_dim=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-    ),
-    "lfm2": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        layer_types=["conv", "full_attention", "conv"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        conv_L_cache=3,
-        block_auto_adjust_ff_dim=False,
-    ),
-    "nemotron_h": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        layers_block_type=["linear_attention", "full_attention", "mlp"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        mamba_num_heads=4,
-        mamba_head_dim=16,
-        n_groups=2,
-        ssm_state_size=8,
-        chunk_size=4,
-        conv_kernel=4,
-    ),
-    "bamba": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        attn_layer_indices=[1],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mamba_n_heads=4,
-        mamba_d_head=16,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_chunk_size=4,
-        mamba_d_conv=4,
-    ),
-}
-
-
-# More hybrids with the same mixers (slow: ~10 s each on a shared CPU).
-SLOW_HYBRIDS = {
-    "qwen3_5_moe_text": dict(
-        HYBRIDS["qwen3_5_text"],
-        num_experts=4,
-        num_experts_per_tok=2,
-        moe_intermediate_size=16,
-        shared_expert_intermediate_size=16,
-    ),
-    "lfm2_moe": dict(
-        HYBRIDS["lfm2"], num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, num_dense_layers=1
-    ),
-    "falcon_h1": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        mamba_n_heads=4,
-        mamba_d_head=16,
-        mamba_d_ssm=64,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_chunk_size=4,
-        mamba_d_conv=4,
-    ),
-    "granitemoehybrid": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        layer_types=["mamba", "attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        mamba_n_heads=4,
-        mamba_d_head=16,
-        mamba_n_groups=2,
-        mamba_d_state=8,
-        mamba_chunk_size=4,
-        mamba_d_conv=4,
-        num_local_experts=4,
-        num_experts_per_tok=2,
-        shared_intermediate_size=16,
-    ),
-    "zamba2": dict(
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        layers_block_type=["mamba", "hybrid"],
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        attention_head_dim=8,
-        n_mamba_heads=4,
-        mamba_ngroups=2,
-        mamba_d_state=8,
-        chunk_size=4,
-    ),
-    "olmo_hybrid": dict(
-        pad_token_id=0,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=2,
-        layer_types=["linear_attention", "full_attention"],
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        linear_num_key_heads=2,
-        linear_num_value_heads=4,
-        linear_key_head_dim=8,
-        linear_value_head_dim=8,
-        linear_conv_kernel_dim=4,
-    ),
-    "lfm3": dict(
-        pad_token_id=0,
-        hidden_size=32,
-        intermediate_size=48,
-        num_hidden_layers=3,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        conv_L_cache=3,
-    ),
-    "mamba2": dict(
-        hidden_size=16,
-        num_hidden_layers=2,
-        num_heads=4,
-        head_dim=8,
-        expand=2,
-        n_groups=2,
-        state_size=8,
-        chunk_size=4,
-        conv_kernel=4,
-    ),
-}
-
-
-def float32_floor_grad_error(model_grads: dict[str, torch.Tensor], ref_grads: dict[str, torch.Tensor]) -> float:
-    """``max_grad_relative_error`` with a floor for float32 internals: a parameter is measured against at least
-    1e-3 of the largest gradient norm (A_log / dt_bias gradients of ~1e-8 carry float32 rounding of ~1e-10)."""
-    largest = max(float(g.norm()) for g in ref_grads.values())
-    return max(
-        float((model_grads[name] - ref).norm()) / max(float(ref.norm()), 1e-3 * largest)
-        for name, ref in ref_grads.items()
-    )
-
-
-def hybrid_model(family: str, attn: str = "tree_flash", **overrides) -> torch.nn.Module:
-    """The tiny float64 hybrid of ``family`` (``HYBRIDS`` or ``SLOW_HYBRIDS``; ``overrides`` change its config), seeded,
-    with eager experts."""
-    torch.manual_seed(0)
-    settings = {**{**HYBRIDS, **SLOW_HYBRIDS}[family], **overrides}
-    config = transformers.AutoConfig.for_model(family, vocab_size=VOCAB, **settings)
-    return AutoModelForCausalLM.from_config(
-        copy.deepcopy(config), attn_implementation=attn, dtype=torch.float64, experts_implementation="eager"
-    )  # grouped_mm experts refuse float64
-
-
 # ----------------------------------------------------------------------------------------- accelerate launch
-def max_relative_error(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
-    """Largest relative error between same-named tensors (state dicts, saved files)."""
-    assert a.keys() == b.keys()
-    return max(float((a[n] - b[n]).norm() / b[n].norm().clamp_min(1e-30)) for n in a)
-
-
 # 2-process layouts for stand-in accelerators: (accelerate's DistributedType name, is_fsdp2, dp_replicate_size, what
 # the refusal names, or None where hf_tree.distributed.local_depth_first_model runs: DDP and FSDP2).
 PROCESS_LAYOUTS = [

@@ -6,9 +6,12 @@ allocator of the test process.
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers import run_benchmark
 
 
+@pytest.mark.slow  # a benchmark run in a subprocess
 def test_attention_benchmark_quick_runs():
     result = run_benchmark("attention.py", "--quick")
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]

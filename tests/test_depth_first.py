@@ -194,7 +194,10 @@ def recurrent_hybrid(family: str) -> torch.nn.Module:
     return model
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "qwen3_next", "bamba", "nemotron_h"])
+@pytest.mark.parametrize(
+    "family",
+    ["qwen3_5_text", "bamba", *(pytest.param(f, marks=pytest.mark.slow) for f in ("qwen3_next", "nemotron_h"))],
+)
 def test_recurrent_hybrids_match_per_branch(family):
     """GatedDeltaNet (Qwen3.5, Qwen3-Next) and Mamba2 (Bamba, Nemotron-H) layers start a unit's roots from the
     state their nearest cached ancestor piece ended with, and their convolutions read its inputs. The oracle's own
@@ -222,7 +225,7 @@ def assert_matches_packed(model, groups, loss: torch.Tensor, grads: dict, normal
     assert max_grad_relative_error(grads, grads_of(model)) <= 1e-5
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", pytest.param("bamba", marks=pytest.mark.slow)])
 def test_recurrent_hybrid_with_gradient_checkpointing(family):
     """A checkpointed layer's recompute runs its convolution and scan again and records the same entries."""
     model = recurrent_hybrid(family)
@@ -232,6 +235,7 @@ def test_recurrent_hybrid_with_gradient_checkpointing(family):
     assert_matches_packed(model, groups, *depth_first(model, groups, "token"))
 
 
+@pytest.mark.slow
 @given(
     seed=st.integers(0, 2**31),
     max_unit_tokens=st.integers(1, 24),
@@ -489,6 +493,7 @@ def test_depth_first_refuses_a_scoped_attention_engine():
         depth_first(model, branch_groups(), "token")
 
 
+@pytest.mark.slow
 @given(
     seed=st.integers(0, 2**31),
     num_trees=st.integers(1, 3),
@@ -520,6 +525,7 @@ MASKED_ATTENTION_MODELS = {
 }
 
 
+@pytest.mark.slow
 @given(
     seed=st.integers(0, 2**31),
     max_unit_tokens=st.integers(1, 24),

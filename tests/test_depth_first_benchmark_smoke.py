@@ -14,6 +14,7 @@ from tests.helpers import run_benchmark
 METHODS = ["per_branch", "split", "packed", "depth_first"]
 
 
+@pytest.mark.slow  # a benchmark run in a subprocess
 def test_depth_first_benchmark_quick_runs():
     result = run_benchmark("depth_first.py", "--quick")
     table = [line for line in result.stdout.splitlines() if line.startswith("| ")]
@@ -31,10 +32,11 @@ def test_depth_first_benchmark_quick_runs():
     assert len(verdicts) == 3 * len(workloads) and all(line.endswith(("met)", "missed)")) for line in verdicts)
 
 
+@pytest.mark.slow  # a benchmark run in a subprocess per method
 def test_depth_first_memory_benchmark_quick_runs():
     """The memory-knob benchmark: every method's peak measured in its own process, then the speed table."""
     if find_spec("champ_dataset") is None:
-        pytest.skip("its group is a CHAMP group: pip install --no-deps champ-dataset==1.0.0")
+        pytest.skip("its group is a CHAMP group (CI installs it: pip install --no-deps champ-dataset==1.0.0)")
     result = run_benchmark("depth_first_memory.py", "--quick", timeout=900)
     rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| ") and "method" not in line]
     assert [cells[0][2:] for cells in rows] == ["per_branch", "packed", "depth_first"]

@@ -94,7 +94,9 @@ def one_step(cls, config_cls, path: str, peft: bool, precompute: bool):
 
 
 @pytest.mark.parametrize(
-    "peft, precompute", [(False, False), (True, True)], ids=["full-ref_model", "lora-precomputed_ref"]
+    "peft, precompute",
+    [(False, False), pytest.param(True, True, marks=pytest.mark.slow)],
+    ids=["full-ref_model", "lora-precomputed_ref"],
 )
 def test_one_step_matches_trl(tmp_path, peft, precompute):
     """A separate reference model, and LoRA with the reference (adapter disabled) precomputed in __init__. The

@@ -1,7 +1,11 @@
 """``benchmarks/gpu_check.py`` end to end without a GPU: its "no CUDA" mode lists every GPU row as skipped, with the
-reason, and exits 0 (CI has no GPU); on a CUDA machine the same command runs the checks (not run here)."""
+reason, and exits 0 (CI has no GPU); its ``--device cpu`` mode measures the attention rows on the CPU engines (the
+figures are parsed and bounded). On a CUDA machine the script runs the GPU checks (not run here)."""
 
 from __future__ import annotations
+
+import math
+import re
 
 import pytest
 import torch
@@ -28,3 +32,17 @@ def test_no_cuda_mode_skips_every_row_with_its_reason_and_exits_0():
     ):
         assert expected in names
     assert any(name.startswith("hybrid qwen3_5") for name in names)
+
+
+@pytest.mark.slow  # 16 checks in a subprocess
+def test_cpu_mode_measures_every_attention_row_against_the_float64_reference():
+    """``--device cpu`` runs the script's own checks on the CPU engines: every attention row is measured (a finite
+    error against the float64 reference, within twice the eager reference's same-dtype error) and passes."""
+    result = run_benchmark("gpu_check.py", "--device", "cpu", "--sections", "attention", timeout=600)
+    rows = [line.split(" | ") for line in result.stdout.splitlines() if line.startswith("| exact")]
+    assert len(rows) == 16  # 2 CPU engines x 2 dtypes x 4 cases
+    for row in rows:
+        assert row[2] == "ok", row
+        error, eager = (float(x) for x in re.match(r"error (\S+) vs eager (\S+)", row[3]).groups())
+        assert math.isfinite(error) and math.isfinite(eager) and 0 <= error <= max(2 * eager, 1e-6), row
+        assert eager < 1e-2, row  # bfloat16's own rounding: the reference itself is sane

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from accelerate import Accelerator
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
@@ -32,7 +33,7 @@ from tests.workloads import padded_batch, scenario
 
 
 @pytest.fixture(scope="module", params=[torch.float64, torch.float32], ids=["float64", "float32"])
-def trainers(request, tmp_path_factory):
+def trainers_of_dtype(request, tmp_path_factory):
     """(TRL trainer, tree trainer, model path) on the same saved model; both build their reference from the path."""
     dtype = request.param
     path = saved_tiny_model(tmp_path_factory.mktemp(f"grpo_{dtype}"), dtype)
@@ -40,6 +41,15 @@ def trainers(request, tmp_path_factory):
     trl = GRPOTrainer(path, zero_reward, trainer_args(GRPOConfig, path, dtype), **setup)
     tree = TreeGRPOTrainer(path, zero_reward, trainer_args(TreeGRPOConfig, path, dtype), **setup)
     return trl, tree, path
+
+
+@pytest.fixture
+def trainers(trainers_of_dtype):
+    """``trainers_of_dtype`` with accelerate's process state as their accelerators left it: any test that builds a
+    config resets that process-wide state (``TrainingArguments`` does), after which the trainers' ``accelerator.gather``
+    raises, so without this a test's outcome would depend on the tests run before it."""
+    Accelerator(cpu=True)  # re-initializes the shared state (one process, CPU) the trainers' accelerators read
+    return trainers_of_dtype
 
 
 @pytest.mark.parametrize("name", ["full_group", "partial_groups", "several_prompts"])
@@ -81,8 +91,7 @@ def test_high_entropy_mask_is_taken_over_trls_tokens(trainers, name):
     """``top_entropy_quantile``: the quantile runs over the per-row completion tokens, each row's copy of a shared
     or duplicated token counted once, as in TRL. In float64 (no threshold flip from rounding) the selected tokens
     must be TRL's for every quantile. (In float32, a token within one ulp of the threshold can flip, and does for
-    TRL itself when only the padding changes: 6 of 900 random batches, vs 5 of 900 tree vs TRL.) Placed before the
-    tests that build new configs: those reset the accelerator state the module's trainers share."""
+    TRL itself when only the padding changes: 6 of 900 random batches, vs 5 of 900 tree vs TRL.)"""
     trl, tree, _ = trainers
     if tree.model.dtype != torch.float64:
         pytest.skip("float64 only: in float32 a tie within one ulp of the threshold decides (see docstring)")
@@ -123,7 +132,7 @@ def test_generation_is_unchanged():
     assert torch.equal(model.generate(prompt, **kwargs), twin.generate(prompt, **kwargs))
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_one_step_matches_trl(tmp_path, monkeypatch, peft):
     """Full fine-tuning (separate reference model) and LoRA (reference = the adapter disabled)."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -118,9 +118,13 @@ def trl_runs(path):
     return run
 
 
-@pytest.mark.parametrize("checkpointing", [True, False], ids=["checkpointing", "no_checkpointing"])
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo", "bnpo"])
+@pytest.mark.parametrize(
+    "checkpointing", [pytest.param(True, marks=pytest.mark.slow), False], ids=["checkpointing", "no_checkpointing"]
+)
+@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
+@pytest.mark.parametrize(
+    "loss_type", ["grpo", *(pytest.param(t, marks=pytest.mark.slow) for t in ("dr_grpo", "dapo", "bnpo"))]
+)
 def test_shared_prompts_match_trl(path, trl_runs, monkeypatch, loss_type, peft, checkpointing):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     settings = dict(loss_type=loss_type, gradient_checkpointing=checkpointing, **CUT)
@@ -161,7 +165,7 @@ OTHER_SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(OTHER_SETTINGS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) for name in OTHER_SETTINGS])
 def test_other_settings_match_trl(path, monkeypatch, name):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     settings = OTHER_SETTINGS[name]
@@ -195,7 +199,7 @@ LOOP_SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LOOP_SETTINGS))
+@pytest.mark.parametrize("name", [pytest.param(name, marks=pytest.mark.slow) for name in LOOP_SETTINGS])
 def test_loop_and_data_options_match_trl(path, monkeypatch, name):
     """Each option run by TRL's GRPOTrainer and by TreeGRPOTrainer with the shared pass: the same updates and logs,
     and the option did what it says (so the comparison can fail)."""
@@ -250,6 +254,7 @@ def test_prompts_run_once_per_optimizer_step(path, monkeypatch):
     assert counts["shared"] == counts["packed"] - saved
 
 
+@pytest.mark.slow
 def test_skipping_the_prompt_backward_is_wrong(path, trl_runs, monkeypatch):
     """Must fail: without the pieces' backward the prompt's gradient through its keys/values is lost."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
@@ -270,8 +275,8 @@ def test_pieces_left_from_a_previous_step_are_refused(path, monkeypatch):
         one_step(TreeGRPOTrainer, TreeGRPOConfig, path, False, **CUT, **SHARED)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("family", ["qwen3_5_text", pytest.param("bamba", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_recurrent_hybrids_match_trl(tmp_path, monkeypatch, family, peft):
     """Hybrids with recurrent mixers (GatedDeltaNet, Mamba2): the piece also carries each recurrence's final state
     (``hf_tree.depth_first``'s ``("state", id)`` entries) and each convolution's inputs. Their float32 internals
@@ -292,8 +297,8 @@ def test_recurrent_hybrids_match_trl(tmp_path, monkeypatch, family, peft):
     assert float32_floor_grad_error(skipped, trl_updates) > 1e-2
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
-@pytest.mark.parametrize("clipping", [0.0, 1.0], ids=["unclipped", "clipped"])
+@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
+@pytest.mark.parametrize("clipping", [0.0, pytest.param(1.0, marks=pytest.mark.slow)], ids=["unclipped", "clipped"])
 def test_rloo_shared_prompts_match_trl(path, monkeypatch, peft, clipping):
     """RLOO shares the mixin; it samples its own completions (same seed, same logits: the same ones). With TRL's
     default clipping (max_grad_norm=1.0) too."""
@@ -309,6 +314,7 @@ def test_rloo_shared_prompts_match_trl(path, monkeypatch, peft, clipping):
     assert_same_logs(tree, trl)
 
 
+@pytest.mark.slow
 def test_default_shares_where_it_can(path, trl_runs, tmp_path, monkeypatch):
     """The default (``None``): on for groups cut across micro-batches (TRL's gradient checkpointing default),
     off without a shared prompt (a group per micro-batch), and off, without an error, where ``True`` is refused."""

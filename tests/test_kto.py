@@ -64,7 +64,9 @@ def test_per_token_values_match_trl(tmp_path):
 
 
 @pytest.mark.parametrize(
-    "peft, precompute", [(False, False), (True, True)], ids=["full-ref_model", "lora-precomputed_ref"]
+    "peft, precompute",
+    [(False, False), pytest.param(True, True, marks=pytest.mark.slow)],
+    ids=["full-ref_model", "lora-precomputed_ref"],
 )
 def test_one_step_matches_trl(tmp_path, peft, precompute):
     """One SGD step (clipping at 1.0) on 2 micro-batches of 3 rows (KL term on), with a separate reference model,

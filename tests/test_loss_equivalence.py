@@ -254,7 +254,7 @@ def test_logit_head_is_detected_from_the_models_own_forward(family):
 def test_scaled_heads_train_exactly(family):
     """Tree loss and gradients of a scaled / soft-capped head against per-branch training with the model's own
     attention and its own logits (which apply the scale in the model's forward)."""
-    from hf_tree.zoo import per_branch_loss as own_per_branch_loss
+    from hf_tree.testing import per_branch_forest_loss
 
     sequences, masks = random_tree_branches(random.Random(3), 5, vocab=VOCAB)
     with float64_norms():
@@ -265,7 +265,7 @@ def test_scaled_heads_train_exactly(family):
         loss.backward()
         tree_grads = grads_of(model)
         model.zero_grad()
-        reference = own_per_branch_loss(model, sequences, masks)
+        reference = per_branch_forest_loss(model, [(sequences, masks)])
         reference.backward()
     assert relative_error(loss, reference) <= TOLERANCE
     # Cohere's LayerNorm and Gemma 2's RMSNorm compute in float32 even in float64 models (float64_norms patches

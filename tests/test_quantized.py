@@ -118,7 +118,9 @@ def tree_and_branch_grads(
     return float(tree_loss), tree_grads, float(branch_loss), grads_of(model)
 
 
-@pytest.mark.parametrize("depth_first", [False, True], ids=["packed", "depth_first"])
+@pytest.mark.parametrize(
+    "depth_first", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["packed", "depth_first"]
+)
 @pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
 def test_tree_loss_and_grads_equal_per_branch(checkpoint, quantization, depth_first):
     model = quantized(checkpoint, quantization)
@@ -145,7 +147,7 @@ def training_logits(model: torch.nn.Module) -> torch.Tensor:
         return model(input_ids=torch.tensor([[5, 17, 42, 8, 63, 21, 9, 77]])).logits
 
 
-@pytest.mark.parametrize("adapters", list(ADAPTERS))
+@pytest.mark.parametrize("adapters", [a if a == "lora" else pytest.param(a, marks=pytest.mark.slow) for a in ADAPTERS])
 @pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
 def test_self_check_accepts_quantized_models_and_leaves_training_unchanged(checkpoint, quantization, adapters):
     """No false alarm (the probe compares the kernels training runs; bfloat16 adapters round at their own unit
@@ -160,7 +162,7 @@ def test_self_check_accepts_quantized_models_and_leaves_training_unchanged(check
     assert torch.equal(training_logits(model), before)
 
 
-@pytest.mark.parametrize("adapters", ["base", "bf16_lora"])
+@pytest.mark.parametrize("adapters", ["base", pytest.param("bf16_lora", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
 def test_leak_in_a_quantized_model_is_refused(checkpoint, quantization, adapters):
     """Bfloat16 adapters widen the difference check's bound to their rounding; the invariance check (a sibling's
@@ -207,7 +209,7 @@ def grpo_step(cls, config_cls, checkpoint: str, quantization: str, **settings) -
     return trainer, train_and_measure_updates(trainer)
 
 
-@pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
+@pytest.mark.parametrize("quantization", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])
 def test_grpo_step_equals_trls(checkpoint, quantization, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
     _, trl = grpo_step(GRPOTrainer, GRPOConfig, checkpoint, quantization)
@@ -265,7 +267,7 @@ def sft_step(
     return trainer, train_and_measure_updates(trainer)
 
 
-@pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
+@pytest.mark.parametrize("quantization", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])
 def test_sft_step_equals_trls(checkpoint, quantization):
     _, trl = sft_step(SFTTrainer, SFTConfig, checkpoint, quantization)
     _, trl_padded = sft_step(SFTTrainer, SFTConfig, checkpoint, quantization, pad_to_multiple_of=32)
@@ -286,7 +288,7 @@ def test_weights_repacked_for_inference_are_refused(checkpoint):
         check_model_for_trees(model)
 
 
-@pytest.mark.parametrize("quantization", list(QUANTIZATIONS))
+@pytest.mark.parametrize("quantization", ["nf4", pytest.param("int8", marks=pytest.mark.slow)])
 def test_sft_step_with_trls_bfloat16_adapters(checkpoint, quantization):
     """TRL's recipe as is: the bfloat16 adapters (non-zero) pass the self-check (the probe bounds their rounding by
     their own unit roundoff; it refused 2 of 8 seeds before), and against TRL's float32-adapter step the tree's

@@ -64,7 +64,7 @@ def test_rewards_match_trl(tmp_path, pad_is_eos):
 
 @pytest.mark.parametrize(
     "peft, settings",
-    [(False, dict(margin=True, center_rewards_coefficient=0.01)), (True, {})],
+    [(False, dict(margin=True, center_rewards_coefficient=0.01)), pytest.param(True, {}, marks=pytest.mark.slow)],
     ids=["full-margin-centered", "lora"],
 )
 def test_one_step_matches_trl(tmp_path, peft, settings):

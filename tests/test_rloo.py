@@ -45,7 +45,7 @@ def test_logprobs_match_trl(tmp_path):
         assert relative_error(mine, their) <= TRL_TOLERANCE
 
 
-@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_one_step_matches_trl(tmp_path, monkeypatch, peft):
     """Full fine-tuning (separate reference model) and LoRA (reference = the adapter disabled)."""
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")

@@ -95,7 +95,7 @@ def test_depth_first_execution_trains_the_same_objective(tmp_path, tokenizer):
     assert first_loss(depth_first) == pytest.approx(first_loss(packed), rel=1e-5)
 
 
-@pytest.mark.parametrize("loss_type", ["nll", "dft"])
+@pytest.mark.parametrize("loss_type", ["nll", pytest.param("dft", marks=pytest.mark.slow)])
 def test_depth_first_steps_equal_trl(tmp_path, tokenizer, loss_type):
     """Two SGD steps (two micro-batches of 2 rows) of TreeSFTTrainer with every tree run depth-first (units of 8
     tokens), float64, with clipping on (TRL's default 1.0; DFT's gradients are ~1e-4 here, so 1e-5), = TRL's

@@ -122,7 +122,7 @@ def trl_runs(path):
     return get
 
 
-@pytest.mark.parametrize("template", ["plain", "rewriting"])
+@pytest.mark.parametrize("template", ["plain", pytest.param("rewriting", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("assistant_only_loss", [False, True], ids=["all_tokens", "assistant_only"])
 def test_default_messages_branches_train_trls_objective(path, trl_runs, template, assistant_only_loss):
     """The default (messages_branches="conversation") is TRL's objective; rows 0-1 merge into one tree."""
@@ -161,7 +161,7 @@ def test_per_turn_branches_equal_trl_only_without_history_rewriting(path, trl_ru
         assert max(relative_error(tree_updates[n], u) for n, u in trl_updates.items()) > 1e-3
 
 
-@pytest.mark.parametrize("execution", ["auto", "depth_first"])
+@pytest.mark.parametrize("execution", [pytest.param("auto", marks=pytest.mark.slow), "depth_first"])
 def test_branches_longer_than_a_row_train_depth_first_as_trl(path, trl_runs, execution):
     """With depth-first execution TRL's max_length is the branch limit as it is (not capped at the row): branches of
     up to 24 tokens in rows of 8 train depth-first (merged rows 0-1 included) and take TRL's step on the same rows."""

@@ -21,6 +21,7 @@ def _step_breakdown():
     return importlib.import_module("step_breakdown")
 
 
+@pytest.mark.slow  # real CHAMP data, SmolLM2 tokenizer, profiled steps
 @pytest.mark.parametrize("mode", [[], ["--dtype", "bfloat16"], ["--autocast"]], ids=["float32", "bf16", "autocast"])
 def test_quick_breakdown_splits_tree_and_per_branch_steps(capsys, mode):
     if importlib.util.find_spec("champ_dataset") is None:

@@ -68,7 +68,7 @@ def max_param_relative_error(model, reference) -> float:
     return max(relative_error(p, ref[n]) for n, p in model.named_parameters())
 
 
-@pytest.mark.parametrize("normalization", ["token", "sequence"])
+@pytest.mark.parametrize("normalization", ["token", pytest.param("sequence", marks=pytest.mark.slow)])
 def test_three_sgd_steps_match_trainer_on_branches(tmp_path, normalization):
     groups = branch_groups()
     initial = tiny_model(vocab_size=VOCAB)
@@ -117,6 +117,7 @@ def test_depth_first_execution_matches_packed_and_trainer_on_branches(tmp_path):
     assert any(h["rows_per_step"] > 0 for h in logs["auto"])  # (its first step also ran depth-first only)
 
 
+@pytest.mark.slow
 def test_depth_first_trains_a_recurrent_hybrid_as_packed(tmp_path):
     """Qwen3.5 (GatedDeltaNet, its states carried between units; tests/test_depth_first.py checks them against the
     branches): three SGD steps with every tree depth-first in units of 12 tokens equal the packed TreeTrainer (rows
@@ -228,6 +229,7 @@ def test_resume_from_checkpoint_continues_the_same_run(tmp_path):
     assert max_param_relative_error(model, full) <= 1e-12
 
 
+@pytest.mark.slow
 def test_bf16_autocast_update_error_is_no_worse_than_plain_trainer(tmp_path):
     """One SGD step under bf16 autocast vs float32: the tree trainer's update error is at most 2x the reference's."""
     groups = branch_groups()

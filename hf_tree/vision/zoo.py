@@ -27,6 +27,7 @@ import transformers
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
 from hf_tree.models.introspection import causal_lm_of, own_attention, raised_by_hf_tree
+from hf_tree.testing import FLOAT32_GRAD_FLOOR, grads_of, max_grad_error, relative_error
 from hf_tree.vision.collator import MediaTreeCollator
 from hf_tree.vision.forward import SUPPORTED, image_encoder, tree_vision_lm_loss
 from hf_tree.vision.media_tree import MediaTree
@@ -36,9 +37,6 @@ from hf_tree.zoo import (
     classified,
     error_cell,
     first_line,
-    max_grad_error,
-    parameter_grads,
-    relative_error,
     shrink_config,
     state_counts,
 )
@@ -200,12 +198,12 @@ def _check_exact(result: VisionZooResult, model: torch.nn.Module) -> None:
     model.zero_grad()
     loss = tree_vision_lm_loss(model, batch)
     loss.backward()
-    tree_grads = parameter_grads(model)
+    tree_grads = grads_of(model)
     model.zero_grad()
     reference = per_branch_vlm_loss(model, sequences, images, masks)
     reference.backward()
     result.loss_error = relative_error(loss, reference)
-    result.grad_error = max_grad_error(tree_grads, parameter_grads(model))
+    result.grad_error = max_grad_error(tree_grads, grads_of(model), floor=FLOAT32_GRAD_FLOOR)
     tolerance = FLOAT32_INTERNALS.get(model.config.model_type, TOLERANCE[torch.float64])
     if max(result.loss_error, result.grad_error) <= tolerance:
         result.state = "exact"
