@@ -160,16 +160,13 @@ def test_readme_counts_match_the_docs_table():
     assert block(ROOT / "README.md", "zoo-counts") == table.splitlines()[-1]
 
 
-# Not buildable on this branch only through transformers' name-based flash-attention dispatch (they construct
-# flash-attention classes for any implementation named "*flash*"; issue 43, item 3).
-NAME_DISPATCH = {"falcon", "gpt_neo", "hrm_text"}
-
-
 @pytest.mark.slow
 def test_whole_zoo_has_no_silent_mismatch():
+    """Every causal-LM type is built tiny and judged: exact, refused or unrunnable (transformers itself cannot run it
+    on token ids), never a silent mismatch, "not buildable" or "error"."""
     results = [check_architecture(model_type) for model_type in zoo_model_types() + zoo_variants()]
     silent = [(r.model_type, r.detail) for r in results if r.state == "MISMATCH"]
     assert not silent
-    assert sum(r.state == "exact" for r in results) >= 50  # the suite really ran models
-    unbuilt = {r.model_type: r.detail for r in results if r.state == "not buildable"}
-    assert set(unbuilt) <= NAME_DISPATCH, unbuilt
+    assert sum(r.state == "exact" for r in results) >= 100  # the suite really ran models
+    unjudged = {r.model_type: r.detail for r in results if r.state in ("not buildable", "error")}
+    assert not unjudged, unjudged
