@@ -268,11 +268,14 @@ def test_accelerate_own_context_parallel_is_refused(results):
 TRAINER_CONTEXT_PARALLEL = {"context_parallel_strategy": "zigzag", "context_parallel_query_block_size": 5}
 
 
-def train_tree_trainer(output_dir: str) -> dict:
-    """2 SGD steps of ``TreeTrainer`` (float64 tiny Llama, RMSNorm in float64, 2 trees per step, gradient
-    accumulation 2): logged losses, the step divisors and the final full parameters. Under the CP launch
-    both ranks hold the same batch and ``TreeTrainer`` shards it over the CP group with the
-    ``TRAINER_CONTEXT_PARALLEL`` options (without CP they are unused)."""
+def train_tree_trainer(
+    output_dir: str, family: str = "llama", overrides: dict | None = None, options: dict | None = None
+) -> dict:
+    """2 SGD steps of ``TreeTrainer`` (float64 tiny ``family`` model with config ``overrides``, its norms in float64,
+    2 trees per step, gradient accumulation 2): logged losses, the step divisors and the final full parameters.
+    Under the CP launch both ranks hold the same batch and ``TreeTrainer`` shards it over the CP group with the
+    ``options`` (``context_parallel_*`` arguments; default ``TRAINER_CONTEXT_PARALLEL``; without CP they are
+    unused)."""
     from torch.distributed.tensor import DTensor
 
     from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
@@ -289,10 +292,10 @@ def train_tree_trainer(output_dir: str) -> dict:
             seed=3,
             train_sampling_strategy="sequential",
             max_packed_tokens=48,
-            **TRAINER_CONTEXT_PARALLEL,
+            **(TRAINER_CONTEXT_PARALLEL if options is None else options),
         )
     )
-    model = tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB)
+    model = tiny_model(family, dtype=torch.float64, vocab_size=VOCAB, **(overrides or {}))
     trainer = TreeTrainer(model=model, args=args, train_dataset=tree_dataset(branch_groups(seed=5, num_trees=8)))
     with float64_norms():
         trainer.train()

@@ -40,6 +40,7 @@ from tests.helpers import (
     max_grad_relative_error,
     per_branch_forest_loss,
     relative_error,
+    tiny_model,
 )
 
 # Exactness of the tree decomposition (same op, float64 compute, different chunking).
@@ -393,5 +394,20 @@ def test_context_parallel_is_refused(family):
     model = hybrid_model(family)
     batch, _ = packed_batch()
     plan = plan_context_parallel(batch["kv_end"], 1)
-    with tree_context_parallel(batch, plan, 0), pytest.raises(ValueError, match="without context parallelism"):
+    with tree_context_parallel(batch, plan, 0), pytest.raises(ValueError, match="restart them from zero"):
         tree_causal_lm_loss(model, shard_batch_for_context_parallel(batch, plan, 0))
+
+
+@pytest.mark.parametrize(
+    "family, op",
+    [("qwen3_5_text", "torch_chunk_gated_delta_rule"), ("lfm2", "causal_conv1d_fn"), ("bamba", "mamba2_chunk_scan")],
+)
+def test_trainers_refuse_tree_mixers_under_context_parallel_by_name(family, op):
+    """The check the tree trainers run before the first step under cp_size>1 names the model's mixers and the
+    reason; an attention-only model passes."""
+    from hf_tree.models.mixers.install import refuse_tree_mixers_under_context_parallel
+
+    with pytest.raises(ValueError, match=f"cp_size>1 with .*{op}") as error:
+        refuse_tree_mixers_under_context_parallel(hybrid_model(family))
+    assert "cp_size=1" in str(error.value)
+    refuse_tree_mixers_under_context_parallel(tiny_model("llama"))

@@ -51,6 +51,38 @@ TREE_OPS: dict[str, Callable[..., object]] = {
 }
 
 
+# Why the tree mixers refuse hf_tree's context parallel (docs/hybrids.md, docs/context_parallel.md).
+CONTEXT_PARALLEL_REFUSAL = (
+    "hf_tree context parallelism shards the packed row over ranks, but a tree mixer reads its ancestors across the "
+    "cut: the short convolution needs the inputs of the tokens before it on its branch, and a GatedDeltaNet/Mamba2 "
+    "scan starts each segment from its parent's final state, which may live on another rank. Carrying those inputs "
+    "and states (and their gradients) between ranks is not built, so a shard would restart them from zero and train "
+    "wrongly. Train hybrid models (Qwen3.5, Qwen3-Next, LFM2, Bamba, Nemotron-H, Granite-4, Falcon-H1, Zamba2, "
+    "Mamba2) with parallelism_config cp_size=1 (data parallel or FSDP2 sharding still apply)."
+)
+# The sequence-mixing ops of TREE_OPS (the others are the cached decoding steps and the fused kernel's switch).
+MIXER_OPS = ("causal_conv1d_fn", "torch_chunk_gated_delta_rule", "mamba2_chunk_scan")
+
+
+def refuse_tree_mixers_under_context_parallel(model: torch.nn.Module) -> None:
+    """``ValueError`` naming the tree mixers of ``model`` (any module of a ``TREE_MIXER_MODULES`` modeling module
+    that defines a ``MIXER_OPS`` op), for a trainer about to run hf_tree's context parallel; a model without them
+    passes. Called before the first step, so a hybrid is refused with the reason rather than at its first forward
+    (or by accelerate's generic "layers of type ['linear_attention']")."""
+    mixers = {
+        f"{name}.{op}"
+        for name in TREE_MIXER_MODULES
+        if modeling_module(name) in {type(module).__module__ for module in model.modules()}
+        for op in MIXER_OPS
+        if hasattr(importlib.import_module(modeling_module(name)), op)
+    }
+    if mixers:
+        raise ValueError(
+            f"parallelism_config cp_size>1 with {type(model).__name__}, whose tree mixers {sorted(mixers)} cannot run "
+            f"under context parallel: {CONTEXT_PARALLEL_REFUSAL}"
+        )
+
+
 def tree_dispatch(original: Callable[..., object], tree_op: Callable[..., object]) -> Callable[..., object]:
     """``original`` without ``kv_end`` (exactly as before), ``tree_op(..., topology=...)`` with it."""
 
@@ -59,11 +91,7 @@ def tree_dispatch(original: Callable[..., object], tree_op: Callable[..., object
         if kv_end is None:
             return original(*args, **kwargs)
         if active_context_parallel() is not None:
-            raise ValueError(
-                f"{original.__name__}: hf_tree context parallelism shards the packed row, but this recurrent or "
-                "convolutional mixer needs every ancestor of a token on the same rank. Train hybrid models "
-                "(Qwen3.5, Qwen3-Next, LFM2, Mamba2 hybrids) without context parallelism."
-            )
+            raise ValueError(f"{original.__name__}: {CONTEXT_PARALLEL_REFUSAL}")
         return tree_op(*args, topology=tree_topology(kv_end), **kwargs)
 
     dispatch.__hf_tree_original__ = original
