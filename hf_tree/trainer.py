@@ -47,7 +47,6 @@ from hf_tree.models.check import (
 )
 from hf_tree.models.introspection import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
-from hf_tree.models.mixers.install import refuse_tree_mixers_under_context_parallel
 from hf_tree.models.router_loss import router_aux_loss_coef
 from hf_tree.packing import DEPTH_FIRST_KEY, PackingStats, packed_fallback
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel, skip_accelerate_attention_hooks
@@ -231,8 +230,6 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             context_parallel = ContextParallelConfig(pad_token_id=pad_token_id)
         self.tree_context_parallel = TreeContextParallel.from_accelerator(self.accelerator, context_parallel)
         if self.tree_context_parallel is not None:
-            # A hybrid's mixers cannot run on shards: say which and why now (accelerate would only name the layer type).
-            refuse_tree_mixers_under_context_parallel(causal_lm_of(self.model))
             # Every batch of this trainer goes through hf_tree's tree CP (_prepare_context_parallel_inputs), never
             # torch's ring attention, so accelerate's mask-dropping attention hooks (and their refusal of windowed and
             # chunked models, right for the ring attention) must not be attached when Trainer prepares the model.

@@ -80,7 +80,9 @@ def _single_process(model, batch):
     from hf_tree import tree_causal_lm_loss
 
     with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"]).logits
+        logits = model(
+            input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"], use_cache=False
+        ).logits
     loss = tree_causal_lm_loss(model, batch)
     loss.backward()
     grads = _grads(model)
@@ -93,7 +95,9 @@ def _logits_error(model, local, plan, rank, reference_logits) -> float:
     from tests.helpers import relative_error
 
     with torch.no_grad():
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], kv_end=local["kv_end"]).logits
+        logits = model(
+            input_ids=local["input_ids"], position_ids=local["position_ids"], kv_end=local["kv_end"], use_cache=False
+        ).logits
     ids = plan.indices[rank]
     real = ids < plan.num_tokens
     if not bool(real.any()):

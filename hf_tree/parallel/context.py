@@ -175,6 +175,7 @@ class ContextParallelAttention:
         self.local_ids = self.plan.indices[self.rank].to(device)
         # Global slot id -> row of the rank-major gathered keys/values.
         row_of = torch.argsort(self.plan.indices.flatten())
+        self.slot_rows = row_of.to(device)
         self.key_rows = [row_of[b.key_ids].to(device) for b in self.blocks]
         self.key_ids = [b.key_ids.to(device) for b in self.blocks]
         self.kv_end, self.position_ids = self.kv_end.to(device), self.position_ids.to(device)
@@ -183,6 +184,27 @@ class ContextParallelAttention:
         """``key/value [B, Hkv, L, D]`` of this rank -> ``[cp_size * L, 2, B, Hkv, D]`` of all ranks, rank-major."""
         rows = torch.stack([key, value]).movedim(3, 0).contiguous()  # slots first: the all-gather concatenates dim 0
         return _all_gather_rows(rows, self.group) if self.plan.cp_size > 1 else rows
+
+    def gather_sequence(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's ``tensor`` (``L`` shard slots along ``dim``) -> the whole row's (``num_slots`` along
+        ``dim``, in global slot order), for the tree mixers (``hf_tree.models.mixers.install``). Autograd
+        all-gather: its backward hands each rank the gradient of its own slots, summed over the ranks' uses."""
+        self._on(tensor.device)
+        rows = tensor.movedim(dim, 0).contiguous()
+        if self.plan.cp_size > 1:
+            rows = _all_gather_rows(rows, self.group)
+        return rows.index_select(0, self.slot_rows).movedim(0, dim)
+
+    def local_slots(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole row's ``tensor`` (``num_slots`` along ``dim``) -> this rank's slots (``L`` along ``dim``)."""
+        self._on(tensor.device)
+        return tensor.index_select(dim, self.local_ids)
+
+    def row_kv_end(self, device: torch.device) -> torch.Tensor:
+        """``[B, num_slots]`` subtree ends of the whole row (padding slots included) on ``device``: one tensor
+        object for the whole forward, so ``hf_tree.models.mixers.tree_topology`` builds the topology once."""
+        self._on(device)
+        return self.kv_end
 
     def __call__(
         self,
