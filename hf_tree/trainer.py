@@ -13,7 +13,8 @@ What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``t
 - ``label_smoothing_factor`` applies as Trainer's ``LabelSmoother`` does on the branches; ``TrainingArguments`` fields
   tree batches cannot honour are refused or warned about (``hf_tree.training_arguments``, docs/training.md);
 - with ``parallelism_config.cp_size > 1`` each training batch is sharded over the CP group by
-  ``hf_tree.parallel.TreeContextParallel`` (tree-exact; accelerate's own causal-only context parallel is not used);
+  ``hf_tree.parallel.TreeContextParallel`` (tree-exact for full-attention, windowed, softcapped and hybrid models;
+  accelerate's own causal-only context parallel and its attention hooks are not used);
 - training logs add trees and rows per step, dedup ratio, padding fraction and tree/branch tokens per second;
 - under FSDP2, ``save_model`` writes the complete model or adapter with any ``fsdp_state_dict_type``
   (``hf_tree.saving.FSDPFullSaveMixin``).
