@@ -21,7 +21,8 @@ Part 3 (``--models``): the same step on one long GRPO tree (16k tokens) for a ti
 gathered from the ranks), adding the step time of each rank (a third step, not profiled) and its ratio to cp=1.
 
     python benchmarks/context_parallel.py            # rows of 32k-128k tokens for balance, 8k for memory
-    python benchmarks/context_parallel.py --models   # part 3 only (16k-token tree, ~minutes)
+    python benchmarks/context_parallel.py --models mistral               # part 3 only (16k tokens, ~7 min)
+    python benchmarks/context_parallel.py --models lfm2 --tokens 8192    # (16k: ~7 GB for cp=1's profiler)
     python benchmarks/context_parallel.py --quick    # small sizes, seconds (smoke test; part 3 on 1k tokens)
 
 The last line printed is a JSON summary (what tests/test_context_parallel_benchmark_smoke.py reads).
@@ -310,19 +311,24 @@ def memory_table(num_tokens: int, rows: list[str]) -> list[dict]:
 
 def models_table(num_tokens: int, models: list[str]) -> list[dict]:
     """Part 3: one GRPO tree of ``num_tokens`` on each of ``models`` (windowed, hybrid)."""
-    results = [memory_row("grpo", num_tokens, model) for model in models]
-    print_memory("one training step on one long tree: sliding-window Mistral, LFM2 hybrid, float32", results)
+    results = []
+    for model in models:  # each row printed as soon as it is measured
+        results.append(memory_row("grpo", num_tokens, model))
+        print_memory(f"one training step on one long tree, {model}, float32", results[-1:])
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
-    parser.add_argument("--models", action="store_true", help="part 3 only: a 16k-token tree on Mistral and LFM2")
+    parser.add_argument(
+        "--models", nargs="*", choices=["mistral", "lfm2"], help="part 3 only, on these models (default: both)"
+    )
+    parser.add_argument("--tokens", type=int, default=16384, help="part 3: tokens of the tree")
     args = parser.parse_args()
     torch.set_num_threads(1)  # one thread per process: keeps fork safe and cp=1 vs cp=2 times comparable
-    if args.models:
-        print(json.dumps({"models": models_table(16384, ["mistral", "lfm2"])}))
+    if args.models is not None:
+        print(json.dumps({"models": models_table(args.tokens, args.models or ["mistral", "lfm2"])}))
         return
     balance_tokens = [2048] if args.quick else [32768, 131072]
     cp_sizes = [2, 4] if args.quick else [2, 4, 8]

@@ -273,10 +273,15 @@ TRAINER_CONTEXT_PARALLEL = {"context_parallel_strategy": "zigzag", "context_para
 
 
 def train_tree_trainer(
-    output_dir: str, family: str = "llama", overrides: dict | None = None, options: dict | None = None
+    output_dir: str,
+    family: str = "llama",
+    overrides: dict | None = None,
+    options: dict | None = None,
+    lora: bool = False,
 ) -> dict:
     """2 SGD steps of ``TreeTrainer`` (float64 tiny ``family`` model with config ``overrides``, its norms in float64,
-    2 trees per step, gradient accumulation 2): logged losses, the step divisors and the final full parameters.
+    with ``lora`` rank-4 LoRA adapters on every linear layer, 2 trees per step, gradient accumulation 2): logged
+    losses, the step divisors and the final full parameters.
     Under the CP launch both ranks hold the same batch and ``TreeTrainer`` shards it over the CP group with the
     ``options`` (``context_parallel_*`` arguments; default ``TRAINER_CONTEXT_PARALLEL``; without CP they are
     unused)."""
@@ -300,6 +305,11 @@ def train_tree_trainer(
         )
     )
     model = tiny_model(family, dtype=torch.float64, vocab_size=VOCAB, **(overrides or {}))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(1)  # the adapters' initialisation, the same in every process
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear"))
     trainer = TreeTrainer(model=model, args=args, train_dataset=tree_dataset(branch_groups(seed=5, num_trees=8)))
     with float64_norms():
         trainer.train()

@@ -69,10 +69,15 @@ MODELS = {
     "lfm2": ("lfm2", HYBRIDS["lfm2"], 0),
     "bamba": ("bamba", HYBRIDS["bamba"], 0),
 }
-# The models TreeTrainer trains in the launch (each launch-side run costs ~10 s of two CPU processes) and the layer
-# class FSDP2 wraps in each.
+# The layer class FSDP2 wraps in each model TreeTrainer trains in the launch.
 WRAP_CLASSES = {"mistral": "MistralDecoderLayer", "gemma3": "Gemma3DecoderLayer", "qwen3_5": "Qwen3_5DecoderLayer"}
-TRAINER_MODELS = tuple(WRAP_CLASSES)
+# TreeTrainer runs of the launch (each costs ~10 s of two CPU processes): name -> (model, LoRA adapters).
+TRAINER_RUNS = {
+    "mistral": ("mistral", False),
+    "gemma3": ("gemma3", False),
+    "qwen3_5": ("qwen3_5", False),
+    "mistral_lora": ("mistral", True),
+}
 # name: (model, rows, strategy, max_packed_tokens, query_block_size, chunks_per_rank)
 SHARD_CASES = {
     "mistral_deep_forest_balanced": ("mistral", deep_forest_rows, "balanced", 72, 5, 8),
@@ -189,12 +194,12 @@ def worker(out_dir: str) -> None:
         for name in SHARD_CASES:
             results[name] = run_shard_case(name, cp)
         results["accelerate_refusal"] = accelerate_refusal(accelerator)
-        for name in TRAINER_MODELS:
-            family, overrides, _ = MODELS[name]
+        for name, (model_name, lora) in TRAINER_RUNS.items():
+            family, overrides, _ = MODELS[model_name]
             # FSDP2 wraps each decoder layer (Qwen3.5's _no_split_modules also names its vision block, absent from
             # the text model, which accelerate refuses): the launch config's wrap class, set per model.
-            os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = WRAP_CLASSES[name]
-            trainers[name] = train_tree_trainer(str(Path(out_dir, name)), family, overrides, TRAINER_OPTIONS)
+            os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = WRAP_CLASSES[model_name]
+            trainers[name] = train_tree_trainer(str(Path(out_dir, name)), family, overrides, TRAINER_OPTIONS, lora)
     if accelerator.process_index == 0:
         torch.save(trainers, Path(out_dir, "trainers.pt"))
     Path(out_dir, f"rank{accelerator.process_index}.json").write_text(json.dumps(results))
@@ -245,15 +250,17 @@ def test_shards_cut_inside_windows_and_segments_at_forks_and_at_siblings(launche
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", TRAINER_MODELS)
+@pytest.mark.parametrize("name", list(TRAINER_RUNS))
 def test_tree_trainer_under_accelerate_cp_matches_single_process(launched, name, tmp_path):
-    """``TreeTrainer`` under accelerate's FSDP2 + cp_size 2 config trains the windowed/softcapped/hybrid model
-    (accelerate alone refuses it at ``prepare``) to the losses and parameters of the same run in one process."""
+    """``TreeTrainer`` under accelerate's FSDP2 + cp_size 2 config trains the windowed/softcapped/hybrid model, fully
+    or through LoRA adapters (accelerate alone refuses these models at ``prepare``), to the losses and parameters of
+    the same run in one process."""
     _, trainers = launched
-    family, overrides, _ = MODELS[name]
+    model_name, lora = TRAINER_RUNS[name]
+    family, overrides, _ = MODELS[model_name]
     distributed = trainers[name]
     with float64_everywhere():
-        single = train_tree_trainer(str(tmp_path), family, overrides, TRAINER_OPTIONS)
+        single = train_tree_trainer(str(tmp_path), family, overrides, TRAINER_OPTIONS, lora)
     assert distributed["cp_size"] == 2 and single["cp_size"] == 1
     assert distributed["cp_options"] == ("balanced", 5)
     assert distributed["trees_per_step"] == single["trees_per_step"]
