@@ -11,8 +11,9 @@ whose tree mixers run on the whole row gathered from the ranks (``hf_tree.models
   deeper than the windows, with shards cut inside segments (deeper than the window), at forks and at sibling
   starts: per-rank logits, the summed loss and every gradient against the same model on the whole batch (float64,
   1e-9);
-- ``TreeTrainer`` on Mistral, Gemma 3 and Qwen3.5 (FSDP2, activation checkpointing): losses and final parameters
-  against the same run in one process (the test's own process);
+- ``TreeTrainer`` on Mistral (also with LoRA), Gemma 3 and Qwen3.5, and TRL's ``TreeSFTTrainer`` on Gemma 3 (FSDP2,
+  activation checkpointing): losses and final parameters against the same run in one process (the test's own
+  process);
 - the refusal that stays: accelerate's own for a windowed model prepared outside a tree trainer.
 """
 
@@ -179,6 +180,47 @@ def accelerate_refusal(accelerator) -> str:
     return ""
 
 
+def sft_run(output_dir: str, model_name: str) -> dict:
+    """2 SGD steps of ``TreeSFTTrainer`` (TRL) on 8 synthetic agent conversations (chat template, tools) with the
+    float64 ``model_name`` model (``MODELS``), 2 trees per micro-batch, gradient accumulation 2, cut as
+    ``TRAINER_OPTIONS`` say under CP: logged losses and the final full parameters."""
+    from torch.distributed.tensor import DTensor
+
+    from hf_tree.assets import load_smollm2_tokenizer
+    from hf_tree.data.synthetic_agent import synthetic_agent_dataset
+    from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+    from tests.helpers import SMOLLM2_VOCAB, exact_sgd_args, tiny_model
+
+    family, overrides, _ = MODELS[model_name]
+    model = tiny_model(family, dtype=torch.float64, vocab_size=SMOLLM2_VOCAB, **overrides)
+    args = exact_sgd_args(
+        output_dir,
+        per_device_train_batch_size=2,
+        gradient_accumulation_steps=2,
+        max_steps=2,
+        learning_rate=0.2,
+        seed=3,
+        bf16=False,
+        gradient_checkpointing=False,  # TRL's default True; the launch's FSDP2 checkpoints the layers itself
+        train_sampling_strategy="sequential",
+        max_length=None,
+        max_branch_tokens=4096,
+        max_packed_tokens=4096,
+        **TRAINER_OPTIONS,
+    )
+    dataset = synthetic_agent_dataset(8, seed=4, max_user_turns=2, max_tool_steps=1)
+    trainer = TreeSFTTrainer(
+        model=model, args=TreeSFTConfig(**args), train_dataset=dataset, processing_class=load_smollm2_tokenizer()
+    )
+    trainer.train()
+    named = [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in model.named_parameters()]
+    return {
+        "cp_size": 1 if trainer.tree_context_parallel is None else trainer.tree_context_parallel.size,
+        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        "params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in named},
+    }
+
+
 def worker(out_dir: str) -> None:
     from accelerate import Accelerator
 
@@ -200,6 +242,8 @@ def worker(out_dir: str) -> None:
             # the text model, which accelerate refuses): the launch config's wrap class, set per model.
             os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = WRAP_CLASSES[model_name]
             trainers[name] = train_tree_trainer(str(Path(out_dir, name)), family, overrides, TRAINER_OPTIONS, lora)
+        os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = WRAP_CLASSES["gemma3"]
+        trainers["sft_gemma3"] = sft_run(str(Path(out_dir, "sft")), "gemma3")
     if accelerator.process_index == 0:
         torch.save(trainers, Path(out_dir, "trainers.pt"))
     Path(out_dir, f"rank{accelerator.process_index}.json").write_text(json.dumps(results))
@@ -271,6 +315,23 @@ def test_tree_trainer_under_accelerate_cp_matches_single_process(launched, name,
         assert abs(got - want) <= LOGGED_LOSS_TOLERANCE * abs(want), (distributed["losses"], single["losses"])
     assert distributed["params"].keys() == single["params"].keys()
     errors = {n: relative_error(p, single["params"][n]) for n, p in distributed["params"].items()}
+    assert max(errors.values()) <= FLOAT64_TOLERANCE, errors
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_tree_sft_trainer_under_accelerate_cp_matches_single_process(launched, tmp_path):
+    """TRL's path: ``TreeSFTTrainer`` on agent conversations with the windowed, softcapped Gemma 3 under the FSDP2 +
+    cp_size 2 launch equals the same run in one process."""
+    distributed = launched[1]["sft_gemma3"]
+    with float64_everywhere():
+        single = sft_run(str(tmp_path), "gemma3")
+    assert distributed["cp_size"] == 2 and single["cp_size"] == 1
+    assert len(distributed["losses"]) == len(single["losses"]) == 2
+    for got, want in zip(distributed["losses"], single["losses"]):
+        assert abs(got - want) <= LOGGED_LOSS_TOLERANCE * abs(want), (distributed["losses"], single["losses"])
+    errors = {n: relative_error(p, single["params"][n]) for n, p in distributed["params"].items()}
+    assert distributed["params"].keys() == single["params"].keys()
     assert max(errors.values()) <= FLOAT64_TOLERANCE, errors
 
 
