@@ -221,7 +221,8 @@ def sft_run(output_dir: str, model_name: str) -> dict:
     }
 
 
-def worker(out_dir: str) -> None:
+def worker(out_dir: str, shards_only: bool) -> None:
+    """Every case of the launch (``shards_only``: the shard cases, for the 4-rank launch)."""
     from accelerate import Accelerator
 
     from hf_tree.distributed import enable_fsdp2_on_cpu
@@ -235,6 +236,9 @@ def worker(out_dir: str) -> None:
     with float64_everywhere():
         for name in SHARD_CASES:
             results[name] = run_shard_case(name, cp)
+        if shards_only:
+            Path(out_dir, f"rank{accelerator.process_index}.json").write_text(json.dumps(results))
+            finish_launched_worker()
         results["accelerate_refusal"] = accelerate_refusal(accelerator)
         for name, (model_name, lora) in TRAINER_RUNS.items():
             family, overrides, _ = MODELS[model_name]
@@ -251,26 +255,50 @@ def worker(out_dir: str) -> None:
 
 
 # ----------------------------------------------------------------------------------------------- tests
-@pytest.fixture(scope="module")
-def launched(tmp_path_factory) -> tuple[list[dict], dict]:
-    out = tmp_path_factory.mktemp("context_parallel_windowed")
+def launch(out: Path, num_processes: int, *flags: str) -> list[dict]:
+    """``accelerate launch`` of this file on ``num_processes`` gloo ranks, all of them one CP group; the ranks'
+    results."""
     config = out / "accelerate_cp.json"
-    config.write_text(json.dumps(ACCELERATE_CONFIG))
+    parallelism = {"parallelism_config_cp_size": num_processes, "parallelism_config_dp_shard_size": 1}
+    config.write_text(
+        json.dumps({**ACCELERATE_CONFIG, "num_processes": num_processes, "parallelism_config": parallelism})
+    )
     env = dict(os.environ, ACCELERATE_USE_CPU="true", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
-    command += ["--main_process_port", str(free_port()), __file__, str(out)]
-    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    command += ["--main_process_port", str(free_port()), __file__, str(out), *flags]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
-    results = [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(2)]
-    return results, torch.load(out / "trainers.pt")
+    return [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(num_processes)]
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory) -> tuple[list[dict], dict]:
+    out = tmp_path_factory.mktemp("context_parallel_models")
+    return launch(out, 2), torch.load(out / "trainers.pt")
+
+
+@pytest.fixture(scope="module")
+def launched_on_four(tmp_path_factory) -> list[dict]:
+    return launch(tmp_path_factory.mktemp("context_parallel_models_4"), 4, "--shards-only")
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(SHARD_CASES))
 def test_shards_match_single_process(launched, name):
-    results, _ = launched
-    assert all(r["cp_size"] == 2 for r in results)
+    check_shard_case(launched[0], name, 2)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", list(SHARD_CASES))
+def test_shards_on_four_ranks_match_single_process(launched_on_four, name):
+    check_shard_case(launched_on_four, name, 4)
+
+
+def check_shard_case(results: list[dict], name: str, cp_size: int) -> None:
+    """Every rank's logits, the summed loss and every gradient of the case equal the whole batch's."""
+    assert len(results) == cp_size and all(r["cp_size"] == cp_size for r in results)
     for rank, r in enumerate(results):
         case = r[name]
         assert case["num_grads"] > 0
@@ -344,4 +372,4 @@ def test_accelerate_refusal_outside_tree_trainers_stays(launched):
 
 
 if __name__ == "__main__":
-    worker(sys.argv[1])
+    worker(sys.argv[1], "--shards-only" in sys.argv[2:])
