@@ -30,17 +30,15 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import HYBRIDS, VOCAB, finish_launched_worker, free_port, relative_error
-from tests.test_context_parallel_distributed import (
-    ACCELERATE_CONFIG as LLAMA_ACCELERATE_CONFIG,
-)
-from tests.test_context_parallel_distributed import (
+from tests.context_parallel_harness import ACCELERATE_CONFIG as LLAMA_ACCELERATE_CONFIG
+from tests.context_parallel_harness import (
     FLOAT64_TOLERANCE,
-    _grads,
-    _logits_error,
-    _single_process,
+    full_grads,
+    logits_error,
+    single_process,
     train_tree_trainer,
 )
+from tests.helpers import HYBRIDS, VOCAB, finish_launched_worker, free_port, relative_error
 from tests.workloads import agent_row, deep_forest_rows, grpo_row, make_batch
 
 REPO = Path(__file__).resolve().parents[1]
@@ -140,15 +138,15 @@ def run_shard_case(name: str, cp) -> dict:
     family, overrides, window = MODELS[model_name]
     batch = make_batch(rows_fn, max_packed_tokens)
     model = tiny_model(family, dtype=torch.float64, vocab_size=VOCAB, **overrides)
-    ref_logits, ref_loss, ref_grads = _single_process(model, batch)
+    ref_logits, ref_loss, ref_grads = single_process(model, batch)
 
     plan = plan_context_parallel(batch["kv_end"], cp.size, strategy, chunks)
     local = shard_batch_for_context_parallel(batch, plan, cp.rank)
     with tree_context_parallel(batch, plan, cp.rank, cp.group, query_block_size=block):
-        logits_error = _logits_error(model, local, plan, cp.rank, ref_logits)
+        logits_err = logits_error(model, local, plan, cp.rank, ref_logits)
         loss = tree_causal_lm_loss(model, local)
         loss.backward()
-    grads = _grads(model)
+    grads = full_grads(model)
     for g in grads.values():
         dist.all_reduce(g, group=cp.group)  # the CP ranks' gradient contributions add up
     total = loss.detach().clone()
@@ -157,7 +155,7 @@ def run_shard_case(name: str, cp) -> dict:
     for rank, ids in enumerate(plan.indices):
         owner[ids] = rank
     return {
-        "logits": logits_error,
+        "logits": logits_err,
         "loss": relative_error(total, ref_loss),
         "grad_errors": {n: max_grad_relative_error({n: grads[n]}, {n: ref_grads[n]}) for n in grads},
         "num_grads": len(grads),
@@ -285,14 +283,14 @@ def launched_on_four(tmp_path_factory) -> list[dict]:
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(SHARD_CASES))
-def test_shards_match_single_process(launched, name):
+def test_shards_matchsingle_process(launched, name):
     check_shard_case(launched[0], name, 2)
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(SHARD_CASES))
-def test_shards_on_four_ranks_match_single_process(launched_on_four, name):
+def test_shards_on_four_ranks_matchsingle_process(launched_on_four, name):
     check_shard_case(launched_on_four, name, 4)
 
 
@@ -323,7 +321,7 @@ def test_shards_cut_inside_windows_and_segments_at_forks_and_at_siblings(launche
 @pytest.mark.slow
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(TRAINER_RUNS))
-def test_tree_trainer_under_accelerate_cp_matches_single_process(launched, name, tmp_path):
+def test_tree_trainer_under_accelerate_cp_matchessingle_process(launched, name, tmp_path):
     """``TreeTrainer`` under accelerate's FSDP2 + cp_size 2 config trains the windowed/softcapped/hybrid model, fully
     or through LoRA adapters (accelerate alone refuses these models at ``prepare``), to the losses and parameters of
     the same run in one process."""
@@ -348,7 +346,7 @@ def test_tree_trainer_under_accelerate_cp_matches_single_process(launched, name,
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tree_sft_trainer_under_accelerate_cp_matches_single_process(launched, tmp_path):
+def test_tree_sft_trainer_under_accelerate_cp_matchessingle_process(launched, tmp_path):
     """TRL's path: ``TreeSFTTrainer`` on agent conversations with the windowed, softcapped Gemma 3 under the FSDP2 +
     cp_size 2 launch equals the same run in one process."""
     distributed = launched[1]["sft_gemma3"]
