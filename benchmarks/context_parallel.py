@@ -16,8 +16,14 @@ cp=1 runs the memory-frugal "blocked" engine on CPU (the automatic ``cpu`` engin
 ``segments`` for these rows; the comparison is with the leanest whole-row engine). The target is
 cp=2 activation memory per rank <= 0.6x cp=1.
 
+Part 3 (``--models``): the same step on one long GRPO tree (16k tokens) for a tiny sliding-window Mistral
+(window 256, shorter than the shared prompt) and a tiny LFM2 hybrid (short convolutions, run on the whole row
+gathered from the ranks), adding the step time of each rank (a third step, not profiled) and its ratio to cp=1.
+
     python benchmarks/context_parallel.py            # rows of 32k-128k tokens for balance, 8k for memory
-    python benchmarks/context_parallel.py --quick    # small sizes, seconds (smoke test)
+    python benchmarks/context_parallel.py --models mistral               # part 3 only (16k tokens, ~7 min)
+    python benchmarks/context_parallel.py --models lfm2 --tokens 8192    # (16k: ~7 GB for cp=1's profiler)
+    python benchmarks/context_parallel.py --quick    # small sizes, seconds (smoke test; part 3 on 1k tokens)
 
 The last line printed is a JSON summary (what tests/test_context_parallel_benchmark_smoke.py reads).
 """
@@ -31,6 +37,7 @@ import os
 import random
 import socket
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -141,10 +148,26 @@ def balance_table(num_tokens: list[int], cp_sizes: list[int]) -> list[dict]:
 
 
 # ----------------------------------------------------------------------------------------------- part 2
-def tiny_llama(seed: int = 0) -> torch.nn.Module:
+# Part 2 and 3 models: 4 layers, hidden 128, 8 query and 2 key/value heads; family and its own settings.
+MODELS = {
+    "llama": ("llama", {}),
+    "mistral": ("mistral", {"sliding_window": 256}),  # every layer windowed, shorter than the trees' depth
+    "lfm2": (  # short convolutions on 3 layers of 4
+        "lfm2",
+        {
+            "layer_types": ["conv", "full_attention", "conv", "conv"],
+            "conv_L_cache": 3,
+            "block_auto_adjust_ff_dim": False,
+        },
+    ),
+}
+
+
+def tiny_model(name: str = "llama", seed: int = 0) -> torch.nn.Module:
     torch.manual_seed(seed)
+    family, settings = MODELS[name]
     config = transformers.AutoConfig.for_model(
-        "llama",
+        family,
         vocab_size=VOCAB,
         hidden_size=128,
         intermediate_size=384,
@@ -152,6 +175,7 @@ def tiny_llama(seed: int = 0) -> torch.nn.Module:
         num_attention_heads=8,
         num_key_value_heads=2,
         max_position_embeddings=1 << 20,
+        **settings,
     )
     return AutoModelForCausalLM.from_config(copy.deepcopy(config), attn_implementation="tree_flash")
 
@@ -185,14 +209,24 @@ def peak_bytes(step) -> int:
     return cpu_peak_bytes(lambda: step().backward())
 
 
-def measure(rank: int, cp_size: int, tree: Tree, out: Path, port: int) -> None:
-    """One rank's activation and peak memory for one training step on ``tree`` (cp=1: the whole row)."""
+def step_seconds(step) -> float:
+    """Wall time of one forward + backward (not profiled)."""
+    start = time.perf_counter()
+    step().backward()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter() - start
+
+
+def measure(rank: int, cp_size: int, tree: Tree, out: Path, port: int, model_name: str = "llama") -> None:
+    """One rank's activation and peak memory and step time for one training step on ``tree`` (cp=1: the whole
+    row)."""
     group = None
     if cp_size > 1:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         dist.init_process_group("gloo", rank=rank, world_size=cp_size)
     device = torch.device("cuda", rank) if torch.cuda.is_available() else torch.device("cpu")
-    model = tiny_llama().to(device)
+    model = tiny_model(model_name).to(device)
     batch = {k: v.to(device) for k, v in row_batch(tree).items()}
     plan = plan_context_parallel(batch["kv_end"], cp_size)
     local = shard_batch_for_context_parallel(batch, plan, rank)
@@ -209,7 +243,10 @@ def measure(rank: int, cp_size: int, tree: Tree, out: Path, port: int) -> None:
     activations = in_context(lambda step: activation_bytes(model, step))
     model.zero_grad(set_to_none=True)
     peak = in_context(peak_bytes)
-    (out / f"cp{cp_size}_rank{rank}.json").write_text(json.dumps({"activations": activations, "peak": peak}))
+    model.zero_grad(set_to_none=True)
+    seconds = in_context(step_seconds)
+    result = {"activations": activations, "peak": peak, "seconds": seconds}
+    (out / f"cp{cp_size}_rank{rank}.json").write_text(json.dumps(result))
     if cp_size > 1:
         dist.destroy_process_group()
 
@@ -220,58 +257,86 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def memory_table(num_tokens: int, rows: list[str]) -> list[dict]:
-    results = []
-    for name in rows:
-        tree = ROWS[name](num_tokens, random.Random(0))
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp)
-            measure(0, 1, tree, out, 0)
-            # fork: the children reuse this process's imports (seconds, not tens of seconds); safe because main()
-            # keeps torch single-threaded, so no OpenMP pool exists to be broken by the fork.
-            mp.start_processes(measure, args=(2, tree, out, free_port()), nprocs=2, join=True, start_method="fork")
-            single = json.loads((out / "cp1_rank0.json").read_text())
-            ranks = [json.loads((out / f"cp2_rank{r}.json").read_text()) for r in range(2)]
-        results.append(
-            {
-                "row": name,
-                "num_tokens": tree.num_tokens,
-                "cp1_activations": single["activations"],
-                "cp1_peak": single["peak"],
-                "cp2_activations": [r["activations"] for r in ranks],
-                "cp2_peak": [r["peak"] for r in ranks],
-                "activation_ratio": max(r["activations"] for r in ranks) / single["activations"],
-                "peak_ratio": max(r["peak"] for r in ranks) / single["peak"],
-            }
-        )
-    print("\n== memory per rank, one training step of a tiny Llama (4 layers, hidden 128), float32 (MiB)")
+def memory_row(name: str, num_tokens: int, model_name: str = "llama") -> dict:
+    """cp=1 in this process, then cp=2 in two forked gloo processes, on the ``name`` row of ``num_tokens``."""
+    tree = ROWS[name](num_tokens, random.Random(0))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        measure(0, 1, tree, out, 0, model_name)
+        # fork: the children reuse this process's imports (seconds, not tens of seconds); safe because main()
+        # keeps torch single-threaded, so no OpenMP pool exists to be broken by the fork.
+        args = (2, tree, out, free_port(), model_name)
+        mp.start_processes(measure, args=args, nprocs=2, join=True, start_method="fork")
+        single = json.loads((out / "cp1_rank0.json").read_text())
+        ranks = [json.loads((out / f"cp2_rank{r}.json").read_text()) for r in range(2)]
+    return {
+        "row": name,
+        "model": model_name,
+        "num_tokens": tree.num_tokens,
+        "cp1_activations": single["activations"],
+        "cp1_peak": single["peak"],
+        "cp1_seconds": single["seconds"],
+        "cp2_activations": [r["activations"] for r in ranks],
+        "cp2_peak": [r["peak"] for r in ranks],
+        "cp2_seconds": [r["seconds"] for r in ranks],
+        "activation_ratio": max(r["activations"] for r in ranks) / single["activations"],
+        "peak_ratio": max(r["peak"] for r in ranks) / single["peak"],
+        "time_ratio": max(r["seconds"] for r in ranks) / single["seconds"],
+    }
+
+
+def print_memory(title: str, results: list[dict]) -> None:
+    print(f"\n== memory per rank, {title} (MiB; step time in s)")
     print(
-        f"{'row':6} {'tokens':>7} | {'act cp1':>8} {'act cp2 r0/r1':>15} {'ratio':>6} | "
-        f"{'peak cp1':>8} {'peak cp2 r0/r1':>15} {'ratio':>6}"
+        f"{'model':8} {'row':6} {'tokens':>7} | {'act cp1':>8} {'act cp2 r0/r1':>15} {'ratio':>6} | "
+        f"{'peak cp1':>8} {'peak cp2 r0/r1':>15} {'ratio':>6} | {'s cp1':>6} {'s cp2 r0/r1':>13} {'ratio':>6}"
     )
     mib = 1 << 20
     for r in results:
         print(
-            f"{r['row']:6} {r['num_tokens']:>7} | {r['cp1_activations'] / mib:>8.1f} "
+            f"{r['model']:8} {r['row']:6} {r['num_tokens']:>7} | {r['cp1_activations'] / mib:>8.1f} "
             f"{r['cp2_activations'][0] / mib:>7.1f}/{r['cp2_activations'][1] / mib:<7.1f} "
             f"{r['activation_ratio']:>6.2f} | {r['cp1_peak'] / mib:>8.1f} "
-            f"{r['cp2_peak'][0] / mib:>7.1f}/{r['cp2_peak'][1] / mib:<7.1f} {r['peak_ratio']:>6.2f}"
+            f"{r['cp2_peak'][0] / mib:>7.1f}/{r['cp2_peak'][1] / mib:<7.1f} {r['peak_ratio']:>6.2f} | "
+            f"{r['cp1_seconds']:>6.2f} {r['cp2_seconds'][0]:>6.2f}/{r['cp2_seconds'][1]:<6.2f} {r['time_ratio']:>6.2f}"
         )
     print("target: activation ratio (max over cp=2 ranks / cp=1) <= 0.60")
+
+
+def memory_table(num_tokens: int, rows: list[str]) -> list[dict]:
+    results = [memory_row(name, num_tokens) for name in rows]
+    print_memory("one training step of a tiny Llama (4 layers, hidden 128), float32", results)
+    return results
+
+
+def models_table(num_tokens: int, models: list[str]) -> list[dict]:
+    """Part 3: one GRPO tree of ``num_tokens`` on each of ``models`` (windowed, hybrid)."""
+    results = []
+    for model in models:  # each row printed as soon as it is measured
+        results.append(memory_row("grpo", num_tokens, model))
+        print_memory(f"one training step on one long tree, {model}, float32", results[-1:])
     return results
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="small sizes (smoke test)")
+    parser.add_argument(
+        "--models", nargs="*", choices=["mistral", "lfm2"], help="part 3 only, on these models (default: both)"
+    )
+    parser.add_argument("--tokens", type=int, default=16384, help="part 3: tokens of the tree")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # memory is measured, not time; one thread per process also keeps fork safe
+    torch.set_num_threads(1)  # one thread per process: keeps fork safe and cp=1 vs cp=2 times comparable
+    if args.models is not None:
+        print(json.dumps({"models": models_table(args.tokens, args.models or ["mistral", "lfm2"])}))
+        return
     balance_tokens = [2048] if args.quick else [32768, 131072]
     cp_sizes = [2, 4] if args.quick else [2, 4, 8]
     memory_tokens = 1024 if args.quick else 8192
     balance = balance_table(balance_tokens, cp_sizes)
     memory = memory_table(memory_tokens, ["agent", "grpo"] if not args.quick else ["agent"])
-    print(json.dumps({"balance": balance, "memory": memory}))
+    models = models_table(1024, ["mistral", "lfm2"]) if args.quick else []
+    print(json.dumps({"balance": balance, "memory": memory, "models": models}))
 
 
 if __name__ == "__main__":

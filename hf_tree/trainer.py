@@ -13,7 +13,8 @@ What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``t
 - ``label_smoothing_factor`` applies as Trainer's ``LabelSmoother`` does on the branches; ``TrainingArguments`` fields
   tree batches cannot honour are refused or warned about (``hf_tree.training_arguments``, docs/training.md);
 - with ``parallelism_config.cp_size > 1`` each training batch is sharded over the CP group by
-  ``hf_tree.parallel.TreeContextParallel`` (tree-exact; accelerate's own causal-only context parallel is not used);
+  ``hf_tree.parallel.TreeContextParallel`` (tree-exact for full-attention, windowed, softcapped and hybrid models;
+  accelerate's own causal-only context parallel and its attention hooks are not used);
 - training logs add trees and rows per step, dedup ratio, padding fraction and tree/branch tokens per second;
 - under FSDP2, ``save_model`` writes the complete model or adapter with any ``fsdp_state_dict_type``
   (``hf_tree.saving.FSDPFullSaveMixin``).
@@ -51,7 +52,7 @@ from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_le
 from hf_tree.models.quantization import log_quantized_base
 from hf_tree.models.router_loss import router_aux_loss_coef
 from hf_tree.packing import DEPTH_FIRST_KEY, PackingStats, packed_fallback
-from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
+from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel, skip_accelerate_attention_hooks
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.training_arguments import check_length_column, check_tree_trainer_arguments, refuse_metrics_callables
@@ -233,6 +234,11 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         else:  # plain TrainingArguments with a TreeDataCollator: the default sharding
             context_parallel = ContextParallelConfig(pad_token_id=pad_token_id)
         self.tree_context_parallel = TreeContextParallel.from_accelerator(self.accelerator, context_parallel)
+        if self.tree_context_parallel is not None:
+            # Every batch of this trainer goes through hf_tree's tree CP (_prepare_context_parallel_inputs), never
+            # torch's ring attention, so accelerate's mask-dropping attention hooks (and their refusal of windowed and
+            # chunked models, right for the ring attention) must not be attached when Trainer prepares the model.
+            skip_accelerate_attention_hooks(self.accelerator)
         coef = router_aux_loss_coef(causal_lm_of(self.model))
         if coef and self.tree_context_parallel is not None:
             raise ValueError(

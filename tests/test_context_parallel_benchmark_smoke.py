@@ -30,3 +30,8 @@ def test_quick_benchmark_reports_balance_and_memory_per_rank():
     (memory,) = summary["memory"]
     assert len(memory["cp2_activations"]) == 2 and memory["cp1_activations"] > 0
     assert 0 < memory["activation_ratio"] < 1  # each rank holds less than the whole row
+    # Part 3: a windowed model and a hybrid on one tree, step time and memory per rank at cp=1 and cp=2.
+    assert [m["model"] for m in summary["models"]] == ["mistral", "lfm2"]
+    for row in summary["models"]:
+        assert len(row["cp2_seconds"]) == 2 and row["cp1_seconds"] > 0
+        assert 0 < row["activation_ratio"] < 1

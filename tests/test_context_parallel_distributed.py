@@ -19,36 +19,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.context_parallel_harness import (
+    ACCELERATE_CONFIG,
+    FLOAT32_TOLERANCE,
+    FLOAT64_TOLERANCE,
+    REPO,
+    full_grads,
+    logits_error,
+    single_process,
+    train_tree_trainer,
+)
 from tests.helpers import VOCAB, finish_launched_worker, free_port
 from tests.workloads import agent_row, deep_forest_rows, grpo_row, make_batch
 
-REPO = Path(__file__).resolve().parents[1]
-FLOAT64_TOLERANCE = 1e-9
-FLOAT32_TOLERANCE = 1e-5
-# Accelerate's FSDP2 + context-parallel config, as a user writes it (CPU: ACCELERATE_USE_CPU=true).
-ACCELERATE_CONFIG = {
-    "compute_environment": "LOCAL_MACHINE",
-    "distributed_type": "FSDP",
-    "num_machines": 1,
-    "num_processes": 2,
-    "machine_rank": 0,
-    "mixed_precision": "no",
-    "use_cpu": True,
-    "fsdp_config": {
-        "fsdp_version": 2,
-        "fsdp_auto_wrap_policy": "TRANSFORMER_BASED_WRAP",
-        "fsdp_transformer_layer_cls_to_wrap": "LlamaDecoderLayer",
-        "fsdp_state_dict_type": "SHARDED_STATE_DICT",
-        "fsdp_reshard_after_forward": True,
-        "fsdp_cpu_ram_efficient_loading": False,
-        # As in fsdp_configs/fsdp2_context_parallel.json: layers are recomputed in backward, CP all-gathers included.
-        "fsdp_activation_checkpointing": True,
-    },
-    "parallelism_config": {"parallelism_config_cp_size": 2, "parallelism_config_dp_shard_size": 1},
-}
-
-
-# name: (rows, family, dtype, strategy, max_packed_tokens, query_block_size)
 CASES = {
     "grpo_llama_f64_balanced": (grpo_row, "llama", torch.float64, "balanced", 128, 8),
     "agent_qwen3_f64_zigzag": (agent_row, "qwen3", torch.float64, "zigzag", 128, 1024),
@@ -61,46 +44,6 @@ FSDP_CASE = "fsdp2_grpo_llama_f64_balanced"
 
 
 # ----------------------------------------------------------------------------------------------- worker
-def _grads(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """Full gradients by parameter name (FSDP2 shards gathered, activation-checkpoint wrappers unnamed)."""
-    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import _CHECKPOINT_PREFIX
-    from torch.distributed.tensor import DTensor
-
-    return {
-        n.replace(_CHECKPOINT_PREFIX, ""): (p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad)
-        .detach()
-        .clone()
-        for n, p in model.named_parameters()
-        if p.grad is not None
-    }
-
-
-def _single_process(model, batch):
-    """cp=1 oracle: logits of every position, the loss and the gradients."""
-    from hf_tree import tree_causal_lm_loss
-
-    with torch.no_grad():
-        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"], kv_end=batch["kv_end"]).logits
-    loss = tree_causal_lm_loss(model, batch)
-    loss.backward()
-    grads = _grads(model)
-    model.zero_grad(set_to_none=True)
-    return logits, loss.detach(), grads
-
-
-def _logits_error(model, local, plan, rank, reference_logits) -> float:
-    """Relative error of this rank's logits (real positions only) against the cp=1 logits."""
-    from tests.helpers import relative_error
-
-    with torch.no_grad():
-        logits = model(input_ids=local["input_ids"], position_ids=local["position_ids"], kv_end=local["kv_end"]).logits
-    ids = plan.indices[rank]
-    real = ids < plan.num_tokens
-    if not bool(real.any()):
-        return 0.0
-    return relative_error(logits[:, real], reference_logits[:, ids[real]])
-
-
 def run_case(name: str, cp) -> dict:
     import torch.distributed as dist
 
@@ -115,21 +58,21 @@ def run_case(name: str, cp) -> dict:
     rows_fn, family, dtype, strategy, max_packed_tokens, block = CASES[name]
     batch = make_batch(rows_fn, max_packed_tokens)
     model = tiny_model(family, dtype=dtype, vocab_size=VOCAB)
-    ref_logits, ref_loss, ref_grads = _single_process(model, batch)
+    ref_logits, ref_loss, ref_grads = single_process(model, batch)
 
     plan = plan_context_parallel(batch["kv_end"], cp.size, strategy)
     local = shard_batch_for_context_parallel(batch, plan, cp.rank)
     with tree_context_parallel(batch, plan, cp.rank, cp.group, query_block_size=block):
-        logits_error = _logits_error(model, local, plan, cp.rank, ref_logits)
+        logits_err = logits_error(model, local, plan, cp.rank, ref_logits)
         loss = tree_causal_lm_loss(model, local)
         loss.backward()
-    grads = _grads(model)
+    grads = full_grads(model)
     for g in grads.values():
         dist.all_reduce(g, group=cp.group)  # the CP ranks' gradient contributions add up
     total = loss.detach().clone()
     dist.all_reduce(total, group=cp.group)
     return {
-        "logits": logits_error,
+        "logits": logits_err,
         "loss": relative_error(total, ref_loss),
         "grads": max_grad_relative_error(grads, ref_grads),
         "num_grads": len(grads),
@@ -148,7 +91,7 @@ def run_fsdp_case(accelerator, cp) -> dict:
 
     batch = make_batch(grpo_row, 128)
     model = tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB)
-    ref_logits, ref_loss, ref_grads = _single_process(copy.deepcopy(model), batch)
+    ref_logits, ref_loss, ref_grads = single_process(copy.deepcopy(model), batch)
     model, _ = accelerator.prepare(model, torch.optim.SGD(model.parameters(), lr=0.0))
     factory, local = cp.prepare(batch)
     with factory():
@@ -156,7 +99,7 @@ def run_fsdp_case(accelerator, cp) -> dict:
         # FSDP2 averages gradients over the dp_shard_cp ranks; the CP parts must add up: scale by the
         # number of processes, as TreeTrainer does for data parallelism.
         accelerator.backward(loss * accelerator.num_processes)
-    grads = _grads(model)
+    grads = full_grads(model)
     total = accelerator.reduce(loss.detach(), reduction="sum")
     return {
         "loss": relative_error(total, ref_loss),
@@ -228,7 +171,7 @@ def test_launch_uses_fsdp2_and_a_cp_group_of_two(results):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("name", list(CASES))
-def test_context_parallel_matches_single_process(results, name):
+def test_context_parallel_matchessingle_process(results, name):
     for rank, r in enumerate(results):
         case = r[name]
         assert case["num_grads"] > 0
@@ -249,7 +192,7 @@ def test_cases_cover_padding_odd_lengths_and_a_rank_without_loss_edges(results):
 
 
 @pytest.mark.distributed
-def test_fsdp2_context_parallel_matches_single_process(results):
+def test_fsdp2_context_parallel_matchessingle_process(results):
     for rank, r in enumerate(results):
         case = r[FSDP_CASE]
         assert case["sharded"].startswith("FSDP") and case["checkpointed"] > 0, case
@@ -263,52 +206,8 @@ def test_accelerate_own_context_parallel_is_refused(results):
         assert "accelerate's context parallel" in r[FSDP_CASE]["refusal"]
 
 
-# ----------------------------------------------------------------------------------------------- TreeTrainer
-# Non-default sharding options of the trainer run, set through TreeTrainingArguments' context_parallel_* fields.
-TRAINER_CONTEXT_PARALLEL = {"context_parallel_strategy": "zigzag", "context_parallel_query_block_size": 5}
-
-
-def train_tree_trainer(output_dir: str) -> dict:
-    """2 SGD steps of ``TreeTrainer`` (float64 tiny Llama, RMSNorm in float64, 2 trees per step, gradient
-    accumulation 2): logged losses, the step divisors and the final full parameters. Under the CP launch
-    both ranks hold the same batch and ``TreeTrainer`` shards it over the CP group with the
-    ``TRAINER_CONTEXT_PARALLEL`` options (without CP they are unused)."""
-    from torch.distributed.tensor import DTensor
-
-    from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
-    from tests.helpers import exact_sgd_args, float64_norms, tiny_model
-    from tests.workloads import branch_groups, tree_dataset
-
-    args = TreeTrainingArguments(
-        **exact_sgd_args(
-            output_dir,
-            per_device_train_batch_size=2,
-            gradient_accumulation_steps=2,
-            max_steps=2,
-            learning_rate=0.5,
-            seed=3,
-            train_sampling_strategy="sequential",
-            max_packed_tokens=48,
-            **TRAINER_CONTEXT_PARALLEL,
-        )
-    )
-    model = tiny_model("llama", dtype=torch.float64, vocab_size=VOCAB)
-    trainer = TreeTrainer(model=model, args=args, train_dataset=tree_dataset(branch_groups(seed=5, num_trees=8)))
-    with float64_norms():
-        trainer.train()
-    named = [(n.replace("_checkpoint_wrapped_module.", ""), p) for n, p in model.named_parameters()]
-    cp = trainer.tree_context_parallel
-    return {
-        "cp_size": 1 if cp is None else cp.size,
-        "cp_options": None if cp is None else (cp.config.strategy, cp.config.query_block_size),
-        "losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
-        "trees_per_step": [h["trees_per_step"] for h in trainer.state.log_history if "trees_per_step" in h],
-        "params": {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().cpu() for n, p in named},
-    }
-
-
 @pytest.mark.distributed
-def test_tree_trainer_with_context_parallel_matches_single_process(tmp_path):
+def test_tree_trainer_with_context_parallel_matchessingle_process(tmp_path):
     """``TreeTrainer`` under the FSDP2 + cp_size 2 launch (both ranks see the same batches, each trains its
     shard, cut as its ``context_parallel_*`` arguments say) gives the losses and parameters of the same run in one
     process."""

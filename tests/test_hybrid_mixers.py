@@ -389,12 +389,20 @@ def test_tree_batches_refuse_a_cache(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_5_text", "lfm2", "bamba"])
-def test_context_parallel_is_refused(family):
-    """hf_tree context parallelism shards the row; these mixers need a token's ancestors on its rank: refused."""
+def test_one_rank_context_parallel_equals_packed(family):
+    """Under hf_tree's context parallel the mixers run on the whole row gathered from the ranks and keep their own
+    slots (tests/test_context_parallel_windowed.py checks 2 ranks); on one rank this is the packed run."""
     from hf_tree.parallel import plan_context_parallel, shard_batch_for_context_parallel, tree_context_parallel
 
-    model = hybrid_model(family)
     batch, _ = packed_batch()
+    model = hybrid_model(family)
+    loss = tree_causal_lm_loss(model, batch)
+    loss.backward()
+    grads = grads_of(model)
+    model.zero_grad(set_to_none=True)
     plan = plan_context_parallel(batch["kv_end"], 1)
-    with tree_context_parallel(batch, plan, 0), pytest.raises(ValueError, match="without context parallelism"):
-        tree_causal_lm_loss(model, shard_batch_for_context_parallel(batch, plan, 0))
+    with tree_context_parallel(batch, plan, 0):
+        cp_loss = tree_causal_lm_loss(model, shard_batch_for_context_parallel(batch, plan, 0))
+        cp_loss.backward()
+    assert relative_error(cp_loss, loss) <= 1e-12
+    assert max_grad_relative_error(grads_of(model), grads) <= 1e-12

@@ -12,7 +12,7 @@ from hf_tree.parallel.context import (
     shard_batch_for_context_parallel,
     tree_context_parallel,
 )
-from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel
+from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel, skip_accelerate_attention_hooks
 from hf_tree.parallel.plan import (
     STRATEGIES,
     ContextParallelPlan,
@@ -30,6 +30,7 @@ __all__ = [
     "plan_context_parallel",
     "refuse_torch_context_parallel",
     "shard_batch_for_context_parallel",
+    "skip_accelerate_attention_hooks",
     "tree_context_parallel",
     "visible_keys_per_query",
 ]

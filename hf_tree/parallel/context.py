@@ -166,6 +166,9 @@ class ContextParallelAttention:
         self.position_ids = extend_to_slots(batch["position_ids"].detach().to("cpu", torch.int64), plan, "position_ids")
         self.blocks = _query_blocks(plan.indices[rank], self.kv_end, query_block_size)
         self.device: torch.device | None = None
+        # Per sliding window (None: no window): each block's key ids and their rows in the gathered keys/values,
+        # on the device (``_block_keys``).
+        self._keys: dict[int | None, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def _on(self, device: torch.device) -> None:
         """Move the index tensors to ``device`` (first layer of the forward)."""
@@ -174,15 +177,60 @@ class ContextParallelAttention:
         self.device = device
         self.local_ids = self.plan.indices[self.rank].to(device)
         # Global slot id -> row of the rank-major gathered keys/values.
-        row_of = torch.argsort(self.plan.indices.flatten())
-        self.key_rows = [row_of[b.key_ids].to(device) for b in self.blocks]
-        self.key_ids = [b.key_ids.to(device) for b in self.blocks]
+        self.slot_rows = torch.argsort(self.plan.indices.flatten()).to(device)
+        self._keys = {}
         self.kv_end, self.position_ids = self.kv_end.to(device), self.position_ids.to(device)
+
+    def _block_keys(self, sliding_window: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each block's key ids (on the device) and their rows in the gathered keys/values, for layers with
+        ``sliding_window`` (computed once per window size and forward).
+
+        With a window, an ancestor ``j`` is kept only if some row could show it to some query ``i`` of the block,
+        ``position[j] > position[i] - window``: ancestors more than a window above the block's shallowest query
+        are hidden from all its queries, so dropping them changes nothing (the mask still decides) but the work of
+        a windowed layer becomes ``O(window)`` keys per query instead of the query's depth.
+        """
+        if sliding_window not in self._keys:
+            positions = self.position_ids.cpu()
+            local_ids, slot_rows = self.local_ids.cpu(), self.slot_rows.cpu()
+            ids = []
+            for b in self.blocks:
+                key_ids = b.key_ids
+                if sliding_window is not None:
+                    lowest = positions[:, local_ids[b.q0 : b.q1]].min()
+                    key_ids = key_ids[positions[:, key_ids].max(0).values > lowest - sliding_window]
+                ids.append(key_ids)
+            self._keys[sliding_window] = (
+                [i.to(self.device) for i in ids],
+                [slot_rows[i].to(self.device) for i in ids],
+            )
+        return self._keys[sliding_window]
 
     def gather_keys_values(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``key/value [B, Hkv, L, D]`` of this rank -> ``[cp_size * L, 2, B, Hkv, D]`` of all ranks, rank-major."""
         rows = torch.stack([key, value]).movedim(3, 0).contiguous()  # slots first: the all-gather concatenates dim 0
         return _all_gather_rows(rows, self.group) if self.plan.cp_size > 1 else rows
+
+    def gather_sequence(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's ``tensor`` (``L`` shard slots along ``dim``) -> the whole row's (``num_slots`` along
+        ``dim``, in global slot order), for the tree mixers (``hf_tree.models.mixers.install``). Autograd
+        all-gather: its backward hands each rank the gradient of its own slots, summed over the ranks' uses."""
+        self._on(tensor.device)
+        rows = tensor.movedim(dim, 0).contiguous()
+        if self.plan.cp_size > 1:
+            rows = _all_gather_rows(rows, self.group)
+        return rows.index_select(0, self.slot_rows).movedim(0, dim)
+
+    def local_slots(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole row's ``tensor`` (``num_slots`` along ``dim``) -> this rank's slots (``L`` along ``dim``)."""
+        self._on(tensor.device)
+        return tensor.index_select(dim, self.local_ids)
+
+    def row_kv_end(self, device: torch.device) -> torch.Tensor:
+        """``[B, num_slots]`` subtree ends of the whole row (padding slots included) on ``device``: one tensor
+        object for the whole forward, so ``hf_tree.models.mixers.tree_topology`` builds the topology once."""
+        self._on(device)
+        return self.kv_end
 
     def __call__(
         self,
@@ -221,6 +269,7 @@ class ContextParallelAttention:
         check_sinks("tree context parallel", sinks, query.shape[1])
         self._on(query.device)
         rows = self.gather_keys_values(key, value)
+        block_key_ids, block_key_rows = self._block_keys(sliding_window)
         outputs = [
             checkpoint(
                 _block_attention,
@@ -237,7 +286,7 @@ class ContextParallelAttention:
                 sinks,
                 use_reentrant=False,
             )
-            for b, key_ids, key_rows in zip(self.blocks, self.key_ids, self.key_rows)
+            for b, key_ids, key_rows in zip(self.blocks, block_key_ids, block_key_rows)
         ]
         return torch.cat(outputs, dim=2).transpose(1, 2).contiguous()
 

@@ -4,13 +4,15 @@
 ``parallelism_config`` section) builds accelerate's device mesh; its ``"cp"`` dimension is the group a packed
 row is sharded over, and FSDP2 shards parameters over ``"dp_shard_cp"`` exactly as accelerate does.
 ``TreeContextParallel.prepare`` has the contract of ``transformers.Trainer._prepare_context_parallel_inputs``:
-it returns a context-manager factory and the rank's inputs.
+it returns a context-manager factory and the rank's inputs. ``skip_accelerate_attention_hooks`` keeps
+``accelerator.prepare`` from attaching accelerate's own context-parallel attention hooks to a model that only
+hf_tree's tree context parallel drives (the tree trainers call it).
 """
 
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 
@@ -113,3 +115,39 @@ class TreeContextParallel:
             tree_context_parallel, batch, plan, self.rank, self.group, self.config.query_block_size
         )
         return factory, local
+
+
+def skip_accelerate_attention_hooks(accelerator) -> None:
+    """Make ``accelerator.prepare`` (this accelerator only) skip accelerate's context-parallel attention hooks.
+
+    With ``cp_size > 1``, accelerate 1.15's ``Accelerator._prepare_cp`` calls
+    ``big_modeling._attach_context_parallel_hooks`` on every prepared module: the hooks drop each ``self_attn``
+    layer's mask and force ``is_causal=True`` for torch's ring attention, so it refuses any model with a
+    sliding-window or chunked layer (their masks would be lost). hf_tree's tree context parallel never enters
+    torch's ring attention (``accelerator.maybe_context_parallel``; refused around a tree forward): every rank
+    computes its shard against all keys under the model's own tree mask, windows in depth and softcapping
+    included, and plain forwards (no ``kv_end``) keep the model's own mask. For a model only hf_tree drives the
+    hooks are both unneeded and the one obstacle, so this skips them; the rest of ``_prepare_cp`` (the CP
+    context accelerate builds for ``maybe_context_parallel``) still runs. Other accelerators, and modules prepared
+    elsewhere, keep accelerate's hooks and its refusal.
+
+    Raises:
+        ValueError: when the installed accelerate has no ``Accelerator._prepare_cp`` (the hook attachment moved:
+            this function must be updated rather than silently leave the hooks on).
+    """
+    original = getattr(accelerator, "_prepare_cp", None)
+    if original is None:
+        raise ValueError(
+            f"this accelerate ({type(accelerator).__module__}) has no Accelerator._prepare_cp, where hf_tree skips "
+            "accelerate's context-parallel attention hooks for tree models. Use the accelerate version hf_tree was "
+            "tested with (1.15) or update hf_tree.parallel.integration.skip_accelerate_attention_hooks."
+        )
+    if getattr(original, "__hf_tree_skips_hooks__", False):
+        return
+
+    def prepare_cp(*args: object) -> Sequence[object]:
+        original(*(arg for arg in args if not isinstance(arg, torch.nn.Module)))  # the hooks go on modules only
+        return args
+
+    prepare_cp.__hf_tree_skips_hooks__ = True
+    accelerator._prepare_cp = prepare_cp

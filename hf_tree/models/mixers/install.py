@@ -11,17 +11,19 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 from collections.abc import Callable
 from types import ModuleType
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from hf_tree.models.hybrid_modules import TREE_MIXER_MODULES, modeling_module
 from hf_tree.models.mixers.conv import tree_causal_conv1d
 from hf_tree.models.mixers.delta_rule import tree_chunk_gated_delta_rule
 from hf_tree.models.mixers.ssd import tree_mamba2_chunk_scan
 from hf_tree.models.mixers.topology import tree_topology
-from hf_tree.parallel.context import active_context_parallel
+from hf_tree.parallel.context import ContextParallelAttention, active_context_parallel
 
 
 def _skip_fused(*args, **kwargs) -> None:
@@ -51,19 +53,55 @@ TREE_OPS: dict[str, Callable[..., object]] = {
 }
 
 
+# Per tree op: its sequence arguments with their sequence dimension, the output's, and whether it returns
+# ``(output, None)`` (the delta rule's ``(output, final state)``).
+SEQUENCE_DIMS: dict[Callable[..., object], tuple[dict[str, int], int, bool]] = {
+    tree_causal_conv1d: ({"hidden_states": 2}, 2, False),
+    tree_chunk_gated_delta_rule: ({name: 1 for name in ("query", "key", "value", "g", "beta")}, 1, True),
+    tree_mamba2_chunk_scan: ({name: 1 for name in ("hidden_states", "dt", "B", "C")}, 1, False),
+}
+
+
+def context_parallel_tree_op(
+    tree_op: Callable[..., object], context: ContextParallelAttention, args: tuple, kwargs: dict
+) -> object:
+    """``tree_op`` on this rank's shard under hf_tree's context parallel, exactly.
+
+    A token's convolution window and recurrent state come from its ancestors, which may sit on other ranks. The
+    op's sequence inputs (``SEQUENCE_DIMS``) are all-gathered into the whole row (an autograd all-gather, as for
+    attention's keys and values: its backward reduce-scatters, so each rank receives the gradients every rank's
+    outputs sent to its tokens), the op runs on the whole row's topology, and the rank keeps its own slots. The
+    op runs under activation checkpointing: per layer autograd keeps the gathered inputs only (``O(N)`` like the
+    gathered keys/values). The mixer's compute is repeated on every rank (only attention's is split).
+    """
+    arguments, output_dim, returns_pair = SEQUENCE_DIMS[tree_op]
+    bound = inspect.signature(tree_op).bind_partial(*args, **kwargs)
+    names = [name for name in arguments if bound.arguments.get(name) is not None]
+    gathered = [context.gather_sequence(bound.arguments[name], arguments[name]) for name in names]
+    kv_end = context.row_kv_end(gathered[0].device)
+
+    def whole_row(*tensors: torch.Tensor) -> torch.Tensor:
+        bound.arguments.update(zip(names, tensors))
+        out = tree_op(*bound.args, **bound.kwargs, topology=tree_topology(kv_end))
+        return context.local_slots(out[0] if returns_pair else out, output_dim)
+
+    local = checkpoint(whole_row, *gathered, use_reentrant=False)
+    return (local, None) if returns_pair else local
+
+
 def tree_dispatch(original: Callable[..., object], tree_op: Callable[..., object]) -> Callable[..., object]:
-    """``original`` without ``kv_end`` (exactly as before), ``tree_op(..., topology=...)`` with it."""
+    """``original`` without ``kv_end`` (exactly as before), ``tree_op(..., topology=...)`` with it (on the whole row
+    under hf_tree's context parallel, ``context_parallel_tree_op``)."""
 
     @functools.wraps(original)
     def dispatch(*args, kv_end: torch.Tensor | None = None, **kwargs):
         if kv_end is None:
             return original(*args, **kwargs)
-        if active_context_parallel() is not None:
-            raise ValueError(
-                f"{original.__name__}: hf_tree context parallelism shards the packed row, but this recurrent or "
-                "convolutional mixer needs every ancestor of a token on the same rank. Train hybrid models "
-                "(Qwen3.5, Qwen3-Next, LFM2, Mamba2 hybrids) without context parallelism."
-            )
+        if tree_op not in SEQUENCE_DIMS:  # the fused kernel's switch, the cached steps' refusals: no topology
+            return tree_op(*args, **kwargs)
+        context = active_context_parallel()
+        if context is not None:
+            return context_parallel_tree_op(tree_op, context, args, kwargs)
         return tree_op(*args, topology=tree_topology(kv_end), **kwargs)
 
     dispatch.__hf_tree_original__ = original
