@@ -393,7 +393,8 @@ def _training_line(stats: DatasetStats) -> str:
         order = f"TRL's random order, seed {batching.seed}" if batching.shuffle else "sequential order"
         source = (
             f"{stats.num_batches} micro-batches of {batching.per_device_train_batch_size} rows, "
-            f"{batching.gradient_accumulation_steps} per step ({order}, one process, epoch 0): hf-tree sft's"
+            f"{batching.gradient_accumulation_steps} per step ({order}, one process, epoch 0), "
+            "as hf-tree sft batches them"
         )
     elif stats.trees_per_batch is not None:
         source = f"{stats.num_batches} batches of {stats.trees_per_batch} consecutive trees"
