@@ -397,7 +397,7 @@ def _training_line(stats: DatasetStats) -> str:
             "as hf-tree sft batches them"
         )
     elif stats.trees_per_batch is not None:
-        source = f"{stats.num_batches} batches of {stats.trees_per_batch} consecutive trees"
+        source = f"{stats.num_batches} batch(es) of up to {stats.trees_per_batch} consecutive trees"
     else:
         source = "all trees in one batch (an upper bound: training merges only within its micro-batches)"
     return f"dedup in training      {stats.training_dedup_ratio:.3f}  {merged}; {source}"
