@@ -99,9 +99,12 @@ def _load(args: argparse.Namespace):
     return trees, tree_rows_summary(loaded)
 
 
-# The stats/show commands use the trainers' packing defaults (overlong="error": an overlong branch stops them as it
-# would stop training); --overlong drop|truncate counts what a lossy policy does.
-CLI_PACKING = PackingConfig()
+# The stats/show commands use the trainers' packing defaults (TreeArguments: tree_execution="auto"; overlong="error":
+# an overlong branch stops them as it would stop training); --overlong drop|truncate counts what a lossy policy does.
+CLI_PACKING = PackingConfig(tree_execution="auto")
+# ... and TRL's batching defaults (SFTConfig; tests/test_cli.py checks both against the config classes)
+CLI_BATCHING = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "seed": 42}
+SAMPLING_STRATEGIES = ("random", "sequential")  # TreeSFTTrainer's with batch_unit="rows"
 
 
 def _packing(args: argparse.Namespace) -> PackingConfig:
@@ -109,13 +112,30 @@ def _packing(args: argparse.Namespace) -> PackingConfig:
     return PackingConfig(**{f.name: getattr(args, f.name) for f in fields(PackingConfig)})
 
 
+def _batching(args: argparse.Namespace):
+    """The trainer's micro-batches of the batching flags (``TrainerBatching``), or None with --trees_per_batch."""
+    from hf_tree.stats import TrainerBatching
+
+    if args.trees_per_batch is not None:
+        return None
+    return TrainerBatching(
+        per_device_train_batch_size=args.per_device_train_batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        shuffle=args.train_sampling_strategy == "random",
+        seed=args.seed if args.data_seed is None else args.data_seed,
+    )
+
+
 def _stats(args: argparse.Namespace) -> None:
-    """Print what tree packing saves on DATA and what packing at --max-packed-tokens does."""
+    """Print what tree packing saves on DATA and what packing at --max-packed-tokens does in hf-tree sft's
+    micro-batches."""
     from hf_tree.stats import compute_stats, format_report
 
     trees, dropped = _load(args)
     try:
-        stats = compute_stats(trees, _packing(args), trees_per_batch=args.trees_per_batch, dropped=dropped)
+        stats = compute_stats(
+            trees, _packing(args), batching=_batching(args), trees_per_batch=args.trees_per_batch, dropped=dropped
+        )
     except ValueError as error:
         raise ValueError(f"training with these packing settings would stop: {error}") from None
     print(json.dumps(stats.to_dict(), indent=2, default=str) if args.json else format_report(stats))
@@ -129,10 +149,14 @@ def _stats(args: argparse.Namespace) -> None:
 def _show(args: argparse.Namespace) -> None:
     """Draw packed row --index of DATA (the tree and its mask) to --out."""
     from hf_tree.plots import plot_packed_row
-    from hf_tree.stats import plan_rows
+    from hf_tree.stats import plan_batches, plan_rows, trainer_batches
 
     trees, _ = _load(args)
-    plan = plan_rows(trees, _packing(args), trees_per_batch=args.trees_per_batch)
+    batching = _batching(args)
+    if batching is None:
+        plan = plan_rows(trees, _packing(args), trees_per_batch=args.trees_per_batch)
+    else:
+        plan = plan_batches(trainer_batches(trees, batching), _packing(args))
     if not -len(plan.rows) <= args.index < len(plan.rows):
         raise ValueError(f"--index {args.index} is out of range: DATA packs into {len(plan.rows)} rows.")
     parts = plan.rows[args.index]
@@ -197,11 +221,33 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(*_flags("num_proc"), type=int, default=None, help="tokenizing worker processes")
     _add_packing_arguments(parser)
-    parser.add_argument(
+    batches = parser.add_argument_group(
+        "batches",
+        "By default packing is planned on hf-tree sft's micro-batches (TreeSFTTrainer, batch_unit='rows', one "
+        "process, the first epoch): the trees dealt as its sampler deals them, each micro-batch merged "
+        "(merge_in_batch) and packed as its collator does, so 'dedup in training' is the dedup_ratio it logs.",
+    )
+    for name, help_text in (
+        ("per_device_train_batch_size", "rows (samples) per micro-batch"),
+        ("gradient_accumulation_steps", "micro-batches per optimizer step"),
+        ("seed", "the trainer's seed (orders the rows with train_sampling_strategy='random')"),
+    ):
+        batches.add_argument(
+            *_flags(name), type=int, default=CLI_BATCHING[name], help=f"{help_text} (TRL's default: %(default)s)"
+        )
+    batches.add_argument(*_flags("data_seed"), type=int, default=None, help="the trainer's data_seed (else --seed)")
+    batches.add_argument(
+        *_flags("train_sampling_strategy"),
+        choices=SAMPLING_STRATEGIES,
+        default=SAMPLING_STRATEGIES[0],
+        help="the order the trainer takes the rows in (TRL's default: %(default)s)",
+    )
+    batches.add_argument(
         *_flags("trees_per_batch"),
         type=int,
         default=None,
-        help="pack consecutive batches of this many trees, as the trainer's collator does (default: all trees at once)",
+        help="instead: pack consecutive batches of this many trees (batch_unit='trees' order: sequential); larger "
+        "than the dataset: all trees at once, an upper bound of what merging can save",
     )
 
 

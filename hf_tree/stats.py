@@ -12,7 +12,10 @@ FLOP estimate (forward + backward = 3x forward, 2 FLOPs per multiply-add, as in 
   to every position, so the real saving is a little larger).
 
 Packing is planned by ``plan_packing``, the function whose plan ``TreeDataCollator`` lays out, once per collator
-call, so the reported rows, splits and padding are what training does by construction.
+call, so the reported rows, splits and padding are what training does by construction. The collator's calls are
+the trainer's micro-batches: ``trainer_batches`` deals the trees as ``TreeSFTTrainer``'s ``TreeRowBatchSampler`` does
+(``per_device_train_batch_size`` rows each, TRL's random order or sequential), so with ``merge_in_batch`` (on by
+default) the reported training dedup is the ``dedup_ratio`` the trainer logs, step by step.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import torch
 
 from hf_tree.attention.mask import visible_keys_per_query
 from hf_tree.packing import PackingConfig, PackingPlan, PackingStats, plan_packing
+from hf_tree.row_batching import TreeRowBatchSampler
 from hf_tree.tree import Tree, dedup_ratio
 
 
@@ -87,6 +91,18 @@ class DatasetPlan:
         """Tokens in the packed rows (padding and depth-first trees excluded): the numerator of the rows' fill."""
         return sum(part.num_tokens for row in self.rows for part in row)
 
+    def step_dedup_ratios(self, batches_per_step: int) -> list[float]:
+        """The dedup ratio of each run of ``batches_per_step`` consecutive batches (an optimizer step of
+        ``gradient_accumulation_steps`` micro-batches): what the trainer logs as ``dedup_ratio`` with
+        ``logging_steps=1``."""
+        ratios = []
+        for start in range(0, len(self.batches), batches_per_step):
+            step = PackingStats()
+            for plan in self.batches[start : start + batches_per_step]:
+                step.add(plan.stats)
+            ratios.append(step.dedup_ratio)
+        return ratios
+
 
 def placeholder_only(plan: PackingPlan) -> bool:
     """Whether ``plan``'s one row is the placeholder of a batch whose trees all run depth-first."""
@@ -112,7 +128,57 @@ def plan_rows(
     if trees_per_batch is not None and (not isinstance(trees_per_batch, int) or trees_per_batch < 1):
         raise ValueError(f"trees_per_batch={trees_per_batch!r} must be a positive integer or None.")
     step = trees_per_batch or max(len(trees), 1)
-    return DatasetPlan([plan_packing(trees[i : i + step], packing, first=i) for i in range(0, len(trees), step)])
+    return plan_batches([trees[i : i + step] for i in range(0, len(trees), step)], packing)
+
+
+@dataclass(frozen=True)
+class TrainerBatching:
+    """How ``TreeSFTTrainer`` (``batch_unit="rows"``, one process) deals trees into micro-batches; the defaults are
+    TRL's (``SFTConfig``)."""
+
+    per_device_train_batch_size: int = 8
+    """Rows (samples, i.e. branches) per micro-batch."""
+    gradient_accumulation_steps: int = 1
+    """Micro-batches per optimizer step (a step's rows are dealt into them)."""
+    shuffle: bool = True
+    """TRL's ``train_sampling_strategy="random"`` (trees in a seeded random order); False: ``"sequential"``."""
+    seed: int = 42
+    """``data_seed``, else ``seed``: the order of epoch 0 (``TreeOrder``)."""
+
+
+def trainer_batches(trees: Sequence[Tree], batching: TrainerBatching) -> list[list[Tree]]:
+    """The first epoch's micro-batches of ``trees`` as ``TreeSFTTrainer.get_train_dataloader`` makes them (its
+    ``TreeRowBatchSampler``; a tree cut between micro-batches becomes the trees of its parts, as
+    ``TreePartDataset`` gives them).
+
+    Raises:
+        ValueError: on a batch size or accumulation below 1 (as the sampler).
+    """
+    sampler = TreeRowBatchSampler(
+        [tree.num_branches for tree in trees],
+        rows_per_batch=batching.per_device_train_batch_size,
+        batches_per_step=batching.gradient_accumulation_steps,
+        shuffle=batching.shuffle,
+        seed=batching.seed,
+    )
+    return [
+        [
+            trees[p.tree]
+            if (p.first, p.last) == (0, trees[p.tree].num_branches)
+            else trees[p.tree].select_branches(range(p.first, p.last))
+            for p in batch
+        ]
+        for batch in sampler.batches()
+    ]
+
+
+def plan_batches(batches: Sequence[Sequence[Tree]], packing: PackingConfig) -> DatasetPlan:
+    """``plan_packing`` of each batch (one collator call each), e.g. of ``trainer_batches``."""
+    plans, first = [], 0
+    for batch in batches:
+        plans.append(plan_packing(batch, packing, first=first))
+        first += len(batch)
+    return DatasetPlan(plans)
 
 
 def attention_pairs(tree: Tree) -> tuple[int, int]:
@@ -161,6 +227,18 @@ class DatasetStats:
     """Trees left whole to depth-first execution (``PackingConfig.tree_execution``), outside the rows."""
     packing_config: PackingConfig | None = None
     """The options packing was planned with."""
+    batching: TrainerBatching | None = None
+    """The trainer's micro-batches packing was planned on (``trainer_batches``); None: ``trees_per_batch``."""
+    trees_per_batch: int | None = None
+    """With ``batching`` None: consecutive batches of this many trees (None: all trees in one batch)."""
+    num_batches: int = 0
+    """Collator calls (micro-batches) planned."""
+    step_dedup_ratios: list[float] = field(default_factory=list)
+    """Dedup ratio of each optimizer step (``gradient_accumulation_steps`` micro-batches): the trainer's logged
+    ``dedup_ratio`` at ``logging_steps=1``."""
+    num_packed_branch_attention_pairs: int = 0
+    num_packed_tree_attention_pairs: int = 0
+    """Attention pairs of the planned tree parts (merged per batch, split, depth-first), per branch and as trees."""
     dropped: dict[str, Any] = field(default_factory=dict)
     """Counts left out before the trees existed (conversion and building), by reason."""
 
@@ -189,6 +267,22 @@ class DatasetStats:
         return 1.0 - tree / branch if branch else 0.0
 
     @property
+    def training_dedup_ratio(self) -> float:
+        """Branch tokens / tree tokens of the planned batches (after in-batch merging): the trainer's ``dedup_ratio``
+        over the epoch."""
+        return self.packing.dedup_ratio if self.packing is not None else self.dedup_ratio
+
+    @property
+    def training_total_flop_saving(self) -> float:
+        """``total_flop_saving`` of the planned batches (what training computes, for ``model_shape``)."""
+        if self.packing is None:
+            return self.total_flop_saving
+        shape = self.model_shape
+        branch = shape.training_flops(self.packing.num_branch_tokens, self.num_packed_branch_attention_pairs)
+        tree = shape.training_flops(self.packing.num_tree_tokens, self.num_packed_tree_attention_pairs)
+        return 1.0 - tree / branch if branch else 0.0
+
+    @property
     def row_fill(self) -> float:
         """Share of the forwarded rows' capacity (``num_rows * max_packed_tokens``) holding tree tokens (<= 1)."""
         if self.packing is None or not self.packing.num_rows:
@@ -203,6 +297,9 @@ class DatasetStats:
             linear_flop_saving=self.linear_flop_saving,
             attention_flop_saving=self.attention_flop_saving,
             total_flop_saving=self.total_flop_saving,
+            training_dedup_ratio=self.training_dedup_ratio,
+            training_total_flop_saving=self.training_total_flop_saving,
+            step_dedup_ratios=self.step_dedup_ratios,
             row_fill=self.row_fill,
         )
         return out
@@ -212,18 +309,26 @@ def compute_stats(
     trees: Iterable[Tree],
     packing: PackingConfig | None = None,
     *,
+    batching: TrainerBatching | None = None,
     trees_per_batch: int | None = None,
     model_shape: ModelShape | None = None,
     dropped: dict[str, Any] | None = None,
 ) -> DatasetStats:
-    """Statistics of ``trees``; with ``packing``, also what packing them does (``plan_rows``).
+    """Statistics of ``trees``; with ``packing``, also what packing them does: in the trainer's micro-batches
+    (``batching``, ``trainer_batches``) or in consecutive batches of ``trees_per_batch`` trees (``plan_rows``).
 
     Args:
         trees: the dataset's trees (e.g. ``Tree.from_dict(row)`` for each row).
-        packing, trees_per_batch: as ``TreeDataCollator`` / ``plan_rows``.
+        packing: as ``TreeDataCollator``.
+        batching, trees_per_batch: how the trees reach the collator (at most one; neither: all trees at once).
         model_shape: dimensions for ``total_flop_saving`` (default SmolLM2-135M).
         dropped: counts by reason from conversion/building, carried into the report.
+
+    Raises:
+        ValueError: on bad options, both ``batching`` and ``trees_per_batch``, or what ``plan_packing`` raises.
     """
+    if batching is not None and trees_per_batch is not None:
+        raise ValueError("pass batching (the trainer's micro-batches) or trees_per_batch, not both.")
     trees = list(trees)
     stats = DatasetStats(model_shape=model_shape or ModelShape(), dropped=dict(dropped or {}))
     for tree in trees:
@@ -242,9 +347,19 @@ def compute_stats(
         stats.tree_dedup_ratios.append(tree.dedup_ratio)
     if packing is not None:
         stats.packing_config, stats.max_packed_tokens = packing, packing.max_packed_tokens
-        plan = plan_rows(trees, packing, trees_per_batch=trees_per_batch)
+        if batching is not None:
+            plan = plan_batches(trainer_batches(trees, batching), packing)
+        else:
+            plan = plan_rows(trees, packing, trees_per_batch=trees_per_batch)
+        stats.batching, stats.trees_per_batch, stats.num_batches = batching, trees_per_batch, len(plan.batches)
         stats.packing, stats.num_row_tokens = plan.stats, plan.num_row_tokens
         stats.num_depth_first_trees = sum(len(batch.depth_first) for batch in plan.batches)
+        accumulation = batching.gradient_accumulation_steps if batching is not None else 1
+        stats.step_dedup_ratios = plan.step_dedup_ratios(accumulation)
+        for part in (*(p for row in plan.rows for p in row), *(t for b in plan.batches for t in b.depth_first)):
+            branch_pairs, tree_pairs = attention_pairs(part)
+            stats.num_packed_branch_attention_pairs += branch_pairs
+            stats.num_packed_tree_attention_pairs += tree_pairs
     return stats
 
 
@@ -270,6 +385,24 @@ def text_histogram(values: Sequence[float], bins: int = 10, width: int = 40, int
     return "\n".join(lines)
 
 
+def _training_line(stats: DatasetStats) -> str:
+    """The training dedup and where its batches come from."""
+    config, batching = stats.packing_config, stats.batching
+    merged = "merged per batch (merge_in_batch)" if config.merge_in_batch else "not merged (merge_in_batch=False)"
+    if batching is not None:
+        order = f"TRL's random order, seed {batching.seed}" if batching.shuffle else "sequential order"
+        source = (
+            f"{stats.num_batches} micro-batches of {batching.per_device_train_batch_size} rows, "
+            f"{batching.gradient_accumulation_steps} per step ({order}, one process, epoch 0), "
+            "as hf-tree sft batches them"
+        )
+    elif stats.trees_per_batch is not None:
+        source = f"{stats.num_batches} batch(es) of up to {stats.trees_per_batch} consecutive trees"
+    else:
+        source = "all trees in one batch (an upper bound: training merges only within its micro-batches)"
+    return f"dedup in training      {stats.training_dedup_ratio:.3f}  {merged}; {source}"
+
+
 def format_report(stats: DatasetStats) -> str:
     """The human-readable report ``hf-tree stats`` prints."""
     lengths = np.asarray(stats.branch_lengths or [0])
@@ -279,7 +412,7 @@ def format_report(stats: DatasetStats) -> str:
         f"tokens per branch      min {lengths.min()}  median {int(np.median(lengths))}  max {lengths.max()}",
         f"tokens before dedup    {stats.num_branch_tokens}  (sum of branch lengths: per-branch training)",
         f"tokens after dedup     {stats.num_tree_tokens}  (tree packing)",
-        f"dedup ratio            {stats.dedup_ratio:.3f}",
+        f"dedup ratio            {stats.dedup_ratio:.3f}  within trees (as built: group_by / messages_branches)",
         f"trained tokens         {stats.num_trained_tokens} (summed over branches)",
         "estimated FLOP saving  (fwd+bwd; linear 6*P per token, attention 12*layers*d per visible query-key pair)",
         f"  linear layers/MLP    {stats.linear_flop_saving:.1%}  = 1 - tree tokens / branch tokens",
@@ -290,7 +423,15 @@ def format_report(stats: DatasetStats) -> str:
     ]
     if stats.packing is not None:
         p = stats.packing
+        lines += [_training_line(stats)]
+        if stats.step_dedup_ratios:
+            steps = np.asarray(stats.step_dedup_ratios)
+            lines.append(
+                f"  per optimizer step   min {steps.min():.3f}  median {np.median(steps):.3f}  max {steps.max():.3f}"
+                f"  ({len(steps)} steps; the trainer logs each as dedup_ratio)"
+            )
         lines += [
+            f"  FLOP saving          {stats.training_total_flop_saving:.1%}  in training (total, as above)",
             f"packing at max_packed_tokens={stats.max_packed_tokens}",
             f"  rows                 {p.num_rows}  (fill {stats.row_fill:.1%} of row capacity; padding to the batch's "
             f"longest row {p.padding_fraction:.1%})",

@@ -132,7 +132,7 @@ def test_stats_reads_what_dataset_name_reads(tmp_path, capsys):
     for argv in (
         [str(flat / "train.jsonl"), "--max-packed-tokens", "64"],
         [str(flat), "--max_packed_tokens", "64"],
-        ["--dataset_name", str(tmp_path / "hub"), "--max_packed_tokens", "64", "--trees_per_batch", "8"],
+        ["--dataset_name", str(tmp_path / "hub"), "--max_packed_tokens", "64", "--per_device_train_batch_size", "8"],
     ):
         main(["stats", *argv, "--json"])
         reports.append(json.loads(capsys.readouterr().out))
@@ -142,3 +142,21 @@ def test_stats_reads_what_dataset_name_reads(tmp_path, capsys):
     empty.mkdir()
     with pytest.raises(SystemExit, match=r"^hf-tree stats: data .*empty' is a folder with no data files"):
         main(["stats", str(empty)])
+
+
+def test_stats_defaults_are_hf_tree_sfts():
+    """`hf-tree stats` plans what `hf-tree sft` does with its defaults: TRL's batching fields and the tree packing
+    fields, read from TreeSFTConfig (a default changed there fails here)."""
+    from dataclasses import fields
+
+    from hf_tree.cli import CLI_BATCHING, CLI_PACKING, SAMPLING_STRATEGIES
+    from hf_tree.packing import PackingConfig
+    from hf_tree.trl.sft import TreeSFTConfig
+
+    defaults = {f.name: f.default for f in fields(TreeSFTConfig)}
+    assert {name: defaults[name] for name in CLI_BATCHING} == CLI_BATCHING
+    assert defaults["train_sampling_strategy"] == SAMPLING_STRATEGIES[0] and defaults["data_seed"] is None
+    assert defaults["batch_unit"] == "rows"
+    for f in fields(PackingConfig):
+        if f.name != "max_branch_tokens":  # TreeSFTConfig derives it from TRL's max_length
+            assert getattr(CLI_PACKING, f.name) == defaults[f.name], f.name

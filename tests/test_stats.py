@@ -11,7 +11,17 @@ import pytest
 from hf_tree import Tree, TreeDataCollator
 from hf_tree.collator import pop_packing_stats
 from hf_tree.packing import DEPTH_FIRST_KEY, PackingConfig, PackingStats
-from hf_tree.stats import ModelShape, compute_stats, format_report, plan_rows, text_histogram
+from hf_tree.row_batching import TreePartDataset, TreeRowBatchSampler
+from hf_tree.stats import (
+    ModelShape,
+    TrainerBatching,
+    compute_stats,
+    format_report,
+    plan_batches,
+    plan_rows,
+    text_histogram,
+    trainer_batches,
+)
 
 
 def _random_groups(seed: int, num_trees: int) -> list[list[list[int]]]:
@@ -118,6 +128,36 @@ def test_packing_plan_equals_the_collators_packing(dataset, overlong, trees_per_
     counted = plan.stats.num_dropped_branches if overlong == "drop" else plan.stats.num_truncated_branches
     assert counted == overlong_branches > 0 and plan.stats.num_split_trees > 0
     assert all(sum(p.num_tokens for p in row) <= 16 for row in plan.rows)
+
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_trainer_batches_are_the_samplers(dataset, shuffle):
+    """``hf-tree stats``'s default plan: the micro-batches ``TreeSFTTrainer``'s sampler deals (trees cut between
+    micro-batches included), each merged and packed as the collator packs it; per-step dedup = the steps' sums."""
+    _, trees = dataset
+    batching = TrainerBatching(per_device_train_batch_size=3, gradient_accumulation_steps=2, shuffle=shuffle, seed=7)
+    sampler = TreeRowBatchSampler([t.num_branches for t in trees], 3, 2, shuffle=shuffle, seed=7)
+    parts = TreePartDataset([t.to_dict() for t in trees])
+    packing = PackingConfig(24)
+    collator = TreeDataCollator(packing=packing)
+    collated = [pop_packing_stats(collator([parts[p] for p in batch])) for batch in sampler.batches()]
+    batches = trainer_batches(trees, batching)
+    assert any(t not in trees for batch in batches for t in batch)  # some trees were cut between micro-batches
+    plan = plan_batches(batches, packing)
+    assert [p.stats for p in plan.batches] == collated
+    stats = compute_stats(trees, packing, batching=batching)
+    steps: list[PackingStats] = []
+    for k, batch_stats in enumerate(collated):  # 2 micro-batches per optimizer step
+        if k % 2 == 0:
+            steps.append(PackingStats())
+        steps[-1].add(batch_stats)
+    assert stats.step_dedup_ratios == [s.dedup_ratio for s in steps]
+    total = PackingStats()
+    for batch_stats in collated:
+        total.add(batch_stats)
+    assert stats.training_dedup_ratio == total.dedup_ratio  # cut and split trees lose some of the trees' sharing
+    with pytest.raises(ValueError, match="pass batching .* or trees_per_batch, not both"):
+        compute_stats(trees, packing, batching=batching, trees_per_batch=4)
 
 
 @pytest.mark.parametrize("tree_execution", ["auto", "depth_first"])
