@@ -31,7 +31,6 @@ from tests.helpers import (
     grads_of,
     per_branch_forest_loss,
     relative_error,
-    replaced,
     run,
     tiny_model,
 )
