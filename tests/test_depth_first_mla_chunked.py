@@ -161,3 +161,41 @@ def test_sft_steps_over_units_equal_trl(tmp_path, family, execution):
     trl_logs, tree_logs = ([h for h in t.state.log_history if "loss" in h] for t in (trl, tree))
     assert [h["loss"] for h in tree_logs] == pytest.approx([h["loss"] for h in trl_logs], rel=1e-5)
     assert max_grad_relative_error(tree_updates, trl_updates) <= 1e-5
+
+
+@pytest.mark.parametrize("family", ["llama4_text", "deepseek_v3"])
+def test_grpo_shared_prompt_pieces_match_trl(tmp_path, monkeypatch, family):
+    """GRPO with each group's prompt run once per optimizer step as a depth-first piece (``tree_share_across_
+    microbatches``), its completions in micro-batches over its cache: MLA's padded keys/values in the cache, and
+    Llama 4 in chunks of 3 (the 5-token prompt piece ends inside a chunk, which its completions continue). The same
+    step as TRL's GRPOTrainer (harness of tests/test_grpo_depth_first.py) at the float32 floor of these models."""
+    from trl import GRPOConfig, GRPOTrainer
+
+    from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
+    from tests.helpers import one_step_trainer
+
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    overrides = dict(LLAMA4, attention_chunk_size=3) if family == "llama4_text" else DEEPSEEK
+    model = tiny_model(family, **overrides)
+    model.save_pretrained(tmp_path)
+    cut = dict(per_device_train_batch_size=2, gradient_accumulation_steps=2, num_iterations=2, max_steps=2, beta=0.1)
+    cut["model_init_kwargs"] = dict(dtype=torch.float64, experts_implementation="eager")  # not saved in the config
+    if family == "llama4_text":
+        cut["router_aux_loss_coef"] = 0.0  # see test_sft_steps_over_units_equal_trl
+    updates = {}
+    for name, (trainer_cls, config_cls, extra) in {
+        "trl": (GRPOTrainer, GRPOConfig, {}),
+        "tree": (TreeGRPOTrainer, TreeGRPOConfig, dict(tree_share_across_microbatches=True)),
+    }.items():
+        trainer = one_step_trainer(trainer_cls, config_cls, str(tmp_path), False, **cut, **extra)
+        if name == "trl" and family == "llama4_text":
+            for model in (trainer.model, trainer.ref_model):  # see test_sft_steps_over_units_equal_trl
+                model.base_model_prefix = "model"
+        with float64_family_norms():
+            updates[name] = train_and_measure_updates(trainer)
+        if name == "tree":
+            assert trainer.shared_prompt_stats.pieces == 2, "one prompt piece per optimizer step"
+    error = float32_floor_grad_error(updates["tree"], updates["trl"])
+    print(f"\n{family}: update error vs TRL {error:.2e}")
+    assert any(u.norm() > 0 for u in updates["trl"].values())
+    assert error <= GRAD_TOLERANCE  # measured 2.5e-7 (Llama 4), 1.0e-7 (DeepSeek V3)
