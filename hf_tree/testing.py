@@ -141,6 +141,17 @@ def float64_norms() -> Iterator[None]:
 
 
 @contextlib.contextmanager
+def float64_family_norms() -> Iterator[None]:
+    """``float64_norms`` for DeepSeek V2/V3's RMSNorms too (the same math as Llama's)."""
+    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2RMSNorm
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    with float64_norms(), replaced((DeepseekV2RMSNorm, DeepseekV3RMSNorm), "forward", LlamaRMSNorm.forward):
+        yield
+
+
+@contextlib.contextmanager
 def float64_qwen3_5_norms() -> Iterator[None]:
     """``float64_norms`` for Qwen3.5's RMSNorm (``1 + weight``) and its GatedDeltaNet's gated RMSNorm, which compute
     in float32 even in a float64 model (their float32 inputs are the same math in the same order)."""

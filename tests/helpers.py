@@ -34,6 +34,7 @@ from hf_tree.testing import (  # noqa: F401  (re-exported: the oracle, see hf_tr
     SLOW_HYBRIDS,
     TINY,
     VOCAB,
+    float64_family_norms,
     float64_norms,
     float64_qwen3_5_norms,
     grads_of,

@@ -26,11 +26,11 @@ from hf_tree.attention.segments import segment_tree_attention
 from hf_tree.models.router_loss import router_aux_loss_coef
 from tests.helpers import (
     float32_floor_grad_error,
+    float64_family_norms,
     float64_norms,
     grads_of,
     per_branch_forest_loss,
     relative_error,
-    replaced,
     run,
     tiny_model,
 )
@@ -51,18 +51,6 @@ LLAMA4 = dict(
     experts_implementation="eager",
 )
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
-
-
-@contextlib.contextmanager
-def float64_family_norms():
-    """``float64_norms`` for DeepSeek's RMSNorms too (the same math as Llama's)."""
-    from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2RMSNorm
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3RMSNorm
-    from transformers.models.llama.modeling_llama import LlamaRMSNorm
-
-    with float64_norms():
-        with replaced((DeepseekV2RMSNorm, DeepseekV3RMSNorm), "forward", LlamaRMSNorm.forward):
-            yield
 
 
 def tree_and_branch_runs(model, groups, batch, backward: bool = True):

@@ -134,7 +134,8 @@ def tree_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     refuse_torch_context_parallel()  # torch's CP would shard the row and force a causal mask
-    options = tree_mode_options(module, query, key, kv_end, attention_mask, scaling, dropout, kwargs)
+    row_tokens = None if kv_prefix is None else kv_prefix.row_kv_end.shape[1]  # depth-first: the unit's depths
+    options = tree_mode_options(module, query, key, kv_end, attention_mask, scaling, dropout, kwargs, row_tokens)
     engine_options = dict(
         scaling=options.scaling, sliding_window=options.sliding_window, softcap=options.softcap, sinks=options.sinks
     )

@@ -99,17 +99,18 @@ def _check_mask(module: torch.nn.Module, attention_mask, sliding_window: int | N
 def _check_packed_index_scale(module: torch.nn.Module, num_tokens: int) -> None:
     """Llama 4's NoPE layers scale queries by ``log1p(floor((i + 1) / floor_scale))`` of the packed index ``i``, not
     of ``position_ids``: the same as each branch alone (every depth is at most its packed index) only while every
-    packed index stays below ``floor_scale - 1``."""
+    packed index stays below ``floor_scale - 1``. ``num_tokens`` counts the row, or for a depth-first unit the unit
+    with its cached ancestors: a unit's index restarts at 0 while its depths go on, and that row bounds them."""
     if not getattr(module, "attn_temperature_tuning", False) or getattr(module, "use_rope", True):
         return
     floor_scale = getattr(module, "floor_scale", None)
     if floor_scale is not None and num_tokens >= floor_scale:
         _refuse(
             module,
-            f"its attention temperature tuning scales queries by packed index (not depth) and a packed row of "
-            f"{num_tokens} tokens reaches floor_scale={floor_scale}",
-            f"Pack rows shorter than {floor_scale} tokens (max_packed_tokens < floor_scale), or set the config's "
-            "attn_temperature_tuning=False.",
+            f"its attention temperature tuning scales queries by packed index (not depth) and a packed row (or a "
+            f"depth-first unit with its cached ancestors) of {num_tokens} tokens reaches floor_scale={floor_scale}",
+            f"Pack rows shorter than {floor_scale} tokens (max_packed_tokens < floor_scale; trees deeper than that "
+            "cannot run depth-first either), or set the config's attn_temperature_tuning=False.",
         )
 
 
@@ -122,9 +123,11 @@ def tree_mode_options(
     scaling: float | None,
     dropout: float,
     kwargs: dict,
+    row_tokens: int | None = None,
 ) -> TreeAttentionOptions:
     """Validate a tree attention call (``query [B, H, N, D]``, ``key [B, Hkv, N, D]``, ``kv_end [B, N]``) and
-    return the options the engines honour; ``ValueError`` for anything they would otherwise drop."""
+    return the options the engines honour; ``ValueError`` for anything they would otherwise drop. ``row_tokens``:
+    the length of the row the queries belong to when longer than ``N`` (a depth-first unit's ``[prefix | unit]``)."""
     if dropout > 0.0:
         raise ValueError(
             f"tree_flash attention does not support attention dropout (got dropout={dropout}); "
@@ -148,7 +151,7 @@ def tree_mode_options(
             _refuse(module, f"the layer passes {name}= ({meaning})", "Tree mode cannot apply it exactly.")
     sliding_window = kwargs.get("sliding_window")
     attention_chunk = _check_mask(module, attention_mask, sliding_window)
-    _check_packed_index_scale(module, query.shape[2])
+    _check_packed_index_scale(module, query.shape[2] if row_tokens is None else row_tokens)
     return TreeAttentionOptions(
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         sliding_window=sliding_window,
