@@ -47,7 +47,10 @@ def leak_across_the_row(model: torch.nn.Module, layer: int = 1) -> None:
     plain = type(mlp).forward
 
     def forward(self, x):
-        return plain(self, x) + 0.1 * x.cumsum(dim=1)
+        out = plain(self, x)  # a mixture-of-experts MLP also returns its router scores
+        if isinstance(out, tuple):
+            return (out[0] + 0.1 * x.cumsum(dim=1), *out[1:])
+        return out + 0.1 * x.cumsum(dim=1)
 
     mlp.forward = types.MethodType(forward, mlp)
 
@@ -224,6 +227,35 @@ def test_exact_models_pass_in_half_precision(family, dtype):
     """No false alarm: the bound follows the rounding floor measured on the model (gpt-oss: MoE routing moves the
     other rows of a padded batch too)."""
     assert probe_tree_exactness(tiny_model(family, dtype=dtype)) < 5e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_leak_in_a_mixture_of_experts_model_is_refused(dtype):
+    """The reference runs replay the tree's expert routing (a float16 tie between two experts' logits flips on
+    rounding alone: hf_tree.models.pinned_routing); a leak into the router's input still shows in the experts'
+    outputs and is refused."""
+    model = tiny_model("gpt_oss", dtype=dtype)
+    leak_across_the_row(model, layer=1)
+    with pytest.raises(ValueError, match=r"not tree-exact.*layer 1 \(GptOssDecoderLayer\)"):
+        probe_tree_exactness(model)
+
+
+def test_pinned_routing_replays_the_recorded_experts():
+    from hf_tree.models.pinned_routing import recording_routing, replaying_routing
+
+    logits = torch.tensor([[0.5, 0.1, 0.1, -1.0], [0.0, 1.0, 2.0, 3.0]])
+    with recording_routing({4}) as routing:
+        torch.topk(logits, 2)
+    assert [r.tolist() for r in routing] == [[[0, 1], [3, 2]]]
+    routing[0][0] = torch.tensor([0, 2])  # the other side of the tie
+    flipped = logits.flip(0)  # this run's token 0 is the recorded row 1, its token 1 routes on its own
+    with replaying_routing({4}, routing, torch.tensor([1, -1])):
+        values, indices = flipped.topk(2)
+    assert indices.tolist() == [[3, 2], [0, 1]]
+    assert torch.equal(values, torch.gather(flipped, 1, indices))
+    with replaying_routing({4}, routing, torch.tensor([0, 1])):
+        assert torch.topk(logits, 2).indices.tolist() == [[0, 2], [3, 2]]
+        assert torch.topk(logits[:, :3], 2).indices.tolist() == [[0, 1], [2, 1]]  # not an expert axis
 
 
 def test_bound_follows_the_measured_floor():

@@ -41,6 +41,7 @@ from transformers import PreTrainedModel
 
 from hf_tree.models.introspection import backbone_of, causal_lm_of, eval_mode_no_grad, own_attention, probe_ids
 from hf_tree.packing import pack_and_place
+from hf_tree.models.pinned_routing import recording_routing, replaying_routing
 from hf_tree.parallel.context import suspend_context_parallel
 from hf_tree.tree import Tree
 
@@ -295,19 +296,35 @@ def run_probe(
             )
         return records
 
-    def own_forward(input_ids: torch.Tensor) -> dict:
-        with _recording(modules) as records, own_attention(causal_lm):
+    def own_forward(input_ids: torch.Tensor, rows: torch.Tensor) -> dict:
+        """The model's own attention on ``input_ids``, each token routed as the tree's row ``rows[t]`` (-1: its
+        own routing; ``hf_tree.models.pinned_routing``) in a mixture-of-experts model."""
+        pinned = replaying_routing(experts, routing, rows) if routed else contextlib.nullcontext()
+        with _recording(modules) as records, own_attention(causal_lm), pinned:
             model(input_ids=input_ids.to(device), use_cache=False)
         return records
+
+    def padded_rows(group: list[int], kept: dict[int, int]) -> torch.Tensor:
+        """The tree row of each token of ``padded_ids(group, ...)``: branch ``b``'s first ``kept[b]`` tokens are
+        the tree's, the rest (padding, replaced tokens) route on their own."""
+        width = max(len(branches[b]) for b in group) + PROBE_PADDING
+        rows = torch.full((len(group), width), -1)
+        for row, b in enumerate(group):
+            rows[row, : kept[b]] = flat[b][: kept[b]]
+        return rows.reshape(-1)
 
     precision: list[torch.dtype] = []
     hook = backbone_of(causal_lm).register_forward_pre_hook(record_precision)
     # [tree input, tree output, padded input, padded output]: the largest change of the kept tokens.
     invariance = {name: [float("nan"), float("nan"), 0.0, 0.0] for name in modules}
+    # mixture-of-experts: the tree's routing, replayed in the reference runs (hf_tree.models.pinned_routing)
+    experts = {n for n in _config_ints(config, EXPERT_KEYS) if n > 1}
+    whole = {b: len(branch) for b, branch in enumerate(branches)}
     try:
-        tree_records = tree_forward(batch["input_ids"])
-        alone = [own_forward(torch.tensor([branch])) for branch in branches]
-        padded = [own_forward(padded_ids(group, branches)) for group in groups]
+        with recording_routing(experts) if routed else contextlib.nullcontext([]) as routing:
+            tree_records = tree_forward(batch["input_ids"])
+        alone = [own_forward(torch.tensor([branch]), flat[b]) for b, branch in enumerate(branches)]
+        padded = [own_forward(padded_ids(group, branches), padded_rows(group, whole)) for group in groups]
         for sibling in (0, 1):
             suffix = shape.suffixes[sibling]
             fresh = probe_ids(config.vocab_size, suffix, seed=100 + sibling, device=torch.device("cpu")).tolist()
@@ -319,7 +336,8 @@ def run_probe(
             padded_variant = None
             if routed:
                 rows = [branch if b != sibling else branch[: shape.prefix] + fresh for b, branch in enumerate(branches)]
-                padded_variant = own_forward(padded_ids(groups[0], rows))
+                kept_tokens = whole | {sibling: shape.prefix}  # the replaced sibling keeps the prefix's routing
+                padded_variant = own_forward(padded_ids(groups[0], rows), padded_rows(groups[0], kept_tokens))
             for name, which in itertools.product(modules, (0, 1)):
                 change = _invariant(tree_records, variant, name, kept, which=which)
                 invariance[name][which] = _nan_max(invariance[name][which], change)
