@@ -40,8 +40,8 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_tree.models.introspection import backbone_of, causal_lm_of, eval_mode_no_grad, own_attention, probe_ids
-from hf_tree.packing import pack_and_place
 from hf_tree.models.pinned_routing import recording_routing, replaying_routing
+from hf_tree.packing import pack_and_place
 from hf_tree.parallel.context import suspend_context_parallel
 from hf_tree.tree import Tree
 
@@ -181,6 +181,9 @@ class ProbeRun:
     tree: dict[str, tuple[torch.Tensor | None, torch.Tensor]]
     alone: dict[str, tuple[torch.Tensor | None, torch.Tensor]]
     padded: dict[str, tuple[torch.Tensor | None, torch.Tensor]]
+    # the branches alone once more with every float32 parameter and buffer in float64 (float32 models only; empty
+    # where not measured): how far the model's own float32 run is from its math
+    float64: dict[str, tuple[torch.Tensor | None, torch.Tensor]]
     autocast: torch.dtype | None
     # per module: the largest per-token change of the tokens kept when one sibling's tokens are replaced,
     # ``(tree input, tree output, padded-batch input, padded-batch output)``
@@ -191,8 +194,10 @@ class ProbeRun:
         return _difference(self.tree, self.alone, name, which)
 
     def floor(self, name: str, which: int = 1) -> float:
-        """Padded batch vs branches alone: the rounding two exact runs of ``name`` differ by."""
-        return _difference(self.padded, self.alone, name, which)
+        """The rounding two exact runs of ``name`` differ by: padded batch vs branches alone, and (float32 models)
+        the branches alone in float64 vs in float32, the larger."""
+        padded = _difference(self.padded, self.alone, name, which)
+        return _nan_max(padded, _difference(self.float64, self.alone, name, which))
 
 
 def _nan_max(a: float, b: float) -> float:
@@ -256,6 +261,36 @@ def _invariant(base: dict, variant: dict, name: str, tokens: torch.Tensor, row: 
         return float("nan")
     tokens = tokens.to(x.device)
     return token_difference(y[row, tokens], x[row, tokens])
+
+
+@contextlib.contextmanager
+def _float64_parameters(model: torch.nn.Module) -> Iterator[bool]:
+    """Every parameter and floating buffer of ``model`` in float64 for the block, then back to the very same float32
+    tensors; yields whether it did. It does not (yields False) unless every floating parameter is a plain, local
+    float32 ``Parameter``: not sharded (FSDP, ZeRO-3), quantized or partly in another dtype. Costs a float64 copy
+    of the weights (twice a float32 model, less than the gradients and optimizer states training adds)."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    plain = all(
+        type(p) is torch.nn.Parameter and type(p.data) is torch.Tensor and p.dtype == torch.float32 and p.numel()
+        for p in params
+    )  # a DTensor (FSDP2), a flat or 4-bit parameter class, an empty ZeRO-3 placeholder: left alone
+    if not params or not plain:
+        yield False
+        return
+    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    buffers = [(m, n, b) for m, n, b in buffers if b.dtype == torch.float32]
+    originals = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.data.double()
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer.double()
+        yield True
+    finally:
+        for p, original in zip(params, originals):
+            p.data = original
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
 
 
 def run_probe(
@@ -325,6 +360,14 @@ def run_probe(
             tree_records = tree_forward(batch["input_ids"])
         alone = [own_forward(torch.tensor([branch]), flat[b]) for b, branch in enumerate(branches)]
         padded = [own_forward(padded_ids(group, branches), padded_rows(group, whole)) for group in groups]
+        float64 = []
+        if not precision:  # a float32 model's own rounding: its scans and norms round more than a unit
+            try:
+                with _float64_parameters(causal_lm) as upcast:
+                    if upcast:
+                        float64 = [own_forward(torch.tensor([branch]), flat[b]) for b, branch in enumerate(branches)]
+            except (RuntimeError, TypeError, NotImplementedError, ValueError):
+                float64 = []  # a kernel without float64 (grouped_mm experts): the padded batch's floor alone
         for sibling in (0, 1):
             suffix = shape.suffixes[sibling]
             fresh = probe_ids(config.vocab_size, suffix, seed=100 + sibling, device=torch.device("cpu")).tolist()
@@ -354,6 +397,7 @@ def run_probe(
         padded=_gather(
             [padded[where[b][0]] for b in range(len(branches))], [(where[b][1], t) for b, t in enumerate(tokens)]
         ),
+        float64=_gather(float64, [(0, t) for t in tokens]) if float64 else {},
         autocast=precision[0] if precision else None,
         invariance={name: tuple(values) for name, values in invariance.items()},
     )
