@@ -14,9 +14,12 @@ length lands in a sibling for some token of the second. The probe never exceeds 
 
 The bound (``tolerance``). Exact implementations differ from the branches alone by rounding only, and how much
 depends on the dtype, the kernels and the model's activations. The probe measures that floor on the model itself:
-the branches run a second time right-padded (other matmul shapes, mathematically the same tokens for a causal model),
-and a layer is accepted when its tree difference is within ``FLOOR_FACTOR`` times the larger of the largest floor
-measured over the layers and the dtype's own unit roundoff (``MIN_FLOOR``).
+the branches run a second time right-padded (other matmul shapes, mathematically the same tokens for a causal model)
+and, in a float32 model, a third time with its parameters in float64 (its float32 scans and reductions round more
+than a unit: pure Mamba2's SSD scan), and a layer is accepted when its tree difference is within ``FLOOR_FACTOR``
+times the larger of the largest floor measured over the layers and the dtype's own unit roundoff (``MIN_FLOOR``).
+In a mixture-of-experts model every reference run routes each token as the tree did (``hf_tree.models.
+pinned_routing``: a top-k tie flips on rounding alone).
 
 The invariance check. Replacing one sibling's tokens must leave every other branch's tokens unchanged, bit for bit
 in an exact model (a masked key contributes an exact zero), whatever the dtype: this sees leaks far below the
