@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
-from hf_tree.models.check import SELF_CHECK_ENV_VAR
+from hf_tree.models.check import SELF_CHECK_ENV_VAR, probe_tree_exactness
 from hf_tree.models.mixers import (
     build_topology,
     install_tree_mixers,
@@ -40,6 +40,7 @@ from tests.helpers import (
     max_grad_relative_error,
     per_branch_forest_loss,
     relative_error,
+    tiny_model,
 )
 
 # Exactness of the tree decomposition (same op, float64 compute, different chunking).
@@ -293,7 +294,7 @@ def test_more_hybrid_models_match_per_branch(family):
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_pure_mamba2_model_matches_per_branch(checkpointing):
     """Mamba2ForCausalLM.forward drops the model's keyword arguments; hf_tree hands kv_end on to its backbone
-    (hf_tree.models.mixers.install.KWARG_DROPPING_HEADS), whose blocks pass it to the tree-aware scan and conv. A
+    (hf_tree.models.mixers.install.KWARG_DROPPING_CLASSES), whose blocks pass it to the tree-aware scan and conv. A
     block's checkpoint keeps the keyword arguments it was called with, so a recompute sees kv_end too."""
     model = hybrid_model("mamba2")
     if checkpointing:
@@ -304,6 +305,34 @@ def test_pure_mamba2_model_matches_per_branch(checkpointing):
     loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(model)
     assert relative_error(loss, reference) <= FLOAT32_FLOOR
     assert float32_floor_grad_error(tree_grads, ref_grads) <= FLOAT32_FLOOR
+
+
+@pytest.mark.parametrize("family", ["nemotron", "stablelm"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_layers_that_drop_kv_end_match_per_branch(family, checkpointing):
+    """Nemotron's and StableLM's decoder layers call their attention without the model's keyword arguments, so
+    kv_end never reached tree_flash and the packed row ran as one causal sequence (the first-use probe refused them
+    at 1.08 and 0.64); hf_tree hands the tree keywords on to the attention (KWARG_DROPPING_CLASSES). Partial rotary
+    (Nemotron 0.5, StableLM 0.25), LayerNorm1P and relu2 are tree-agnostic: exact in float64, with checkpointing."""
+    model = tiny_model(family, dtype=torch.float64)
+    assert model.config.rope_parameters["partial_rotary_factor"] < 1
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
+    loss, reference, tree_grads, ref_grads, _ = tree_and_branch_gradients(model)
+    assert relative_error(loss, reference) <= 1e-12
+    assert max_grad_relative_error(tree_grads, ref_grads) <= 1e-9
+
+
+@pytest.mark.parametrize("family", ["nemotron", "stablelm"])
+def test_without_the_keyword_pass_the_probe_refuses_the_layer(family):
+    model = tiny_model(family, dtype=torch.float64)
+    uninstall_tree_mixers()
+    try:
+        with pytest.raises(ValueError, match=r"not tree-exact.*layer 0 .*self_attn"):
+            probe_tree_exactness(model)
+    finally:
+        install_tree_mixers()
 
 
 @contextlib.contextmanager

@@ -47,7 +47,10 @@ def leak_across_the_row(model: torch.nn.Module, layer: int = 1) -> None:
     plain = type(mlp).forward
 
     def forward(self, x):
-        return plain(self, x) + 0.1 * x.cumsum(dim=1)
+        out = plain(self, x)  # a mixture-of-experts MLP also returns its router scores
+        if isinstance(out, tuple):
+            return (out[0] + 0.1 * x.cumsum(dim=1), *out[1:])
+        return out + 0.1 * x.cumsum(dim=1)
 
     mlp.forward = types.MethodType(forward, mlp)
 
@@ -98,8 +101,9 @@ def test_check_runs_once_per_model_instance():
     handle = model.model.register_forward_hook(lambda *args: calls.append(1))
     check_model_for_trees(model)
     first = len(calls)
-    # head detection; tree, 3 branches alone, 2 padded batches; the tree twice with one sibling replaced
-    assert first == 9
+    # head detection; tree, 3 branches alone, 2 padded batches, 3 branches alone in float64 (a float32 model's
+    # floor); the tree twice with one sibling replaced
+    assert first == 12
     tree_causal_lm_loss(model, tree_batch())
     assert len(calls) == first + 1  # only the loss's own forward
     handle.remove()
@@ -224,6 +228,59 @@ def test_exact_models_pass_in_half_precision(family, dtype):
     """No false alarm: the bound follows the rounding floor measured on the model (gpt-oss: MoE routing moves the
     other rows of a padded batch too)."""
     assert probe_tree_exactness(tiny_model(family, dtype=dtype)) < 5e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_a_leak_in_a_mixture_of_experts_model_is_refused(dtype):
+    """The reference runs replay the tree's expert routing (a float16 tie between two experts' logits flips on
+    rounding alone: hf_tree.models.pinned_routing); a leak into the router's input still shows in the experts'
+    outputs and is refused."""
+    model = tiny_model("gpt_oss", dtype=dtype)
+    leak_across_the_row(model, layer=1)
+    with pytest.raises(ValueError, match=r"not tree-exact.*layer 1 \(GptOssDecoderLayer\)"):
+        probe_tree_exactness(model)
+
+
+def test_pinned_routing_replays_the_recorded_experts():
+    from hf_tree.models.pinned_routing import recording_routing, replaying_routing
+
+    logits = torch.tensor([[0.5, 0.1, 0.1, -1.0], [0.0, 1.0, 2.0, 3.0]])
+    with recording_routing({4}) as routing:
+        torch.topk(logits, 2)
+    assert [r.tolist() for r in routing] == [[[0, 1], [3, 2]]]
+    routing[0][0] = torch.tensor([0, 2])  # the other side of the tie
+    flipped = logits.flip(0)  # this run's token 0 is the recorded row 1, its token 1 routes on its own
+    with replaying_routing({4}, routing, torch.tensor([1, -1])):
+        values, indices = flipped.topk(2)
+    assert indices.tolist() == [[3, 2], [0, 1]]
+    assert torch.equal(values, torch.gather(flipped, 1, indices))
+    with replaying_routing({4}, routing, torch.tensor([0, 1])):
+        assert torch.topk(logits, 2).indices.tolist() == [[0, 2], [3, 2]]
+        assert torch.topk(logits[:, :3], 2).indices.tolist() == [[0, 1], [2, 1]]  # not an expert axis
+
+
+def test_float32_floor_is_the_models_own_rounding():
+    """Pure Mamba2 in float32 (its SSD scan over the 257-token sibling rounds 8e-7 away from its float64 math) was
+    refused at 6.5e-7 against 8 units of float32 roundoff (4.8e-7); the floor is now its own float32 run against
+    float64, the parameters come back as the very same tensors, and a leak is still refused."""
+    from tests.helpers import hybrid_model
+
+    settings = dict(hidden_size=32, num_heads=4, head_dim=16, n_groups=1, chunk_size=8)  # the zoo's Mamba2
+    model = hybrid_model("mamba2", **settings).float()
+    before = [(p.data_ptr(), p.detach().clone()) for p in model.parameters()]
+    assert probe_tree_exactness(model) < 2e-6
+    for p, (pointer, values) in zip(model.parameters(), before):
+        assert p.data_ptr() == pointer and p.dtype == torch.float32 and torch.equal(p, values)
+    leaking = hybrid_model("mamba2", **settings).float()
+    block = leaking.backbone.layers[1]
+    plain = type(block).forward
+
+    def forward(self, hidden_states, *args, **kwargs):
+        return plain(self, hidden_states, *args, **kwargs) + 1e-3 * hidden_states.cumsum(dim=1)
+
+    block.forward = types.MethodType(forward, block)
+    with pytest.raises(ValueError, match=r"not tree-exact.*layer 1 \(Mamba2Block\)"):
+        probe_tree_exactness(leaking)
 
 
 def test_bound_follows_the_measured_floor():

@@ -14,9 +14,12 @@ length lands in a sibling for some token of the second. The probe never exceeds 
 
 The bound (``tolerance``). Exact implementations differ from the branches alone by rounding only, and how much
 depends on the dtype, the kernels and the model's activations. The probe measures that floor on the model itself:
-the branches run a second time right-padded (other matmul shapes, mathematically the same tokens for a causal model),
-and a layer is accepted when its tree difference is within ``FLOOR_FACTOR`` times the larger of the largest floor
-measured over the layers and the dtype's own unit roundoff (``MIN_FLOOR``).
+the branches run a second time right-padded (other matmul shapes, mathematically the same tokens for a causal model)
+and, in a float32 model, a third time with its parameters in float64 (its float32 scans and reductions round more
+than a unit: pure Mamba2's SSD scan), and a layer is accepted when its tree difference is within ``FLOOR_FACTOR``
+times the larger of the largest floor measured over the layers and the dtype's own unit roundoff (``MIN_FLOOR``).
+In a mixture-of-experts model every reference run routes each token as the tree did (``hf_tree.models.
+pinned_routing``: a top-k tie flips on rounding alone).
 
 The invariance check. Replacing one sibling's tokens must leave every other branch's tokens unchanged, bit for bit
 in an exact model (a masked key contributes an exact zero), whatever the dtype: this sees leaks far below the
@@ -40,6 +43,7 @@ import torch
 from transformers import PreTrainedModel
 
 from hf_tree.models.introspection import backbone_of, causal_lm_of, eval_mode_no_grad, own_attention, probe_ids
+from hf_tree.models.pinned_routing import recording_routing, replaying_routing
 from hf_tree.packing import pack_and_place
 from hf_tree.parallel.context import suspend_context_parallel
 from hf_tree.tree import Tree
@@ -180,6 +184,9 @@ class ProbeRun:
     tree: dict[str, tuple[torch.Tensor | None, torch.Tensor]]
     alone: dict[str, tuple[torch.Tensor | None, torch.Tensor]]
     padded: dict[str, tuple[torch.Tensor | None, torch.Tensor]]
+    # the branches alone once more with every float32 parameter and buffer in float64 (float32 models only; empty
+    # where not measured): how far the model's own float32 run is from its math
+    float64: dict[str, tuple[torch.Tensor | None, torch.Tensor]]
     autocast: torch.dtype | None
     # per module: the largest per-token change of the tokens kept when one sibling's tokens are replaced,
     # ``(tree input, tree output, padded-batch input, padded-batch output)``
@@ -190,8 +197,10 @@ class ProbeRun:
         return _difference(self.tree, self.alone, name, which)
 
     def floor(self, name: str, which: int = 1) -> float:
-        """Padded batch vs branches alone: the rounding two exact runs of ``name`` differ by."""
-        return _difference(self.padded, self.alone, name, which)
+        """The rounding two exact runs of ``name`` differ by: padded batch vs branches alone, and (float32 models)
+        the branches alone in float64 vs in float32, the larger."""
+        padded = _difference(self.padded, self.alone, name, which)
+        return _nan_max(padded, _difference(self.float64, self.alone, name, which))
 
 
 def _nan_max(a: float, b: float) -> float:
@@ -257,6 +266,36 @@ def _invariant(base: dict, variant: dict, name: str, tokens: torch.Tensor, row: 
     return token_difference(y[row, tokens], x[row, tokens])
 
 
+@contextlib.contextmanager
+def _float64_parameters(model: torch.nn.Module) -> Iterator[bool]:
+    """Every parameter and floating buffer of ``model`` in float64 for the block, then back to the very same float32
+    tensors; yields whether it did. It does not (yields False) unless every floating parameter is a plain, local
+    float32 ``Parameter``: not sharded (FSDP, ZeRO-3), quantized or partly in another dtype. Costs a float64 copy
+    of the weights (twice a float32 model, less than the gradients and optimizer states training adds)."""
+    params = [p for p in model.parameters() if p.is_floating_point()]
+    plain = all(
+        type(p) is torch.nn.Parameter and type(p.data) is torch.Tensor and p.dtype == torch.float32 and p.numel()
+        for p in params
+    )  # a DTensor (FSDP2), a flat or 4-bit parameter class, an empty ZeRO-3 placeholder: left alone
+    if not params or not plain:
+        yield False
+        return
+    buffers = [(m, n, b) for m in model.modules() for n, b in m._buffers.items() if b is not None]
+    buffers = [(m, n, b) for m, n, b in buffers if b.dtype == torch.float32]
+    originals = [p.data for p in params]
+    try:
+        for p in params:
+            p.data = p.data.double()
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer.double()
+        yield True
+    finally:
+        for p, original in zip(params, originals):
+            p.data = original
+        for module, name, buffer in buffers:
+            module._buffers[name] = buffer
+
+
 def run_probe(
     model, causal_lm: PreTrainedModel, modules: dict[str, torch.nn.Module], shape: ProbeShape, routed: bool
 ) -> ProbeRun:
@@ -295,19 +334,43 @@ def run_probe(
             )
         return records
 
-    def own_forward(input_ids: torch.Tensor) -> dict:
-        with _recording(modules) as records, own_attention(causal_lm):
+    def own_forward(input_ids: torch.Tensor, rows: torch.Tensor) -> dict:
+        """The model's own attention on ``input_ids``, each token routed as the tree's row ``rows[t]`` (-1: its
+        own routing; ``hf_tree.models.pinned_routing``) in a mixture-of-experts model."""
+        pinned = replaying_routing(experts, routing, rows) if routed else contextlib.nullcontext()
+        with _recording(modules) as records, own_attention(causal_lm), pinned:
             model(input_ids=input_ids.to(device), use_cache=False)
         return records
+
+    def padded_rows(group: list[int], kept: dict[int, int]) -> torch.Tensor:
+        """The tree row of each token of ``padded_ids(group, ...)``: branch ``b``'s first ``kept[b]`` tokens are
+        the tree's, the rest (padding, replaced tokens) route on their own."""
+        width = max(len(branches[b]) for b in group) + PROBE_PADDING
+        rows = torch.full((len(group), width), -1)
+        for row, b in enumerate(group):
+            rows[row, : kept[b]] = flat[b][: kept[b]]
+        return rows.reshape(-1)
 
     precision: list[torch.dtype] = []
     hook = backbone_of(causal_lm).register_forward_pre_hook(record_precision)
     # [tree input, tree output, padded input, padded output]: the largest change of the kept tokens.
     invariance = {name: [float("nan"), float("nan"), 0.0, 0.0] for name in modules}
+    # mixture-of-experts: the tree's routing, replayed in the reference runs (hf_tree.models.pinned_routing)
+    experts = {n for n in _config_ints(config, EXPERT_KEYS) if n > 1}
+    whole = {b: len(branch) for b, branch in enumerate(branches)}
     try:
-        tree_records = tree_forward(batch["input_ids"])
-        alone = [own_forward(torch.tensor([branch])) for branch in branches]
-        padded = [own_forward(padded_ids(group, branches)) for group in groups]
+        with recording_routing(experts) if routed else contextlib.nullcontext([]) as routing:
+            tree_records = tree_forward(batch["input_ids"])
+        alone = [own_forward(torch.tensor([branch]), flat[b]) for b, branch in enumerate(branches)]
+        padded = [own_forward(padded_ids(group, branches), padded_rows(group, whole)) for group in groups]
+        float64 = []
+        if not precision:  # a float32 model's own rounding: its scans and norms round more than a unit
+            try:
+                with _float64_parameters(causal_lm) as upcast:
+                    if upcast:
+                        float64 = [own_forward(torch.tensor([branch]), flat[b]) for b, branch in enumerate(branches)]
+            except (RuntimeError, TypeError, NotImplementedError, ValueError):
+                float64 = []  # a kernel without float64 (grouped_mm experts): the padded batch's floor alone
         for sibling in (0, 1):
             suffix = shape.suffixes[sibling]
             fresh = probe_ids(config.vocab_size, suffix, seed=100 + sibling, device=torch.device("cpu")).tolist()
@@ -319,7 +382,8 @@ def run_probe(
             padded_variant = None
             if routed:
                 rows = [branch if b != sibling else branch[: shape.prefix] + fresh for b, branch in enumerate(branches)]
-                padded_variant = own_forward(padded_ids(groups[0], rows))
+                kept_tokens = whole | {sibling: shape.prefix}  # the replaced sibling keeps the prefix's routing
+                padded_variant = own_forward(padded_ids(groups[0], rows), padded_rows(groups[0], kept_tokens))
             for name, which in itertools.product(modules, (0, 1)):
                 change = _invariant(tree_records, variant, name, kept, which=which)
                 invariance[name][which] = _nan_max(invariance[name][which], change)
@@ -336,6 +400,7 @@ def run_probe(
         padded=_gather(
             [padded[where[b][0]] for b in range(len(branches))], [(where[b][1], t) for b, t in enumerate(tokens)]
         ),
+        float64=_gather(float64, [(0, t) for t in tokens]) if float64 else {},
         autocast=precision[0] if precision else None,
         invariance={name: tuple(values) for name, values in invariance.items()},
     )

@@ -113,24 +113,32 @@ def is_tree_dispatch(function: object) -> bool:
     return hasattr(function, "__hf_tree_original__")
 
 
-# Causal-LM classes whose forward drops the model's keyword arguments instead of passing them to their backbone
-# (attribute named here), so kv_end would never reach the mixers: class name -> backbone attribute.
-KWARG_DROPPING_HEADS = {"Mamba2ForCausalLM": "backbone"}
+# Classes whose forward drops the model's keyword arguments instead of passing them to a submodule (attribute named
+# here), so kv_end would never reach the mixers or tree_flash: class name -> (submodule attribute, keywords handed
+# on). Mamba2ForCausalLM drops them before its backbone; Nemotron's and StableLM's decoder layers (transformers 5.24)
+# call their attention with named arguments only, so the packed row ran as one causal sequence (siblings leaked:
+# the first-use probe refused both at a difference of 1.08 and 0.64).
+KWARG_DROPPING_CLASSES = {
+    "Mamba2ForCausalLM": ("backbone", ("kv_end",)),
+    "NemotronDecoderLayer": ("self_attn", ("kv_end", "kv_prefix", "bidirectional_block")),
+    "StableLmDecoderLayer": ("self_attn", ("kv_end", "kv_prefix", "bidirectional_block")),
+}
 
 
-def pass_kv_end_to_backbone(forward: Callable[..., object], backbone: str) -> Callable[..., object]:
-    """``forward`` of a causal LM that hands ``kv_end`` on to its ``backbone`` attribute's forward (whose blocks pass
-    their keyword arguments to the mixers); unchanged without ``kv_end``."""
+def pass_tree_keywords(forward: Callable[..., object], submodule: str, keywords: tuple[str, ...]) -> Callable:
+    """``forward`` of a module that hands ``keywords`` (``kv_end``, ...) on to its ``submodule`` attribute's forward;
+    unchanged when none is given."""
 
     @functools.wraps(forward)
-    def tree_forward(self, *args, kv_end: torch.Tensor | None = None, **kwargs):
-        if kv_end is None:
+    def tree_forward(self, *args, **kwargs):
+        given = {name: kwargs.pop(name) for name in keywords if kwargs.get(name) is not None}
+        if not given:
             return forward(self, *args, **kwargs)
 
-        def add_kv_end(_module, module_args, module_kwargs):
-            return module_args, module_kwargs | {"kv_end": kv_end}
+        def add_keywords(_module, module_args, module_kwargs):
+            return module_args, module_kwargs | given
 
-        handle = getattr(self, backbone).register_forward_pre_hook(add_kv_end, with_kwargs=True)
+        handle = getattr(self, submodule).register_forward_pre_hook(add_keywords, with_kwargs=True)
         try:
             return forward(self, *args, **kwargs)
         finally:
@@ -141,17 +149,17 @@ def pass_kv_end_to_backbone(forward: Callable[..., object], backbone: str) -> Ca
 
 
 def install_module_mixers(module: ModuleType) -> None:
-    """Rebind the mixer ops (``TREE_OPS``) that one modeling module defines, and let its causal LM pass ``kv_end``
-    on where it drops it (``KWARG_DROPPING_HEADS``). Idempotent."""
+    """Rebind the mixer ops (``TREE_OPS``) that one modeling module defines, and let its classes pass ``kv_end`` on
+    where they drop it (``KWARG_DROPPING_CLASSES``). Idempotent."""
     for op_name, tree_op in TREE_OPS.items():
         original = getattr(module, op_name, None)
         if original is None or is_tree_dispatch(original):
             continue
         setattr(module, op_name, tree_dispatch(original, tree_op))
-    for class_name, backbone in KWARG_DROPPING_HEADS.items():
+    for class_name, (submodule, keywords) in KWARG_DROPPING_CLASSES.items():
         cls = getattr(module, class_name, None)
         if cls is not None and not hasattr(cls.forward, "__hf_tree_original__"):
-            cls.forward = pass_kv_end_to_backbone(cls.forward, backbone)
+            cls.forward = pass_tree_keywords(cls.forward, submodule, keywords)
 
 
 def install_tree_mixers(modules: tuple[str, ...] = TREE_MIXER_MODULES) -> list[str]:
@@ -179,7 +187,7 @@ def uninstall_tree_mixers(modules: tuple[str, ...] = TREE_MIXER_MODULES) -> None
             current = getattr(module, op_name, None)
             if current is not None and is_tree_dispatch(current):
                 setattr(module, op_name, current.__hf_tree_original__)
-        for class_name in KWARG_DROPPING_HEADS:
+        for class_name in KWARG_DROPPING_CLASSES:
             cls = getattr(module, class_name, None)
             if cls is not None and hasattr(cls.forward, "__hf_tree_original__"):
                 cls.forward = cls.forward.__hf_tree_original__
