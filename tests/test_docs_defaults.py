@@ -56,13 +56,18 @@ def first_literal(cell: str) -> Any:
     return ast.literal_eval(re.search(r"`([^`]+)`", cell).group(1))
 
 
+def default_of(f: dataclasses.Field) -> Any:
+    return f.default_factory() if f.default is dataclasses.MISSING else f.default
+
+
 def own_defaults(cls: type, bases: tuple[type, ...]) -> dict[str, Any]:
-    inherited = {f.name for base in bases for f in dataclasses.fields(base)}
-    out = {}
-    for f in dataclasses.fields(cls):
-        if f.name not in inherited:
-            out[f.name] = f.default_factory() if f.default is dataclasses.MISSING else f.default
-    return out
+    """The fields ``cls`` adds over ``bases``, and those whose default it changes (TreeSFTConfig's overlong)."""
+    inherited = {f.name: default_of(f) for base in bases for f in dataclasses.fields(base)}
+    return {
+        f.name: default_of(f)
+        for f in dataclasses.fields(cls)
+        if f.name not in inherited or default_of(f) != inherited[f.name]
+    }
 
 
 def test_tree_field_defaults_table_matches_the_dataclasses():

@@ -159,6 +159,7 @@ def test_bad_input_gets_one_line_before_the_model_loads(tmp_path, tiny_model_dir
     data = tmp_path / "data.jsonl"
     prompt_completion_dataset().to_json(data)
     argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", str(data), "--max_packed_tokens", "16"]
+    argv += ["--overlong", "error"]  # TreeSFTConfig's default "truncate" would cut the branch (counted) and train
     with pytest.raises(ValueError, match=r"more than max_branch_tokens=16"):
         train.main([*argv, "--output_dir", str(tmp_path / "out"), "--tree_self_check", "False"])
 

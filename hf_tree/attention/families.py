@@ -60,7 +60,9 @@ REFUSED_FAMILIES: dict[str, tuple[str, str]] = {
 def refused_family(config: Any) -> tuple[str, str] | None:
     """``(family, why)`` when hf_tree refuses the model of ``config`` (a transformers ``PretrainedConfig``) by
     name."""
-    return REFUSED_FAMILIES.get(getattr(config, "model_type", ""))
+    model_type = getattr(config, "model_type", "")
+    # a causal LM built from a family's text sub-config is named "<family>_text" (qwen4_exp_text, dots3_note_text)
+    return REFUSED_FAMILIES.get(model_type) or REFUSED_FAMILIES.get(model_type.removesuffix("_text"))
 
 
 def refuse_family(config: Any, model_name: str) -> None:
