@@ -33,7 +33,8 @@ def test_round_trip_through_datasets():
         assert again.tree.node_tokens == tree.tree.node_tokens
         assert all(torch.equal(a[k], b[k]) for a, b in zip(tree.media, again.media) for k in a)
         assert all(a[k].dtype == b[k].dtype for a, b in zip(tree.media, again.media) for k in a)
-    batch = MediaTreeCollator(max_packed_tokens=32)(list(rows))
+    # the two trees kept apart (merged, they would share the image's placeholders too)
+    batch = MediaTreeCollator(max_packed_tokens=32, merge_in_batch=False)(list(rows))
     assert batch["image_inputs"]["pixel_values"].shape == (1, 3, 8, 8)  # shared by both trees: stored once
     assert int(batch["input_ids"].max()) < MEDIA_TOKEN_BASE and int((batch["input_ids"] == IMAGE_TOKEN).sum()) == 8
     assert torch.equal(batch["media_ids"] >= 0, batch["input_ids"] == IMAGE_TOKEN)

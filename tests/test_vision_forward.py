@@ -67,7 +67,9 @@ def tree_batch(family: str, max_packed_tokens: int = 128) -> tuple[dict, tuple]:
         MediaTree.from_samples(sequences[:4], images[:4], IMAGE_TOKEN, masks[:4]),
         MediaTree.from_samples(sequences[4:], images[4:], IMAGE_TOKEN, masks[4:]),
     ]
-    return MediaTreeCollator(max_packed_tokens=max_packed_tokens)(trees), (sequences, images, masks)
+    # two trees of two rows: in-batch merging (tests/test_in_batch_merging.py) would make them one
+    collator = MediaTreeCollator(max_packed_tokens=max_packed_tokens, merge_in_batch=False)
+    return collator(trees), (sequences, images, masks)
 
 
 def loss_and_grads(model, loss_fn) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
