@@ -99,9 +99,10 @@ def _load(args: argparse.Namespace):
     return trees, tree_rows_summary(loaded)
 
 
-# The stats/show commands use the trainers' packing defaults (TreeArguments: tree_execution="auto"; overlong="error":
-# an overlong branch stops them as it would stop training); --overlong drop|truncate counts what a lossy policy does.
-CLI_PACKING = PackingConfig(tree_execution="auto")
+# The stats/show commands use `hf-tree sft`'s packing defaults (TreeSFTConfig: tree_execution="auto", TRL's max_length
+# 1024 as the branch limit, overlong="truncate" as TRL truncates, counted); --overlong error stops them where training
+# with that setting would stop, --overlong drop counts the drops.
+CLI_PACKING = PackingConfig(tree_execution="auto", max_branch_tokens=1024, overlong="truncate")
 # ... and TRL's batching defaults (SFTConfig; tests/test_cli.py checks both against the config classes)
 CLI_BATCHING = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "seed": 42}
 SAMPLING_STRATEGIES = ("random", "sequential")  # TreeSFTTrainer's with batch_unit="rows"

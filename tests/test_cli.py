@@ -99,13 +99,17 @@ def test_missing_data_is_explained(tmp_path):
 
 
 def test_stats_stops_where_training_would(saved_trees, capsys):
-    """The trainers' default overlong='error' stops `hf-tree stats` (exit status 1, one line) at a branch longer than
-    a row, as it would stop training; --overlong drop counts the drops instead."""
+    """overlong='error' stops `hf-tree stats` (exit status 1, one line) at a branch longer than the branch limit, as
+    it would stop training; --overlong drop counts the drops instead, and the default (hf-tree sft's "truncate")
+    counts the truncations."""
     folder, _ = saved_trees
+    limit = ["--max-packed-tokens", "6", "--max-branch-tokens", "6"]
     with pytest.raises(SystemExit, match=r"^hf-tree stats: training with these packing settings would stop: .*"):
-        main(["stats", folder, "--max-packed-tokens", "6"])
-    main(["stats", folder, "--max-packed-tokens", "6", "--overlong", "drop", "--json"])
+        main(["stats", folder, *limit, "--overlong", "error"])
+    main(["stats", folder, *limit, "--overlong", "drop", "--json"])
     assert json.loads(capsys.readouterr().out)["packing"]["num_dropped_branches"] == 2  # the 2 branches over 6
+    main(["stats", folder, *limit, "--json"])
+    assert json.loads(capsys.readouterr().out)["packing"]["num_truncated_branches"] == 2
 
 
 def test_demo_still_runs(capsys):
@@ -160,3 +164,5 @@ def test_stats_defaults_are_hf_tree_sfts():
     for f in fields(PackingConfig):
         if f.name != "max_branch_tokens":  # TreeSFTConfig derives it from TRL's max_length
             assert getattr(CLI_PACKING, f.name) == defaults[f.name], f.name
+    derived = TreeSFTConfig(output_dir="unused", bf16=False, use_cpu=True).max_branch_tokens
+    assert CLI_PACKING.max_branch_tokens == derived == 1024  # TRL's max_length
