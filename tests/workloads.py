@@ -82,9 +82,11 @@ def deep_forest_rows() -> list[tuple[list[list[int]], list[list[int]] | None]]:
 
 
 def make_batch(rows_fn, max_packed_tokens: int) -> dict[str, torch.Tensor]:
-    """The collator's batch (rows padded to a multiple of 5 when there are several) without the stats keys."""
+    """The collator's batch (rows padded to a multiple of 5 when there are several) without the stats keys; the trees
+    are packed as given (not merged in the batch), so the rows keep the layouts the tests cut."""
     trees = rows_fn()
-    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=5 if len(trees) > 1 else None)
+    pad = 5 if len(trees) > 1 else None
+    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=pad, merge_in_batch=False)
     batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in trees])
     for key in STATS_KEYS:
         batch.pop(key)
