@@ -167,7 +167,8 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
             "last hidden state with it, so it supports causal LMs of the form backbone + LM head."
         )
     weight = getattr(embedding, "weight", None)
-    if not isinstance(weight, torch.Tensor) or weight.ndim != 2:
+    # ZeRO-3 keeps an empty local shard and the full shape in ds_shape
+    if not isinstance(weight, torch.Tensor) or len(getattr(weight, "ds_shape", weight.shape)) != 2:
         raise ValueError(
             f"{name}'s output embedding is a {type(embedding).__name__} without one [vocab, hidden] weight (e.g. "
             "MusicGen's one head per codebook); hf_tree scores the last hidden state with a single vocabulary "
