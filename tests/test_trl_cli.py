@@ -68,5 +68,6 @@ def test_hf_tree_sft_trains_with_the_tree_trainer(tmp_path):
     assert result.returncode == 0, result.stderr[-3000:]
     logs = result.stdout + result.stderr
     # the 4 rows share 2 prompts: the tree trainer merges them (TRL's SFTTrainer logs no dedup ratio)
-    assert re.search(r"'dedup_ratio': '1\.[1-9]", logs) and "tree_tokens_per_second" in logs
+    dedups = [float(value) for value in re.findall(r"'dedup_ratio': '([\d.]+)'", logs)]
+    assert dedups and min(dedups) > 1.1 and "tree_tokens_per_second" in logs
     assert json.loads((out / "adapter_config.json").read_text())["r"] == 4
