@@ -41,6 +41,10 @@ SLOW_MARKERS = ("slow", "distributed")
 #   quantized bases          test_quantized.py (nf4)
 #   context parallel         test_context_parallel.py (the one-rank path)
 #   model zoo                test_model_zoo.py::test_fast_subset
+#   in-batch merging         test_in_batch_merging.py (SFT/DPO/KTO/Reward vs TRL and vs unmerged), test_sft_text.py
+#   GRPO generation          test_group_generation.py (prefill once per group = TRL's completions)
+#   MLA, chunked attention   test_mla_chunked_attention.py, test_depth_first_mla_chunked.py
+#   later-step guards        test_check_guard.py (reload unit test, rebound ops), test_quantized.py (repack)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

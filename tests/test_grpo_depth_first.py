@@ -275,8 +275,9 @@ def test_pieces_left_from_a_previous_step_are_refused(path, monkeypatch):
         one_step(TreeGRPOTrainer, TreeGRPOConfig, path, False, **CUT, **SHARED)
 
 
-@pytest.mark.parametrize("family", ["qwen3_5_text", pytest.param("bamba", marks=pytest.mark.slow)])
-@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
+@pytest.mark.slow  # ~55 s; the fast tier covers hybrids depth-first (test_depth_first.py) and in GRPO (hybrid trainers)
+@pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
 def test_recurrent_hybrids_match_trl(tmp_path, monkeypatch, family, peft):
     """Hybrids with recurrent mixers (GatedDeltaNet, Mamba2): the piece also carries each recurrence's final state
     (``hf_tree.depth_first``'s ``("state", id)`` entries) and each convolution's inputs. Their float32 internals
