@@ -81,6 +81,30 @@ def logits_error(model, local, plan, rank, reference_logits) -> float:
     return relative_error(logits[:, real], reference_logits[:, ids[real]])
 
 
+def sharded_step(
+    model, batch, plan, cp, block: int, reference_logits: torch.Tensor
+) -> tuple[dict, float, torch.Tensor, dict[str, torch.Tensor]]:
+    """This rank's shard of ``batch`` (``plan``) through the tree context parallel forward and backward: its local
+    batch, its logits' error against the cp=1 ``reference_logits``, and the loss and gradients summed over the CP
+    ranks."""
+    import torch.distributed as dist
+
+    from hf_tree import tree_causal_lm_loss
+    from hf_tree.parallel import shard_batch_for_context_parallel, tree_context_parallel
+
+    local = shard_batch_for_context_parallel(batch, plan, cp.rank)
+    with tree_context_parallel(batch, plan, cp.rank, cp.group, query_block_size=block):
+        logits_err = logits_error(model, local, plan, cp.rank, reference_logits)
+        loss = tree_causal_lm_loss(model, local)
+        loss.backward()
+    grads = full_grads(model)
+    for g in grads.values():
+        dist.all_reduce(g, group=cp.group)  # the CP ranks' gradient contributions add up
+    total = loss.detach().clone()
+    dist.all_reduce(total, group=cp.group)
+    return local, logits_err, total, grads
+
+
 # Non-default sharding options of the trainer run, set through TreeTrainingArguments' context_parallel_* fields.
 TRAINER_CONTEXT_PARALLEL = {"context_parallel_strategy": "zigzag", "context_parallel_query_block_size": 5}
 

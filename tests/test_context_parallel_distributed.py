@@ -25,7 +25,7 @@ from tests.context_parallel_harness import (
     FLOAT64_TOLERANCE,
     REPO,
     full_grads,
-    logits_error,
+    sharded_step,
     single_process,
     train_tree_trainer,
 )
@@ -45,14 +45,7 @@ FSDP_CASE = "fsdp2_grpo_llama_f64_balanced"
 
 # ----------------------------------------------------------------------------------------------- worker
 def run_case(name: str, cp) -> dict:
-    import torch.distributed as dist
-
-    from hf_tree import tree_causal_lm_loss
-    from hf_tree.parallel import (
-        plan_context_parallel,
-        shard_batch_for_context_parallel,
-        tree_context_parallel,
-    )
+    from hf_tree.parallel import plan_context_parallel
     from tests.helpers import max_grad_relative_error, relative_error, tiny_model
 
     rows_fn, family, dtype, strategy, max_packed_tokens, block = CASES[name]
@@ -61,16 +54,7 @@ def run_case(name: str, cp) -> dict:
     ref_logits, ref_loss, ref_grads = single_process(model, batch)
 
     plan = plan_context_parallel(batch["kv_end"], cp.size, strategy)
-    local = shard_batch_for_context_parallel(batch, plan, cp.rank)
-    with tree_context_parallel(batch, plan, cp.rank, cp.group, query_block_size=block):
-        logits_err = logits_error(model, local, plan, cp.rank, ref_logits)
-        loss = tree_causal_lm_loss(model, local)
-        loss.backward()
-    grads = full_grads(model)
-    for g in grads.values():
-        dist.all_reduce(g, group=cp.group)  # the CP ranks' gradient contributions add up
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=cp.group)
+    local, logits_err, total, grads = sharded_step(model, batch, plan, cp, block, ref_logits)
     return {
         "logits": logits_err,
         "loss": relative_error(total, ref_loss),

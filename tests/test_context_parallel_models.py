@@ -33,8 +33,7 @@ import torch
 from tests.context_parallel_harness import ACCELERATE_CONFIG as LLAMA_ACCELERATE_CONFIG
 from tests.context_parallel_harness import (
     FLOAT64_TOLERANCE,
-    full_grads,
-    logits_error,
+    sharded_step,
     single_process,
     train_tree_trainer,
 )
@@ -128,10 +127,7 @@ def shard_cuts(kv_end: torch.Tensor, owner: torch.Tensor, window: int) -> list[s
 
 
 def run_shard_case(name: str, cp) -> dict:
-    import torch.distributed as dist
-
-    from hf_tree import tree_causal_lm_loss
-    from hf_tree.parallel import plan_context_parallel, shard_batch_for_context_parallel, tree_context_parallel
+    from hf_tree.parallel import plan_context_parallel
     from tests.helpers import max_grad_relative_error, tiny_model
 
     model_name, rows_fn, strategy, max_packed_tokens, block, chunks = SHARD_CASES[name]
@@ -141,16 +137,7 @@ def run_shard_case(name: str, cp) -> dict:
     ref_logits, ref_loss, ref_grads = single_process(model, batch)
 
     plan = plan_context_parallel(batch["kv_end"], cp.size, strategy, chunks)
-    local = shard_batch_for_context_parallel(batch, plan, cp.rank)
-    with tree_context_parallel(batch, plan, cp.rank, cp.group, query_block_size=block):
-        logits_err = logits_error(model, local, plan, cp.rank, ref_logits)
-        loss = tree_causal_lm_loss(model, local)
-        loss.backward()
-    grads = full_grads(model)
-    for g in grads.values():
-        dist.all_reduce(g, group=cp.group)  # the CP ranks' gradient contributions add up
-    total = loss.detach().clone()
-    dist.all_reduce(total, group=cp.group)
+    _, logits_err, total, grads = sharded_step(model, batch, plan, cp, block, ref_logits)
     owner = torch.empty(plan.num_slots, dtype=torch.int64)
     for rank, ids in enumerate(plan.indices):
         owner[ids] = rank
