@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_tree import Tree, pack_trees
-from hf_tree.attention import ENGINES, dense_tree_mask, select_backend
+from hf_tree.attention import ENGINES, TreeAttentionOptions, dense_tree_mask, select_backend
 from hf_tree.attention.mask import visible_keys_per_query
 
 
@@ -132,9 +132,10 @@ def _methods(row: Row, x: Inputs, branches: list[Inputs], backend: str) -> dict[
     kv_end, position_ids = row.kv_end.to(x.query.device), row.position_ids.to(x.query.device)
     dense_mask = dense_tree_mask(kv_end)[:, None]
     engine = ENGINES[backend]
+    options = TreeAttentionOptions(scaling=scaling, position_ids=position_ids)
 
     def tree_flash() -> None:
-        out = engine(x.query, x.key, x.value, kv_end, scaling=scaling, position_ids=position_ids)
+        out = engine(x.query, x.key, x.value, kv_end, options)
         _backward(out.transpose(1, 2), x)
 
     def dense_sdpa() -> None:

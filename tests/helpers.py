@@ -26,6 +26,7 @@ from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 import hf_tree  # noqa: F401  (registers tree_flash)
+from hf_tree.attention import TreeAttentionOptions
 from hf_tree.testing import (  # noqa: F401  (re-exported: the oracle, see hf_tree/testing.py)
     FLOAT32_FLOOR,
     FLOAT32_GRAD_FLOOR,
@@ -335,14 +336,16 @@ def launch_command(config: Path) -> list[str]:
 
 # --------------------------------------------------------------------- attention engine oracles
 def run(engine, q, k, v, kv_end, position_ids, grad_seed: int = 1, backward: bool = True, **options):
-    """Output and, with ``backward``, (dq, dk, dv[, d sinks]) for a fixed random output gradient."""
+    """Output and, with ``backward``, (dq, dk, dv[, d sinks]) for a fixed random output gradient; ``options`` are
+    the fields of ``TreeAttentionOptions`` but ``position_ids``."""
+    options = TreeAttentionOptions(position_ids=position_ids, **options)
     if not backward:
         with torch.no_grad():
-            return engine(q, k, v, kv_end, position_ids=position_ids, **options), None
-    out = engine(q, k, v, kv_end, position_ids=position_ids, **options)
+            return engine(q, k, v, kv_end, options), None
+    out = engine(q, k, v, kv_end, options)
     generator = torch.Generator().manual_seed(grad_seed)
     grad = torch.randn(out.shape, generator=generator, dtype=torch.float64).to(out)
-    sinks = () if options.get("sinks") is None else (options["sinks"],)
+    sinks = () if options.sinks is None else (options.sinks,)
     grads = torch.autograd.grad(out, (q, k, v, *sinks), grad)
     return out.detach(), grads
 

@@ -9,11 +9,16 @@ reference engine's own error in that dtype (the same math HF eager attention doe
 
 from __future__ import annotations
 
+import inspect
+from functools import partial
+
 import pytest
 import torch
 
 from hf_tree.attention import (
     ENGINES,
+    TreeAttentionEngine,
+    TreeAttentionOptions,
     blocked,
     blocked_tree_attention,
     dense_tree_mask,
@@ -71,7 +76,9 @@ def test_blocked_matches_reference_in_float64(heads, case, tile_elements):
     kv_end, position_ids = packed_rows(seed=len(case) + heads[1])
     q, k, v = qkv(kv_end, heads, torch.float64)
     options = dict(scaling=0.37, **with_sinks(case, heads[0], torch.float64))
-    out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=tile_elements, **options)
+    out, grads = run(
+        partial(blocked_tree_attention, tile_elements=tile_elements), q, k, v, kv_end, position_ids, **options
+    )
     ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
     assert kv_end.shape[0] > 1 and out.shape == ref_out.shape
     assert relative_error(out, ref_out) <= TOLERANCE
@@ -89,8 +96,8 @@ def test_blocked_on_worker_threads_matches_reference_and_is_deterministic(monkey
     q, k, v = qkv(kv_end, (4, 2), torch.float64)
     options = dict(scaling=0.37, sliding_window=6)
     torch.set_num_threads(2)
-    first = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=64, **options)
-    second = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=64, **options)
+    first = run(partial(blocked_tree_attention, tile_elements=64), q, k, v, kv_end, position_ids, **options)
+    second = run(partial(blocked_tree_attention, tile_elements=64), q, k, v, kv_end, position_ids, **options)
     assert torch.get_num_threads() == 2
     torch.set_num_threads(1)
     ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
@@ -155,7 +162,9 @@ def test_compiled_flex_forward_on_cpu_honours_the_block_mask():
     compiled = torch.compile(torch.nn.attention.flex_attention.flex_attention)
     with torch.no_grad():
         out = compiled(q, k, v, block_mask=block_mask, scale=0.3, enable_gqa=True).transpose(1, 2)
-        ref = reference_tree_attention(q, k, v, kv_end, scaling=0.3, position_ids=position_ids, sliding_window=6)
+        ref = reference_tree_attention(
+            q, k, v, kv_end, TreeAttentionOptions(scaling=0.3, position_ids=position_ids, sliding_window=6)
+        )
     assert relative_error(out, ref) <= 1e-5
 
 
@@ -163,7 +172,7 @@ def test_flex_refuses_gradients_off_cuda():
     kv_end, _ = packed_rows(seed=0)
     q, k, v = qkv(kv_end, (4, 2), torch.float64)
     with pytest.raises(ValueError, match="'blocked' backend"):
-        flex_tree_attention(q, k, v, kv_end, scaling=1.0)
+        flex_tree_attention(q, k, v, kv_end, TreeAttentionOptions(scaling=1.0))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -174,7 +183,7 @@ def test_blocked_low_precision_error_within_twice_eager(dtype, case):
     options = dict(scaling=HEAD_DIM**-0.5, **with_sinks(case, 4, dtype))
     exact = run(reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **in64(options))
     exact_out, exact_grads = exact
-    out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=256, **options)
+    out, grads = run(partial(blocked_tree_attention, tile_elements=256), q, k, v, kv_end, position_ids, **options)
     eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
     assert out.dtype == dtype
     assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
@@ -262,7 +271,22 @@ def test_sliding_window_without_depths_is_refused():
     q, k, v = qkv(kv_end, (4, 2), torch.float64)
     for engine in (blocked_tree_attention, flex_tree_attention):
         with pytest.raises(ValueError, match="position_ids"):
-            engine(q, k, v, kv_end, scaling=1.0, sliding_window=4)
+            engine(q, k, v, kv_end, TreeAttentionOptions(scaling=1.0, sliding_window=4))
+
+
+def test_every_engine_takes_the_row_and_one_options_object():
+    """One interface (``TreeAttentionEngine``): every engine, and context parallel's scoped one, takes ``(query,
+    key, value, kv_end, options)``; an engine's own extras (a tile size, a plan) are keyword-only with defaults."""
+    from hf_tree.parallel import ContextParallelAttention
+
+    protocol = list(inspect.signature(TreeAttentionEngine.__call__).parameters)[1:]
+    for engine in (*ENGINES.values(), ContextParallelAttention.__call__):
+        parameters = list(inspect.signature(engine).parameters.values())
+        if parameters[0].name == "self":
+            parameters = parameters[1:]
+        assert [p.name for p in parameters[: len(protocol)]] == protocol, engine
+        extras = parameters[len(protocol) :]
+        assert all(p.kind is p.KEYWORD_ONLY and p.default is not p.empty for p in extras), engine
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -271,7 +295,13 @@ def test_sinks_must_be_one_logit_per_query_head():
     q, k, v = qkv(kv_end, (4, 2), torch.float64)
     for engine in ENGINES.values():
         with pytest.raises(ValueError, match=r"one logit per query head, shape \(4,\)"):
-            engine(q.detach(), k.detach(), v.detach(), kv_end, scaling=1.0, sinks=torch.zeros(2, dtype=torch.float64))
+            engine(
+                q.detach(),
+                k.detach(),
+                v.detach(),
+                kv_end,
+                TreeAttentionOptions(scaling=1.0, sinks=torch.zeros(2, dtype=torch.float64)),
+            )
 
 
 def test_backend_selection(monkeypatch):
@@ -410,7 +440,7 @@ def test_segments_bfloat16_error_within_twice_per_branch_sdpa(mode, heads):
         for b, grad_out in enumerate(grad_outs):
             grad_tree.index_add_(2, torch.from_numpy(tree.branch_flat_indices(b)), grad_out)
         with torch.autocast("cpu", torch.bfloat16, enabled=mode == "autocast"):
-            out = segment_tree_attention(q, k, v, kv_end, scaling=scaling)
+            out = segment_tree_attention(q, k, v, kv_end, TreeAttentionOptions(scaling=scaling))
             low = _per_branch_sdpa(tree, q, k, v, [g.to(out.dtype) for g in grad_outs], scaling)
         assert out.dtype == torch.bfloat16
         grads = torch.autograd.grad(out, (q, k, v), grad_tree.to(out.dtype).transpose(1, 2))
@@ -428,7 +458,7 @@ def test_segments_refuse_what_the_fused_kernel_lacks():
     q, k, v = qkv(kv_end, (4, 2), torch.float64)
     for option in (dict(softcap=2.0), dict(sliding_window=8, position_ids=position_ids)):
         with pytest.raises(ValueError, match="use blocked_tree_attention"):
-            segment_tree_attention(q, k, v, kv_end, scaling=1.0, **option)
+            segment_tree_attention(q, k, v, kv_end, TreeAttentionOptions(scaling=1.0, **option))
 
 
 @pytest.mark.parametrize(
@@ -445,7 +475,9 @@ def test_cpu_engine_chooses_by_segment_length_and_options(rows, options, chosen)
     plan = plan_segments(kv_end)
     assert (plan.tokens_per_call >= MIN_TOKENS_PER_CALL) == (rows == "long-segments")
     q, k, v = qkv(kv_end, (4, 2), torch.float64)
-    out = cpu_tree_attention(q, k, v, kv_end, scaling=0.37, position_ids=position_ids, **options)
+    out = cpu_tree_attention(q, k, v, kv_end, TreeAttentionOptions(scaling=0.37, position_ids=position_ids, **options))
     assert type(out.grad_fn).__name__ == chosen + "Backward"
-    ref = reference_tree_attention(q, k, v, kv_end, scaling=0.37, position_ids=position_ids, **options)
+    ref = reference_tree_attention(
+        q, k, v, kv_end, TreeAttentionOptions(scaling=0.37, position_ids=position_ids, **options)
+    )
     assert relative_error(out, ref) <= TOLERANCE

@@ -9,6 +9,7 @@ automatic CPU engine, flex) matches the dense reference on real packed rows with
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 import torch
@@ -22,6 +23,7 @@ from transformers.masking_utils import (
 
 from hf_tree.attention import (
     ENGINES,
+    TreeAttentionOptions,
     blocked_tree_attention,
     dense_tree_mask,
     flex_tree_attention,
@@ -108,7 +110,9 @@ def test_blocked_matches_reference_with_blocks(window, heads, tile_elements):
     blocks = blocks_in_nodes(kv_end, seed=1)
     q, k, v = qkv(kv_end, heads, torch.float64)
     options = dict(scaling=0.37, sliding_window=window, bidirectional_block=blocks)
-    out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=tile_elements, **options)
+    out, grads = run(
+        partial(blocked_tree_attention, tile_elements=tile_elements), q, k, v, kv_end, position_ids, **options
+    )
     ref, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
     plain, _ = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.37, sliding_window=window)
     assert relative_error(plain, ref) > 1e-3  # the overlay matters on these rows
@@ -131,9 +135,9 @@ def test_cpu_engine_sends_blocks_to_the_blocked_engine():
     ref, _ = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.5)
     assert relative_error(out, ref) <= TOLERANCE
     with pytest.raises(ValueError, match="bidirectional_block=set.*blocked_tree_attention"):
-        segment_tree_attention(q, k, v, kv_end, scaling=0.5, bidirectional_block=blocks)
+        segment_tree_attention(q, k, v, kv_end, TreeAttentionOptions(scaling=0.5, bidirectional_block=blocks))
     with pytest.raises(ValueError, match="shaped like kv_end"):
-        blocked_tree_attention(q, k, v, kv_end, scaling=0.5, bidirectional_block=blocks[:, 1:])
+        blocked_tree_attention(q, k, v, kv_end, TreeAttentionOptions(scaling=0.5, bidirectional_block=blocks[:, 1:]))
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -185,7 +189,7 @@ def test_overlay_needs_kv_end_and_the_packed_engines():
     out, _ = tree_attention_forward(
         module, q, k, v, None, scaling=0.5, kv_end=kv_end, position_ids=position_ids, bidirectional_block=blocks
     )
-    ref = reference_tree_attention(q, k, v, kv_end, scaling=0.5, bidirectional_block=blocks)
+    ref = reference_tree_attention(q, k, v, kv_end, TreeAttentionOptions(scaling=0.5, bidirectional_block=blocks))
     assert relative_error(out, ref) <= TOLERANCE
     from hf_tree.attention import attention_engine_scope
 

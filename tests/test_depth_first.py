@@ -7,6 +7,7 @@ of cached keys/values, so every path of the executor (prefix attention, cache gr
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 
@@ -21,6 +22,7 @@ from hf_tree import depth_first as depth_first_module
 from hf_tree.attention import (
     ENGINES,
     PrefixCache,
+    TreeAttentionOptions,
     attention_engine_scope,
     prefix_tree_attention,
     reference_tree_attention,
@@ -408,9 +410,7 @@ def test_prefix_attention_is_the_attention_of_the_whole_row(engine, unit_kind, n
         prefix_value,
         prefix,
         ENGINES[engine],
-        scaling=0.3,
-        sinks=sinks,
-        **options,
+        TreeAttentionOptions(scaling=0.3, sinks=sinks, **options),
     )
     row_queries = torch.cat([torch.zeros(1, heads, num_prefix, dim, dtype=torch.float64), query], dim=2)
     expected = reference_tree_attention(
@@ -418,10 +418,7 @@ def test_prefix_attention_is_the_attention_of_the_whole_row(engine, unit_kind, n
         key,
         value,
         prefix.row_kv_end,
-        scaling=0.3,
-        position_ids=prefix.row_position_ids,
-        sinks=sinks,
-        **options,
+        TreeAttentionOptions(scaling=0.3, position_ids=prefix.row_position_ids, sinks=sinks, **options),
     )[:, num_prefix:]
     weights = torch.randn(expected.shape, generator=generator, dtype=torch.float64)
     inputs = [query, key, value] + ([sinks] if sinks is not None else [])
@@ -432,7 +429,7 @@ def test_prefix_attention_is_the_attention_of_the_whole_row(engine, unit_kind, n
         assert relative_error(got_grad, expected_grad) <= 1e-12
 
 
-def _attention_without_prefix(query, key, value, prefix_key, prefix_value, prefix, engine, **options):
+def _attention_without_prefix(query, key, value, prefix_key, prefix_value, prefix, engine, options):
     """``prefix_tree_attention`` with the ancestors' cache dropped: attention over the unit alone, as a model with
     its own cache-less context path would compute."""
     return engine(
@@ -440,8 +437,7 @@ def _attention_without_prefix(query, key, value, prefix_key, prefix_value, prefi
         key,
         value,
         prefix.row_kv_end[:, -query.shape[2] :] - (prefix.row_kv_end.shape[1] - query.shape[2]),
-        position_ids=prefix.row_position_ids[:, -query.shape[2] :],
-        **options,
+        dataclasses.replace(options, position_ids=prefix.row_position_ids[:, -query.shape[2] :]),
     )
 
 

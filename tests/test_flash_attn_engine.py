@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_tree.attention import ENGINES, dense_tree_mask, reference_tree_attention, select_backend
+from hf_tree.attention import ENGINES, TreeAttentionOptions, dense_tree_mask, reference_tree_attention, select_backend
 from hf_tree.attention import flash as flash_module
 from hf_tree.attention.flash import (
     cuda_tree_attention,
@@ -72,9 +72,12 @@ def test_varlen_index_is_the_segments_decomposition(rows):
         assert any(len(a) != a[-1] - a[0] + 1 for a in ancestors.values())
 
 
-def through_stand_in(q, k, v, kv_end, position_ids=None, **options) -> torch.Tensor:
+def through_stand_in(q, k, v, kv_end, options: TreeAttentionOptions) -> torch.Tensor:
     """The engine's varlen path with the torch stand-in as its kernel (depths are not read: paths are)."""
-    return varlen_tree_attention(q, k, v, kv_end, attend=varlen_attention, **options)
+    window, softcap = options.sliding_window, options.softcap
+    return varlen_tree_attention(
+        q, k, v, kv_end, scaling=options.scaling, attend=varlen_attention, sliding_window=window, softcap=softcap
+    )
 
 
 CASES = [
@@ -113,7 +116,7 @@ def test_refusals_name_the_reason():
         assert "CUDA only" in flash_attn_refusal(q.float(), v.float())  # the kernel would get bfloat16
     assert "head dims" in flash_attn_refusal(q, v[..., :4])
     with pytest.raises(ValueError, match="backend 'flash_attn' cannot run this call: attention sinks"):
-        flash_tree_attention(q, q, v, kv_end, scaling=1.0, sinks=torch.zeros(4))
+        flash_tree_attention(q, q, v, kv_end, TreeAttentionOptions(scaling=1.0, sinks=torch.zeros(4)))
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
@@ -125,7 +128,7 @@ def test_cuda_engine_runs_flash_where_it_is_exact_else_flex(monkeypatch):
     options = dict(scaling=0.37, sliding_window=50, softcap=2.0)
     ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
     with torch.no_grad():
-        via_flex = cuda_tree_attention(q, k, v, kv_end, position_ids=position_ids, **options)
+        via_flex = cuda_tree_attention(q, k, v, kv_end, TreeAttentionOptions(position_ids=position_ids, **options))
     assert relative_error(via_flex, ref_out) <= TOLERANCE
     monkeypatch.setattr(flash_module, "flash_attn_refusal", lambda *args: None)
     monkeypatch.setattr(flash_module, "flash_attn_varlen_func", lambda: varlen_attention)

@@ -9,6 +9,7 @@ at the float32 floor (measured 1e-7 .. 4e-7; a sibling leak moves them by percen
 from __future__ import annotations
 
 import contextlib
+from functools import partial
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.attention import (
     BACKEND_ENV_VAR,
+    TreeAttentionOptions,
     blocked_tree_attention,
     dense_tree_mask,
     flex_tree_attention,
@@ -143,13 +145,13 @@ def test_blocked_and_flex_match_reference_with_chunks(case):
     q, k, v = qkv(kv_end, (4, 2), torch.float64)
     options = dict(scaling=0.37, **case)
     ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
-    out, grads = run(blocked_tree_attention, q, k, v, kv_end, position_ids, tile_elements=64, **options)
+    out, grads = run(partial(blocked_tree_attention, tile_elements=64), q, k, v, kv_end, position_ids, **options)
     assert relative_error(out, ref_out) <= LOSS_TOLERANCE
     assert all(relative_error(g, r) <= LOSS_TOLERANCE for g, r in zip(grads, ref_grads, strict=True))
     flex_out, _ = run(flex_tree_attention, q, k, v, kv_end, position_ids, backward=False, **options)
     assert relative_error(flex_out, ref_out) <= LOSS_TOLERANCE
     with pytest.raises(ValueError, match="attention_chunk=.*use blocked_tree_attention"):
-        segment_tree_attention(q, k, v, kv_end, **options)
+        segment_tree_attention(q, k, v, kv_end, TreeAttentionOptions(**options))
 
 
 def test_chunk_mask_is_each_branchs_own_and_block_summaries_are_sound():

@@ -5,7 +5,8 @@ keyword (packed trees) it runs a tree engine; without one (generation, ordinary 
 model's own attention (``sdpa``, or ``eager`` where the model needs it: softcapping, sinks), with the mask of
 every layer kind (sliding, chunked, padded), so a tree-trained model evaluates and generates unchanged.
 
-Engines share one signature (see ``reference_tree_attention``). The engine is chosen once per call
+Engines share one interface, ``TreeAttentionEngine`` (``hf_tree.attention.engine``): ``engine(query, key, value,
+kv_end, options)`` with one ``TreeAttentionOptions``. The engine is chosen once per call
 from the device, unless forced with ``HF_TREE_ATTENTION_BACKEND`` or ``set_attention_backend``.
 """
 
@@ -13,18 +14,19 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import dataclasses
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 
 import torch
 
 from hf_tree.attention.blocked import blocked_tree_attention
 from hf_tree.attention.dual import DeferredMask, model_attention_forward
+from hf_tree.attention.engine import TreeAttentionEngine, TreeAttentionOptions
 from hf_tree.attention.flash import cuda_tree_attention, flash_tree_attention
 from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.head_dims import equal_head_dims
 from hf_tree.attention.mask import (
-    check_bidirectional_block,
     dense_tree_mask,
     render_mask,
     tree_mask_mod,
@@ -35,8 +37,6 @@ from hf_tree.attention.prefix import PrefixCache, attention_layer, prefix_tree_a
 from hf_tree.attention.reference import reference_tree_attention
 from hf_tree.attention.segments import cpu_tree_attention, segment_tree_attention
 from hf_tree.attention.torch_cp import refuse_torch_context_parallel
-
-TreeAttentionEngine = Callable[..., torch.Tensor]
 
 ENGINES: dict[str, TreeAttentionEngine] = {
     "cpu": cpu_tree_attention,  # automatic off CUDA: "segments" where the row suits it, else "blocked"
@@ -60,7 +60,8 @@ _scoped_engine: contextvars.ContextVar[TreeAttentionEngine | None] = contextvars
 @contextlib.contextmanager
 def attention_engine_scope(engine: TreeAttentionEngine | None) -> Iterator[None]:
     """Run every tree-mode attention call of the block (forward and its backward recomputation) on ``engine``
-    (same signature as ``ENGINES``' entries); ``None`` restores the automatic choice inside an outer scope."""
+    (a ``TreeAttentionEngine``, as ``ENGINES``' entries); ``None`` restores the automatic choice inside an outer
+    scope."""
     token = _scoped_engine.set(engine)
     try:
         yield
@@ -135,28 +136,22 @@ def tree_attention_forward(
         )
     refuse_torch_context_parallel()  # torch's CP would shard the row and force a causal mask
     row_tokens = None if kv_prefix is None else kv_prefix.row_kv_end.shape[1]  # depth-first: the unit's depths
-    options = tree_mode_options(module, query, key, kv_end, attention_mask, scaling, dropout, kwargs, row_tokens)
-    engine_options = dict(
-        scaling=options.scaling, sliding_window=options.sliding_window, softcap=options.softcap, sinks=options.sinks
+    options = tree_mode_options(
+        module, query, key, kv_end, attention_mask, scaling, dropout, kwargs, row_tokens, bidirectional_block
     )
     engine = scoped_attention_engine()  # e.g. hf_tree.parallel's context parallel: local rows, all keys
-    if options.attention_chunk is not None:
-        if engine is not None:
-            raise ValueError(
-                f"chunked attention (attention_chunk_size={options.attention_chunk}, Llama 4) inside an "
-                "attention_engine_scope (tree context parallel): the scoped engine has no chunks. Train without "
-                "context parallel."
-            )
-        engine_options["attention_chunk"] = options.attention_chunk  # only when set: scoped engines lack it
-    if bidirectional_block is not None:
-        check_bidirectional_block("tree_flash", kv_end, bidirectional_block)
-        if engine is not None or kv_prefix is not None:
-            raise ValueError(
-                "bidirectional_block (e.g. Gemma 3's image blocks) is supported by the packed tree engines only, not "
-                "inside an attention_engine_scope (tree context parallel) or with kv_prefix (depth-first execution). "
-                "Use tree_execution='packed' without context parallel."
-            )
-        engine_options["bidirectional_block"] = bidirectional_block
+    if options.attention_chunk is not None and engine is not None:
+        raise ValueError(
+            f"chunked attention (attention_chunk_size={options.attention_chunk}, Llama 4) inside an "
+            "attention_engine_scope (tree context parallel): the scoped engine has no chunks. Train without "
+            "context parallel."
+        )
+    if bidirectional_block is not None and (engine is not None or kv_prefix is not None):
+        raise ValueError(
+            "bidirectional_block (e.g. Gemma 3's image blocks) is supported by the packed tree engines only, not "
+            "inside an attention_engine_scope (tree context parallel) or with kv_prefix (depth-first execution). "
+            "Use tree_execution='packed' without context parallel."
+        )
     if engine is not None and kv_prefix is not None:
         raise ValueError(
             "kv_prefix (tree_execution='depth_first') inside an attention_engine_scope (tree context parallel): the "
@@ -171,22 +166,21 @@ def tree_attention_forward(
         layer = attention_layer(module)
         prefix_key, prefix_value = kv_prefix.record(("key", layer), key), kv_prefix.record(("value", layer), value)
         if prefix_key is not None:
-            out = prefix_tree_attention(
-                query, key, value, prefix_key, prefix_value, kv_prefix, engine, **engine_options
-            )
+            out = prefix_tree_attention(query, key, value, prefix_key, prefix_value, kv_prefix, engine, options)
             return out[..., :value_dim], None
-    position_ids = options.position_ids
-    if position_ids is None and options.attention_chunk is not None:
+    if options.position_ids is None and options.attention_chunk is not None:
         # Llama 4's layers do not pass position_ids; a token's index in its branch (what transformers' chunks count)
         # is its depth, the number of its ancestors
-        position_ids = visible_keys_per_query(kv_end) - 1
-    out = engine(query, key, value, kv_end, position_ids=position_ids, **engine_options)
+        options = dataclasses.replace(options, position_ids=visible_keys_per_query(kv_end) - 1)
+    out = engine(query, key, value, kv_end, options)
     return out[..., :value_dim], None
 
 
 __all__ = [
     "ENGINES",
     "PrefixCache",
+    "TreeAttentionEngine",
+    "TreeAttentionOptions",
     "attention_engine_scope",
     "scoped_attention_engine",
     "blocked_tree_attention",

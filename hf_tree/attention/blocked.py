@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_tree.attention.engine import TreeAttentionOptions
 from hf_tree.attention.mask import (
     autocast_inputs,
     check_bidirectional_block,
@@ -435,44 +436,35 @@ def blocked_tree_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_end: torch.Tensor,
+    options: TreeAttentionOptions,
     *,
-    scaling: float,
-    position_ids: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    bidirectional_block: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
     tile_elements: int | None = None,
 ) -> torch.Tensor:
-    """Tree attention computed block by block over visible keys only; arguments and result as
-    ``reference_tree_attention`` (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` never repeated in
-    memory, ``kv_end [B, N]`` with ``kv_end[j] > j`` -> ``[B, N, H, D]`` in ``query``'s dtype), plus:
+    """Tree attention computed block by block over visible keys only, a ``TreeAttentionEngine`` honouring every
+    option (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` never repeated in memory, ``kv_end [B, N]`` with
+    ``kv_end[j] > j`` -> ``[B, N, H, D]`` in ``query``'s dtype), plus:
 
     Args:
         tile_elements: target size of one score tile (heads x block rows x keys), which sets the block
             size; default: one query row's bytes over the tiles' bytes per element (``_tile_bytes``).
     """
-    check_window_depths("blocked_tree_attention", position_ids, sliding_window, attention_chunk)
-    check_sinks("blocked_tree_attention", sinks, query.shape[1])
-    check_bidirectional_block("blocked_tree_attention", kv_end, bidirectional_block)
+    window, chunk, blocks = options.sliding_window, options.attention_chunk, options.bidirectional_block
+    check_window_depths("blocked_tree_attention", options.position_ids, window, chunk)
+    check_sinks("blocked_tree_attention", options.sinks, query.shape[1])
+    check_bidirectional_block("blocked_tree_attention", kv_end, blocks)
     if query.shape[1] % key.shape[1]:
         raise ValueError(f"query has {query.shape[1]} heads, not a multiple of the {key.shape[1]} key/value heads.")
     if tile_elements is None:  # all workers' live tiles together: about one query row's bytes
         tile_elements = max(MIN_TILE_ELEMENTS, query[0].numel() * query.element_size() // _tile_bytes(query))
     planner = _Planner(
         kv_end=kv_end.detach().to("cpu", torch.int64),
-        depth=None
-        if sliding_window is None and attention_chunk is None
-        else position_ids.detach().to("cpu", torch.int64),
-        window=sliding_window,
+        depth=None if window is None and chunk is None else options.position_ids.detach().to("cpu", torch.int64),
+        window=window,
         num_heads=query.shape[1],
         tile_elements=tile_elements,
-        bidirectional_block=None
-        if bidirectional_block is None
-        else bidirectional_block.detach().to("cpu", torch.int64),
-        chunk=attention_chunk,
+        bidirectional_block=None if blocks is None else blocks.detach().to("cpu", torch.int64),
+        chunk=chunk,
     )
     query, key, value = autocast_inputs(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
-        return _BlockedTreeAttention.apply(query, key, value, sinks, planner, scaling, softcap)
+        return _BlockedTreeAttention.apply(query, key, value, options.sinks, planner, options.scaling, options.softcap)

@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_tree.attention.batch_cache import BatchCache
+from hf_tree.attention.engine import TreeAttentionOptions
 from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.mask import autocast_inputs, check_sinks, has_bidirectional_blocks
 from hf_tree.attention.segments import row_segments, segment_ancestors
@@ -196,28 +197,21 @@ def flash_tree_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_end: torch.Tensor,
-    *,
-    scaling: float,
-    position_ids: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    bidirectional_block: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
+    options: TreeAttentionOptions,
 ) -> torch.Tensor:
-    """Tree attention with ``flash_attn_varlen_func`` on CUDA (float16/bfloat16, or under such an autocast);
-    arguments and result as ``reference_tree_attention`` (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]``,
-    ``kv_end [B, N]`` -> ``[B, N, H, D]``). Forward and backward are flash-attn's (differentiable). Raises
-    ``FlashAttnRefused`` (a ``ValueError``) with the reason for what the kernel cannot compute exactly
-    (``flash_attn_refusal``)."""
-    check_sinks("flash_tree_attention", sinks, query.shape[1])
-    reason = flash_attn_refusal(query, value, sinks, bidirectional_block, attention_chunk)
+    """Tree attention with ``flash_attn_varlen_func`` on CUDA (float16/bfloat16, or under such an autocast), a
+    ``TreeAttentionEngine`` (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]``, ``kv_end [B, N]`` ->
+    ``[B, N, H, D]``). Forward and backward are flash-attn's (differentiable). Raises ``FlashAttnRefused`` (a
+    ``ValueError``) with the reason for what the kernel cannot compute exactly (``flash_attn_refusal``); the
+    ``position_ids`` are not read: the gathered path positions are the depths (windows are measured along the
+    path)."""
+    check_sinks("flash_tree_attention", options.sinks, query.shape[1])
+    reason = flash_attn_refusal(query, value, options.sinks, options.bidirectional_block, options.attention_chunk)
     if reason is not None:
         raise FlashAttnRefused(
             f"attention backend 'flash_attn' cannot run this call: {reason}. Use 'flex' on CUDA (or the automatic "
             "choice, 'cuda', which sends such calls there)."
         )
-    del position_ids  # the gathered path positions are the depths (windows are measured along the path)
     query, key, value = autocast_inputs(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
         return varlen_tree_attention(
@@ -225,10 +219,10 @@ def flash_tree_attention(
             key,
             value,
             kv_end,
-            scaling=scaling,
+            scaling=options.scaling,
             attend=flash_attn_varlen_func(),
-            sliding_window=sliding_window,
-            softcap=softcap,
+            sliding_window=options.sliding_window,
+            softcap=options.softcap,
         )
 
 
@@ -237,29 +231,10 @@ def cuda_tree_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_end: torch.Tensor,
-    *,
-    scaling: float,
-    position_ids: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    bidirectional_block: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
+    options: TreeAttentionOptions,
 ) -> torch.Tensor:
     """The automatic engine on CUDA: ``flash_tree_attention`` where flash-attn can compute the call exactly (installed,
-    half-precision inputs, no sinks, bidirectional blocks or attention chunks), else ``flex_tree_attention``.
-    Arguments and result as ``reference_tree_attention``."""
-    can_flash = flash_attn_refusal(query, value, sinks, bidirectional_block, attention_chunk) is None
-    return (flash_tree_attention if can_flash else flex_tree_attention)(
-        query,
-        key,
-        value,
-        kv_end,
-        scaling=scaling,
-        position_ids=position_ids,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        sinks=sinks,
-        bidirectional_block=bidirectional_block,
-        attention_chunk=attention_chunk,
-    )
+    half-precision inputs, no sinks, bidirectional blocks or attention chunks), else ``flex_tree_attention``. A
+    ``TreeAttentionEngine`` honouring every option."""
+    reason = flash_attn_refusal(query, value, options.sinks, options.bidirectional_block, options.attention_chunk)
+    return (flash_tree_attention if reason is None else flex_tree_attention)(query, key, value, kv_end, options)

@@ -21,6 +21,7 @@ import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
 
 from hf_tree.attention.batch_cache import BatchCache
+from hf_tree.attention.engine import TreeAttentionOptions
 from hf_tree.attention.mask import check_bidirectional_block, check_sinks, check_window_depths, tree_mask_mod
 
 # FlexAttention's default sparse block size (its kernels' tile size).
@@ -157,20 +158,14 @@ def flex_tree_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_end: torch.Tensor,
-    *,
-    scaling: float,
-    position_ids: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    bidirectional_block: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
+    options: TreeAttentionOptions,
 ) -> torch.Tensor:
-    """Tree attention with FlexAttention; arguments and result as ``reference_tree_attention`` (``query
-    [B, H, N, D]``, ``key/value [B, Hkv, N, D]``, ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype).
+    """Tree attention with FlexAttention, a ``TreeAttentionEngine`` honouring every option (``query [B, H, N, D]``,
+    ``key/value [B, Hkv, N, D]``, ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype).
     GQA/MQA is handled by Flex (K/V are not repeated). Sinks rescale each query's output by the share of its
     softmax mass left to the keys, ``sigmoid(lse - sink)``, from Flex's log-sum-exp ``lse`` (differentiable)."""
-    check_window_depths("flex_tree_attention", position_ids, sliding_window, attention_chunk)
+    check_window_depths("flex_tree_attention", options.position_ids, options.sliding_window, options.attention_chunk)
+    sinks = options.sinks
     check_sinks("flex_tree_attention", sinks, query.shape[1])
     if not query.is_cuda:  # PyTorch's FlexAttention has no backward off CUDA: forward only
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (query, key, value, sinks)):
@@ -181,15 +176,17 @@ def flex_tree_attention(
             )
         query, key, value = query.detach(), key.detach(), value.detach()
         sinks = None if sinks is None else sinks.detach()
-    block_mask = cached_tree_block_mask(kv_end, position_ids, sliding_window, bidirectional_block, attention_chunk)
+    block_mask = cached_tree_block_mask(
+        kv_end, options.position_ids, options.sliding_window, options.bidirectional_block, options.attention_chunk
+    )
     attend = _compiled_flex_attention() if query.is_cuda else flex_attention
     out = attend(
         query,
         key,
         value,
-        score_mod=None if softcap is None else _softcap_score_mod(softcap),
+        score_mod=None if options.softcap is None else _softcap_score_mod(options.softcap),
         block_mask=block_mask,
-        scale=scaling,
+        scale=options.scaling,
         enable_gqa=query.shape[1] != key.shape[1],
         return_aux=None if sinks is None else AuxRequest(lse=True),
     )

@@ -13,11 +13,11 @@ indices (Llama 4's attention temperature tuning, on rows as long as its ``floor_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from hf_tree.attention.dual import DeferredMask
+from hf_tree.attention.engine import TreeAttentionOptions
+from hf_tree.attention.mask import check_bidirectional_block
 
 # Keyword -> what it would do, for keywords tree mode cannot honour (refused when given and not None).
 REFUSED_KEYWORDS = {
@@ -30,21 +30,6 @@ REFUSED_KEYWORDS = {
     "max_length_q": "flash-attention varlen packing",
     "max_length_k": "flash-attention varlen packing",
 }
-
-
-@dataclass(frozen=True)
-class TreeAttentionOptions:
-    """The engine options of one tree attention call."""
-
-    scaling: float
-    sliding_window: int | None
-    softcap: float | None
-    sinks: torch.Tensor | None
-    """``[H]`` sink logits, or ``None``."""
-    position_ids: torch.Tensor | None
-    """``[B, N]`` depths."""
-    attention_chunk: int | None = None
-    """Chunked attention's chunk size in depth positions (Llama 4), or ``None``."""
 
 
 def _refuse(module: torch.nn.Module, what: str, fix: str) -> None:
@@ -124,10 +109,12 @@ def tree_mode_options(
     dropout: float,
     kwargs: dict,
     row_tokens: int | None = None,
+    bidirectional_block: torch.Tensor | None = None,
 ) -> TreeAttentionOptions:
     """Validate a tree attention call (``query [B, H, N, D]``, ``key [B, Hkv, N, D]``, ``kv_end [B, N]``) and
     return the options the engines honour; ``ValueError`` for anything they would otherwise drop. ``row_tokens``:
-    the length of the row the queries belong to when longer than ``N`` (a depth-first unit's ``[prefix | unit]``)."""
+    the length of the row the queries belong to when longer than ``N`` (a depth-first unit's ``[prefix | unit]``).
+    ``bidirectional_block [B, N]``: the call's bidirectional overlay, or ``None``."""
     if dropout > 0.0:
         raise ValueError(
             f"tree_flash attention does not support attention dropout (got dropout={dropout}); "
@@ -152,6 +139,7 @@ def tree_mode_options(
     sliding_window = kwargs.get("sliding_window")
     attention_chunk = _check_mask(module, attention_mask, sliding_window)
     _check_packed_index_scale(module, query.shape[2] if row_tokens is None else row_tokens)
+    check_bidirectional_block("tree_flash", kv_end, bidirectional_block)
     return TreeAttentionOptions(
         scaling=query.shape[-1] ** -0.5 if scaling is None else scaling,
         sliding_window=sliding_window,
@@ -159,4 +147,5 @@ def tree_mode_options(
         sinks=kwargs.get("s_aux"),
         position_ids=kwargs.get("position_ids"),
         attention_chunk=attention_chunk,
+        bidirectional_block=bidirectional_block,
     )

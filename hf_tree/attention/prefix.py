@@ -14,11 +14,13 @@ engine (or, for a long prefix over a short unit, by the dense mask of ``hf_tree.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Hashable
+from collections.abc import Hashable
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
+from hf_tree.attention.engine import TreeAttentionEngine, TreeAttentionOptions
 from hf_tree.attention.mask import check_window_depths, tree_mask_mod
 from hf_tree.attention.reference import masked_attention
 from hf_tree.attention.segments import (
@@ -141,13 +143,8 @@ def prefix_tree_attention(
     prefix_key: torch.Tensor,
     prefix_value: torch.Tensor,
     prefix: PrefixCache,
-    engine: Callable[..., torch.Tensor],
-    *,
-    scaling: float,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
+    engine: TreeAttentionEngine,
+    options: TreeAttentionOptions,
 ) -> torch.Tensor:
     """Attention of a unit's queries over the row ``[prefix | unit]`` (``prefix.row_kv_end``, ``row_position_ids``).
 
@@ -156,8 +153,9 @@ def prefix_tree_attention(
         key, value: ``[B, Hkv, N, D]`` the unit's keys/values.
         prefix_key, prefix_value: ``[B, Hkv, P, D]`` the ancestors' (``prefix``'s entries for this layer).
         prefix: the unit's cache (its row's ``kv_end`` and depths).
-        engine: the tree engine of the call (``hf_tree.attention.ENGINES``' signature).
-        scaling, sliding_window, softcap, sinks, attention_chunk: as in ``reference_tree_attention``.
+        engine: the tree engine of the call.
+        options: the call's options; their ``position_ids`` are not read (the row's depths are the prefix's) and a
+            ``bidirectional_block`` is refused.
 
     Returns:
         ``[B, N, H, D]`` in ``query``'s dtype. Where ``engine`` would run ``segments`` (CPU, no window, soft-cap or
@@ -167,20 +165,21 @@ def prefix_tree_attention(
         unit's queries against all keys with the dense mask: PyTorch's SDPA, or the models' eager math
         (``masked_attention``) for soft-capping or sinks.
     """
+    if options.bidirectional_block is not None:
+        raise ValueError("prefix_tree_attention (depth-first execution) has no bidirectional_block overlay.")
     num_prefix = prefix.row_kv_end.shape[1] - query.shape[2]
     keys = torch.cat([prefix_key.to(key.dtype), key], dim=2)
     values = torch.cat([prefix_value.to(value.dtype), value], dim=2)
-    options = dict(scaling=scaling, sliding_window=sliding_window, softcap=softcap, sinks=sinks)
-    if attention_chunk is not None:  # only then: engines of an attention_engine_scope need not know the keyword
-        options["attention_chunk"] = attention_chunk
+    options = replace(options, position_ids=prefix.row_position_ids)
     queries = torch.cat([query.new_zeros(*query.shape[:2], num_prefix, query.shape[3]), query], dim=2)
     if _runs_segments(engine, query, prefix.row_kv_end, options):  # the unit's rectangles only
         plan = plan_from_query(cached_segment_plan(prefix.row_kv_end), num_prefix, keys.shape[2])
-        out = segment_tree_attention(queries, keys, values, prefix.row_kv_end, scaling=scaling, plan=plan)
+        out = segment_tree_attention(queries, keys, values, prefix.row_kv_end, options, plan=plan)
         return out[:, num_prefix:]
     if num_prefix * num_prefix <= 2 * query.shape[2] * keys.shape[2]:
-        out = engine(queries, keys, values, prefix.row_kv_end, position_ids=prefix.row_position_ids, **options)
+        out = engine(queries, keys, values, prefix.row_kv_end, options)
         return out[:, num_prefix:]
+    sliding_window, attention_chunk = options.sliding_window, options.attention_chunk
     check_window_depths("prefix_tree_attention", prefix.row_position_ids, sliding_window, attention_chunk)
     rows = torch.arange(query.shape[0], device=query.device)[:, None, None]
     positions = torch.arange(keys.shape[2], device=query.device)
@@ -188,6 +187,7 @@ def prefix_tree_attention(
         prefix.row_kv_end, prefix.row_position_ids, sliding_window, attention_chunk=attention_chunk
     )
     visible = mask_mod(rows, None, positions[num_prefix:, None], positions[None, :])[:, None]  # [B, 1, N, P + N]
+    scaling, softcap, sinks = options.scaling, options.softcap, options.sinks
     if softcap is None and sinks is None:
         out = F.scaled_dot_product_attention(query, keys, values, attn_mask=visible, scale=scaling, enable_gqa=True)
     else:
@@ -195,11 +195,13 @@ def prefix_tree_attention(
     return out.transpose(1, 2).contiguous()
 
 
-def _runs_segments(engine: Callable[..., torch.Tensor], query: torch.Tensor, row_kv_end: torch.Tensor, options) -> bool:
+def _runs_segments(
+    engine: TreeAttentionEngine, query: torch.Tensor, row_kv_end: torch.Tensor, options: TreeAttentionOptions
+) -> bool:
     """Whether ``engine`` would run the ``segments`` engine on this row (``cpu_tree_attention``'s choice), and no
     sinks are asked for (the engine merges them into every row, the prefix's unwritten ones included)."""
     if engine not in (cpu_tree_attention, segment_tree_attention) or query.device.type != "cpu":
         return False
-    if any(options.get(name) is not None for name in ("sliding_window", "softcap", "sinks", "attention_chunk")):
+    if any(getattr(options, name) is not None for name in ("sliding_window", "softcap", "sinks", "attention_chunk")):
         return False
     return engine is segment_tree_attention or cached_segment_plan(row_kv_end).tokens_per_call >= MIN_TOKENS_PER_CALL

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import torch
 
+from hf_tree.attention.engine import TreeAttentionOptions
 from hf_tree.attention.mask import check_sinks, compute_dtype, dense_tree_mask
 
 
@@ -15,38 +16,18 @@ def reference_tree_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_end: torch.Tensor,
-    *,
-    scaling: float,
-    position_ids: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    bidirectional_block: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
+    options: TreeAttentionOptions,
 ) -> torch.Tensor:
-    """Attention of a packed tree row.
-
-    Args:
-        query: ``[B, H, N, D]``.
-        key, value: ``[B, Hkv, N, D]`` with ``H % Hkv == 0`` (GQA/MQA).
-        kv_end: ``[B, N]`` integer subtree ends.
-        scaling: multiplier of ``q @ k^T``.
-        position_ids: ``[B, N]`` depths (needed with ``sliding_window``).
-        sliding_window: window in depth positions, as each branch alone would see it.
-        softcap: ``softcap * tanh(scores / softcap)`` before masking (Gemma-style), if set.
-        sinks: ``[H]`` attention-sink logits (gpt-oss ``s_aux``), if set: one extra logit per query head joins
-            every query's softmax denominator and attends to nothing, as in the models' eager attention.
-        bidirectional_block: ``[B, N]`` block id per token (``-1``: none), if set: tokens of one block also see the
-            block's later tokens (Gemma 3's image tokens; ``hf_tree.attention.mask.tree_mask_mod``).
-        attention_chunk: chunk size in depth positions (Llama 4's chunked layers), if set: a query sees the keys of
-            its own chunk only, as each branch alone would.
-
-    Returns:
-        ``[B, N, H, D]`` in ``query``'s dtype.
-    """
-    check_sinks("reference_tree_attention", sinks, query.shape[1])
-    visible = dense_tree_mask(kv_end, position_ids, sliding_window, bidirectional_block, attention_chunk)[:, None]
-    out = masked_attention(query, key, value, visible, scaling=scaling, softcap=softcap, sinks=sinks)
+    """Attention of a packed tree row, a ``TreeAttentionEngine``: ``query [B, H, N, D]``, ``key/value
+    [B, Hkv, N, D]`` (``H % Hkv == 0``), ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype, honouring every
+    option (``TreeAttentionOptions``)."""
+    check_sinks("reference_tree_attention", options.sinks, query.shape[1])
+    visible = dense_tree_mask(
+        kv_end, options.position_ids, options.sliding_window, options.bidirectional_block, options.attention_chunk
+    )[:, None]
+    out = masked_attention(
+        query, key, value, visible, scaling=options.scaling, softcap=options.softcap, sinks=options.sinks
+    )
     return out.transpose(1, 2).contiguous()
 
 

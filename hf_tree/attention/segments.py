@@ -23,12 +23,13 @@ engine instead.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from hf_tree.attention.batch_cache import BatchCache
 from hf_tree.attention.blocked import blocked_tree_attention
+from hf_tree.attention.engine import TreeAttentionOptions
 from hf_tree.attention.mask import (
     autocast_inputs,
     check_sinks,
@@ -315,34 +316,30 @@ def segment_tree_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_end: torch.Tensor,
+    options: TreeAttentionOptions,
     *,
-    scaling: float,
-    position_ids: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    bidirectional_block: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
     plan: SegmentPlan | None = None,
 ) -> torch.Tensor:
-    """Tree attention from fused flash-attention calls on contiguous rectangles (CPU); arguments and result as
-    ``reference_tree_attention`` (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` never repeated,
-    ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype), without softcapping, sliding windows or a
-    bidirectional overlay (``cpu_tree_attention`` sends those to the blocked engine)."""
-    check_sinks("segment_tree_attention", sinks, query.shape[1])
-    blocks = has_bidirectional_blocks(bidirectional_block)
-    if sliding_window is not None or softcap is not None or blocks or attention_chunk is not None:
+    """Tree attention from fused flash-attention calls on contiguous rectangles (CPU), a ``TreeAttentionEngine``
+    (``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` never repeated, ``kv_end [B, N]`` -> ``[B, N, H, D]`` in
+    ``query``'s dtype) honouring ``scaling`` and ``sinks`` only: softcapping, sliding windows, attention chunks and a
+    bidirectional overlay are refused (``cpu_tree_attention`` sends those to the blocked engine). ``plan``: the
+    rectangles to run (default: all of ``kv_end``'s)."""
+    check_sinks("segment_tree_attention", options.sinks, query.shape[1])
+    blocks = has_bidirectional_blocks(options.bidirectional_block)
+    local = options.sliding_window is not None or options.attention_chunk is not None
+    if local or options.softcap is not None or blocks:
         raise ValueError(
-            f"segment_tree_attention got sliding_window={sliding_window}, softcap={softcap}, "
-            f"bidirectional_block={'set' if blocks else None}, attention_chunk={attention_chunk}: its causal "
+            f"segment_tree_attention got sliding_window={options.sliding_window}, softcap={options.softcap}, "
+            f"bidirectional_block={'set' if blocks else None}, attention_chunk={options.attention_chunk}: its causal "
             "rectangles have none of them; use blocked_tree_attention for such layers."
         )
-    del position_ids  # depths matter only for sliding windows
+    # position_ids are not read: depths matter only for sliding windows and chunks
     if plan is None:
         plan = cached_segment_plan(kv_end)
     query, key, value = autocast_inputs(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
-        return _SegmentTreeAttention.apply(query, key, value, sinks, plan, scaling)
+        return _SegmentTreeAttention.apply(query, key, value, options.sinks, plan, options.scaling)
 
 
 def cpu_tree_attention(
@@ -350,36 +347,17 @@ def cpu_tree_attention(
     key: torch.Tensor,
     value: torch.Tensor,
     kv_end: torch.Tensor,
-    *,
-    scaling: float,
-    position_ids: torch.Tensor | None = None,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    sinks: torch.Tensor | None = None,
-    bidirectional_block: torch.Tensor | None = None,
-    attention_chunk: int | None = None,
+    options: TreeAttentionOptions,
 ) -> torch.Tensor:
     """The automatic engine off CUDA: ``segment_tree_attention`` on CPU batches whose segments are long enough
     (``MIN_TOKENS_PER_CALL`` tokens per kernel call), else ``blocked_tree_attention`` (short segments,
-    softcapping, sliding windows, attention chunks, bidirectional blocks, other devices). Arguments and result as
-    ``reference_tree_attention``."""
-    if not has_bidirectional_blocks(bidirectional_block):
-        bidirectional_block = None
-    local = sliding_window is not None or attention_chunk is not None
-    if query.device.type == "cpu" and not local and softcap is None and bidirectional_block is None:
+    softcapping, sliding windows, attention chunks, bidirectional blocks, other devices). A ``TreeAttentionEngine``
+    honouring every option."""
+    if not has_bidirectional_blocks(options.bidirectional_block):
+        options = replace(options, bidirectional_block=None)
+    local = options.sliding_window is not None or options.attention_chunk is not None
+    if query.device.type == "cpu" and not local and options.softcap is None and options.bidirectional_block is None:
         plan = cached_segment_plan(kv_end)
         if plan.tokens_per_call >= MIN_TOKENS_PER_CALL:
-            return segment_tree_attention(query, key, value, kv_end, scaling=scaling, sinks=sinks, plan=plan)
-    return blocked_tree_attention(
-        query,
-        key,
-        value,
-        kv_end,
-        scaling=scaling,
-        position_ids=position_ids,
-        sliding_window=sliding_window,
-        softcap=softcap,
-        sinks=sinks,
-        bidirectional_block=bidirectional_block,
-        attention_chunk=attention_chunk,
-    )
+            return segment_tree_attention(query, key, value, kv_end, options, plan=plan)
+    return blocked_tree_attention(query, key, value, kv_end, options)

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from hf_tree.attention import attention_engine_scope, scoped_attention_engine
+from hf_tree.attention.engine import TreeAttentionOptions
 from hf_tree.attention.mask import check_sinks, tree_mask_mod
 from hf_tree.attention.reference import masked_attention
 from hf_tree.attention.torch_cp import refuse_torch_context_parallel as refuse_torch_context_parallel  # re-export
@@ -131,12 +132,12 @@ def _block_attention(
 class ContextParallelAttention:
     """Tree attention of one rank's shard against the keys/values of the whole CP group (one forward).
 
-    Built by ``tree_context_parallel``; ``hf_tree.attention.tree_attention_forward`` calls ``attention`` while
-    it is active. A query block attends only to the keys it can see (the ancestors of its first query and
-    itself). Blocks run under activation checkpointing, so per rank and layer autograd keeps only the rank's
-    queries and the gathered keys/values (``[cp_size * L, 2, B, Hkv, D]``, as at cp=1); a block's selected
-    keys, mask and SDPA tiles live only while it is computed or recomputed in backward (the price: attention's
-    forward runs twice).
+    Built by ``tree_context_parallel``; ``hf_tree.attention.tree_attention_forward`` calls it (a
+    ``TreeAttentionEngine``) while it is active. A query block attends only to the keys it can see (the ancestors
+    of its first query and itself). Blocks run under activation checkpointing, so per rank and layer autograd keeps
+    only the rank's queries and the gathered keys/values (``[cp_size * L, 2, B, Hkv, D]``, as at cp=1); a block's
+    selected keys, mask and SDPA tiles live only while it is computed or recomputed in backward (the price:
+    attention's forward runs twice).
     """
 
     def __init__(
@@ -238,38 +239,28 @@ class ContextParallelAttention:
         key: torch.Tensor,
         value: torch.Tensor,
         kv_end: torch.Tensor,
-        *,
-        position_ids: torch.Tensor | None = None,
-        **options,
+        options: TreeAttentionOptions,
     ) -> torch.Tensor:
-        """The engine signature of ``hf_tree.attention.ENGINES`` (see ``attention``): ``position_ids`` are
-        ignored, the depths of the whole row come from the batch given at construction."""
-        return self.attention(query, key, value, kv_end, **options)
-
-    def attention(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        kv_end: torch.Tensor,
-        *,
-        scaling: float,
-        sliding_window: int | None = None,
-        softcap: float | None = None,
-        sinks: torch.Tensor | None = None,
-    ) -> torch.Tensor:
-        """``query [B, H, L, D]``, ``key/value [B, Hkv, L, D]`` of the rank's rows -> ``[B, L, H, D]``; ``sinks
-        [H]``: attention-sink logits (their gradient stays on the rank, summed over ranks by DDP/FSDP)."""
+        """A ``TreeAttentionEngine`` over the rank's rows: ``query [B, H, L, D]``, ``key/value [B, Hkv, L, D]`` ->
+        ``[B, L, H, D]``. ``options.position_ids`` are not read (the depths of the whole row come from the batch
+        given at construction); ``sinks [H]``' gradient stays on the rank, summed over ranks by DDP/FSDP; attention
+        chunks and bidirectional blocks are refused."""
+        if options.attention_chunk is not None or options.bidirectional_block is not None:
+            raise ValueError(
+                f"tree context parallel got attention_chunk={options.attention_chunk}, bidirectional_block="
+                f"{'set' if options.bidirectional_block is not None else None}: it computes neither. Train without "
+                "context parallel."
+            )
         if query.shape[2] != self.plan.shard_len or kv_end.shape != self.kv_end.shape[:1] + (self.plan.shard_len,):
             raise ValueError(
                 f"tree context parallel expects this rank's shard ([batch, {self.plan.shard_len}] rows, from "
                 f"shard_batch_for_context_parallel) but the model got {query.shape[2]} query rows and kv_end of shape "
                 f"{tuple(kv_end.shape)}."
             )
-        check_sinks("tree context parallel", sinks, query.shape[1])
+        check_sinks("tree context parallel", options.sinks, query.shape[1])
         self._on(query.device)
         rows = self.gather_keys_values(key, value)
-        block_key_ids, block_key_rows = self._block_keys(sliding_window)
+        block_key_ids, block_key_rows = self._block_keys(options.sliding_window)
         outputs = [
             checkpoint(
                 _block_attention,
@@ -280,10 +271,10 @@ class ContextParallelAttention:
                 key_rows,
                 self.kv_end,
                 self.position_ids,
-                sliding_window,
-                scaling,
-                softcap,
-                sinks,
+                options.sliding_window,
+                options.scaling,
+                options.softcap,
+                options.sinks,
                 use_reentrant=False,
             )
             for b, key_ids, key_rows in zip(self.blocks, block_key_ids, block_key_rows)
