@@ -1,5 +1,6 @@
 """Imports: no import cycle between the package's modules and subpackages (issue 17: ``tree`` <-> ``validation``,
-``attention`` -> ``parallel`` -> ``attention``), no test module importing another, and (at the end) the start-up
+``attention`` -> ``parallel`` -> ``attention``), the lower floors free of the upper ones (issue 45: ``models``
+imports neither the collator nor ``parallel``), no test module importing another, and (at the end) the start-up
 cost of ``import hf_tree`` and ``hf-tree --help`` (fresh interpreters). The cycles are read from the source with
 ``ast``: no imports run, so that check is fast.
 
@@ -106,6 +107,61 @@ def test_no_package_import_cycle():
     assert cycle is None, (
         f"hf_tree has an import cycle: {' -> '.join(cycle)}. Move the shared piece into a leaf module, or "
         "import inside the function that needs it."
+    )
+
+
+# ----------------------------------------------------------------------------------- floors (issue 45)
+# The lower floors of the package, bottom up: a unit may import (at module level, directly or through other units)
+# only units of the floors below its own. Units not listed sit above all of these. ``hf_tree.models`` (how hf_tree
+# reads a model, its checks and the tree mixers) stays below the collator and context parallel: the length-switch
+# check reads a collator's ``PackingConfig``, and the mixers find context parallel through the attention scope as a
+# ``ShardedRows`` they declare themselves.
+LOWER_FLOORS: list[set[str]] = [
+    {"hf_tree.validation", "hf_tree.post_import", "hf_tree.versions"},
+    {"hf_tree.tree", "hf_tree.attention", "hf_tree.distributed"},
+    {"hf_tree.packing"},
+    {"hf_tree.models"},
+]
+
+
+def reachable(graph: dict[str, set[str]], unit: str) -> set[str]:
+    """The units ``unit`` imports, directly or through others."""
+    seen: set[str] = set()
+    pending = [unit]
+    while pending:
+        for target in graph.get(pending.pop(), ()):
+            if target not in seen:
+                seen.add(target)
+                pending.append(target)
+    return seen
+
+
+def floor_violations(graph: dict[str, set[str]], floors: list[set[str]]) -> dict[str, set[str]]:
+    """``{unit: the units it reaches that are not on a floor below its own}`` (units within the limits left out)."""
+    violations = {}
+    for level, floor in enumerate(floors):
+        below = set().union(*floors[:level])
+        for unit in sorted(floor):
+            above = reachable(graph, unit) - below
+            if above:
+                violations[unit] = above
+    return violations
+
+
+def test_floor_check_sees_an_upward_import():
+    floors = [{"a"}, {"b"}]
+    assert floor_violations({"a": set(), "b": {"a"}}, floors) == {}
+    assert floor_violations({"a": {"c"}, "b": {"a"}, "c": set()}, floors) == {"a": {"c"}, "b": {"c"}}
+
+
+def test_lower_floors_import_nothing_above_them():
+    graph = package_graph()
+    assert all(unit in graph for floor in LOWER_FLOORS for unit in floor), "a floor names a unit that is gone"
+    assert not {"hf_tree.collator", "hf_tree.parallel"} & reachable(graph, "hf_tree.models")
+    violations = floor_violations(graph, LOWER_FLOORS)
+    assert not violations, (
+        f"lower floors import units above them: {violations}. Move the shared piece down (or declare the interface "
+        "the lower floor needs there, as hf_tree.models.mixers.install.ShardedRows), or import inside the function."
     )
 
 

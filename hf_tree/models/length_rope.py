@@ -25,7 +25,7 @@ import datasets
 import pyarrow.compute as pc
 import torch
 
-from hf_tree.collator import TreeDataCollator
+from hf_tree.packing import PackingConfig
 
 # HunYuan's rotary turns "dynamic" with a fixed ``alpha`` into static NTK-alpha frequencies: no switch.
 STATIC_DYNAMIC_WITH_ALPHA = frozenset({"hunyuan_v1_dense", "hunyuan_v1_moe", "hunyuan_vl"})
@@ -143,17 +143,19 @@ def check_dataset_rope_lengths(config: Any, collator: Any, dataset: Any) -> None
     """Before training: refuse a tree dataset whose longest branch, as ``collator`` passes it on, crosses a length
     switch (the per-batch check would stop only at the first such batch, possibly after many optimizer steps).
 
-    Free unless the model has a switch and the ``TreeDataCollator`` lets longer branches through (its
-    ``max_branch_tokens``: "truncate"/"drop" cut longer ones to it); then one pass over the tree columns. Other
-    collators and datasets (iterable, not tree rows) are left to the per-batch check.
+    Free unless the model has a switch and the tree collator (a ``TreeDataCollator``: its ``packing``, a
+    ``PackingConfig``) lets longer branches through (its ``max_branch_tokens``: "truncate"/"drop" cut longer ones to
+    it); then one pass over the tree columns. Other collators and datasets (iterable, not tree rows) are left to the
+    per-batch check.
 
     Raises:
         ValueError: as ``check_rope_lengths``.
     """
     longest_exact = longest_exact_branch(config)
-    if longest_exact is None or not isinstance(collator, TreeDataCollator):
+    packing = getattr(collator, "packing", None)
+    if longest_exact is None or not isinstance(packing, PackingConfig):
         return
-    branch_limit = collator.packing.branch_limit
+    branch_limit = packing.branch_limit
     if branch_limit <= longest_exact:
         return
     if not isinstance(dataset, datasets.Dataset) or "branch_end_nodes" not in dataset.column_names:

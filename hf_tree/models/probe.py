@@ -42,10 +42,10 @@ from typing import Any
 import torch
 from transformers import PreTrainedModel
 
+from hf_tree.attention import attention_engine_scope
 from hf_tree.models.introspection import backbone_of, causal_lm_of, eval_mode_no_grad, own_attention, probe_ids
 from hf_tree.models.pinned_routing import recording_routing, replaying_routing
 from hf_tree.packing import pack_and_place
-from hf_tree.parallel.context import suspend_context_parallel
 from hf_tree.tree import Tree
 
 # Look-back (tokens) the probe covers when the model declares nothing longer: what undeclared mixers (a custom
@@ -486,5 +486,6 @@ def probe_modules(causal_lm: PreTrainedModel) -> dict[str, torch.nn.Module]:
 def measure(model: torch.nn.Module, modules: dict[str, torch.nn.Module], shape: ProbeShape, forward=None) -> ProbeRun:
     """``run_probe`` in eval mode, without gradients, autocast or context parallel, leaving RNG state untouched."""
     causal_lm = causal_lm_of(model)
-    with eval_mode_no_grad(model), suspend_context_parallel():  # the probe runs whole on every rank
+    # the probe runs whole on every rank: no scoped engine (tree context parallel's), the automatic one
+    with eval_mode_no_grad(model), attention_engine_scope(None):
         return run_probe(forward or model, causal_lm, modules, shape, routes_tokens(causal_lm.config))

@@ -46,7 +46,8 @@ def active_context_parallel() -> ContextParallelAttention | None:
 @contextlib.contextmanager
 def suspend_context_parallel() -> Iterator[None]:
     """Run the block's tree forwards whole (the ordinary engines), even inside ``tree_context_parallel``: for
-    work every rank does on the full row, such as ``hf_tree.models.check``'s probe."""
+    work every rank does on the full row (``hf_tree.models.probe`` scopes ``None`` the same way, from below
+    ``hf_tree.parallel``)."""
     with attention_engine_scope(None):
         yield
 
@@ -214,8 +215,9 @@ class ContextParallelAttention:
 
     def gather_sequence(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's ``tensor`` (``L`` shard slots along ``dim``) -> the whole row's (``num_slots`` along
-        ``dim``, in global slot order), for the tree mixers (``hf_tree.models.mixers.install``). Autograd
-        all-gather: its backward hands each rank the gradient of its own slots, summed over the ranks' uses."""
+        ``dim``, in global slot order), for the tree mixers (their ``ShardedRows``,
+        ``hf_tree.models.mixers.install``). Autograd all-gather: its backward hands each rank the gradient of its own
+        slots, summed over the ranks' uses."""
         self._on(tensor.device)
         rows = tensor.movedim(dim, 0).contiguous()
         if self.plan.cp_size > 1:

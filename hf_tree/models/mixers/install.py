@@ -14,16 +14,17 @@ import importlib
 import inspect
 from collections.abc import Callable
 from types import ModuleType
+from typing import Protocol, runtime_checkable
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
+from hf_tree.attention import scoped_attention_engine
 from hf_tree.models.hybrid_modules import TREE_MIXER_MODULES, modeling_module
 from hf_tree.models.mixers.conv import tree_causal_conv1d
 from hf_tree.models.mixers.delta_rule import tree_chunk_gated_delta_rule
 from hf_tree.models.mixers.ssd import tree_mamba2_chunk_scan
 from hf_tree.models.mixers.topology import tree_topology
-from hf_tree.parallel.context import ContextParallelAttention, active_context_parallel
 
 
 def _skip_fused(*args, **kwargs) -> None:
@@ -62,9 +63,33 @@ SEQUENCE_DIMS: dict[Callable[..., object], tuple[dict[str, int], int, bool]] = {
 }
 
 
-def context_parallel_tree_op(
-    tree_op: Callable[..., object], context: ContextParallelAttention, args: tuple, kwargs: dict
-) -> object:
+@runtime_checkable
+class ShardedRows(Protocol):
+    """A scoped attention engine whose rank holds a shard of each row (``hf_tree.parallel``'s context parallel,
+    ``ContextParallelAttention``): what the tree mixers need of it to run on the whole row. Declared here, on the
+    mixers' floor, so that they find it through ``hf_tree.attention.attention_engine_scope`` without importing
+    ``hf_tree.parallel``."""
+
+    def gather_sequence(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slots of ``tensor`` along ``dim`` -> the whole row's (autograd all-gather)."""
+        ...
+
+    def local_slots(self, tensor: torch.Tensor, dim: int) -> torch.Tensor:
+        """The whole row's ``tensor`` along ``dim`` -> this rank's slots."""
+        ...
+
+    def row_kv_end(self, device: torch.device) -> torch.Tensor:
+        """``[B, num_slots]`` subtree ends of the whole row on ``device``."""
+        ...
+
+
+def sharded_rows() -> ShardedRows | None:
+    """The enclosing scope's engine when it shards rows (tree context parallel), else ``None``."""
+    engine = scoped_attention_engine()
+    return engine if engine is not None and isinstance(engine, ShardedRows) else None
+
+
+def context_parallel_tree_op(tree_op: Callable[..., object], context: ShardedRows, args: tuple, kwargs: dict) -> object:
     """``tree_op`` on this rank's shard under hf_tree's context parallel, exactly.
 
     A token's convolution window and recurrent state come from its ancestors, which may sit on other ranks. The
@@ -99,7 +124,7 @@ def tree_dispatch(original: Callable[..., object], tree_op: Callable[..., object
             return original(*args, **kwargs)
         if tree_op not in SEQUENCE_DIMS:  # the fused kernel's switch, the cached steps' refusals: no topology
             return tree_op(*args, **kwargs)
-        context = active_context_parallel()
+        context = sharded_rows()
         if context is not None:
             return context_parallel_tree_op(tree_op, context, args, kwargs)
         return tree_op(*args, topology=tree_topology(kv_end), **kwargs)
