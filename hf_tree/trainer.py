@@ -7,6 +7,10 @@ What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``t
   optimizer step on every data-parallel rank (one all-reduce per step), so N accumulated micro-batches on R
   ranks give the update of one batch of N * R micro-batches;
 - evaluation uses the same loss, summed over the whole evaluation set before dividing;
+- trees larger than a row run depth-first (``tree_execution``) beside the packed rows, by the trainer's
+  ``hf_tree.depth_first_runner.DepthFirstRunner`` (``tree_depth_first``), with the same divisor;
+- image batches (``hf_tree.vision.MediaTreeCollator``) reach the model with the inputs their module registers
+  (``hf_tree.batch_inputs``): this module imports no vision code;
 - an MoE model's router load-balancing loss (``output_router_logits`` with a non-zero ``router_aux_loss_coef``) is
   added per micro-batch as the model's own forward adds it, each packed token weighted by the branches that contain
   it (``hf_tree.models.router_loss``); evaluation reports the token loss only;
@@ -140,7 +144,7 @@ def pad_token_id_of(processing_class: Any) -> int | None:
 
 class TreeTrainerMixin(FSDPFullSaveMixin):
     """Tree loss, exact step divisor, tree eval loss, packing logs and complete FSDP2 saves, for ``Trainer``
-    subclasses.
+    subclasses; depth-first trees are left to its ``DepthFirstRunner`` (``tree_depth_first``).
 
     Place it before the ``Trainer`` class in the bases. Its ``__init__`` (the same arguments as ``Trainer``'s, in
     the same order) is the one init path of the tree trainers: subclasses adapt it through
