@@ -60,7 +60,7 @@ class DepthFirstRunner:
     Args:
         accelerator: the trainer's accelerator (its process count and distributed type).
         self_check: the ``self_check`` of the tree loss (``None``: ``HF_TREE_SELF_CHECK``).
-        config: the unit size (the trainers use ``max_packed_tokens``).
+        config: the unit size (the trainers use ``max_packed_tokens``; the shared prompt pieces plan no units).
         normalization, token_loss: the loss weights and per-token loss, as in ``tree_causal_lm_loss``.
     """
 
