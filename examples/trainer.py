@@ -11,7 +11,7 @@ import datasets
 from _common import example_parser, load_model  # what the examples share (examples/_common.py)
 
 from hf_tree.assets import load_smollm2_tokenizer
-from hf_tree.builders import build_tree_dataset
+from hf_tree.builders import build_tree_dataset_with_stats
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
 
 QUESTIONS = {
@@ -27,7 +27,7 @@ def main() -> None:
     tokenizer = load_smollm2_tokenizer()
     model = load_model(options.tiny, len(tokenizer))
 
-    # TRL's prompt/completions format; build_tree_dataset merges each prompt's completions into one tree
+    # TRL's prompt/completions format; build_tree_dataset_with_stats merges each prompt's completions into one tree
     rows = datasets.Dataset.from_list(
         [
             {
@@ -37,7 +37,7 @@ def main() -> None:
             for q, answers in QUESTIONS.items()
         ]
     )
-    trees, stats = build_tree_dataset(rows, tokenizer, return_stats=True)
+    trees, stats = build_tree_dataset_with_stats(rows, tokenizer)
     print(stats.summary())
 
     args = TreeTrainingArguments(

@@ -418,26 +418,15 @@ def write_loss_curve(trainer: Trainer, output_dir: str) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict[str, float]:
+    """One training job (``hf-tree train``): parse the arguments, load the data (its errors before the slow model
+    load) and the model, train, save, evaluate and report. Returns the figures of ``train_and_summarize``."""
     argv = sys.argv[1:] if argv is None else argv
     model_args, data_args, lora_layers, config = parse_arguments(argv)
-    logging.basicConfig(
-        level=logging.INFO if config.should_log else logging.WARNING,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-    )
-    if not argv:
-        print(
-            f"hf_tree: no arguments, running the offline default job: {json.dumps(DEFAULT_RUN)} with "
-            f"{json.dumps({**DEFAULT_MODEL_RUN, **DEFAULT_DATA_RUN})}",
-            flush=True,
-        )
+    set_up_logging(config, announce_default_job=not argv)
     started = time.perf_counter()
     if config.chat_template_path is None:
         config.chat_template_path = default_chat_template_path(model_args, data_args)
-    # data errors before the (slow) model load
-    train = first_rows(load_split(data_args, data_args.dataset_train_split), data_args.max_train_samples)
-    evaluation = None
-    if data_args.dataset_test_split:
-        evaluation = first_rows(load_split(data_args, data_args.dataset_test_split), data_args.max_eval_samples)
+    train, evaluation = load_datasets(data_args)
     model, tokenizer = load_model_and_tokenizer(model_args, config.trust_remote_code)
     # the held-out loss before training: Trainer's eval_on_start (after accelerate prepares the model, which FSDP2
     # needs with the optimizer; an evaluate() before train() would prepare the model alone)
@@ -451,27 +440,70 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         peft_config=peft_config(model_args, lora_layers, model),
         callbacks=[EvaluationNotice(len(evaluation))] if evaluation is not None else None,
     )
-    main_process = trainer.is_world_process_zero()
+    ratio = check_and_report_trees(trainer, num_rows=len(train))
+    summary = train_and_summarize(trainer, evaluation, peft=model_args.use_peft)
+    summary.update(dedup_ratio=ratio, total_seconds=time.perf_counter() - started)
+    if trainer.is_world_process_zero():
+        report_run(trainer, summary, evaluation, data_args.dataset_test_split, peft=model_args.use_peft)
+    return summary
+
+
+def set_up_logging(config: TreeSFTConfig, announce_default_job: bool) -> None:
+    """Python logging at the config's level; with no arguments, one line naming the offline default job."""
+    logging.basicConfig(
+        level=logging.INFO if config.should_log else logging.WARNING,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    if announce_default_job:
+        print(
+            f"hf_tree: no arguments, running the offline default job: {json.dumps(DEFAULT_RUN)} with "
+            f"{json.dumps({**DEFAULT_MODEL_RUN, **DEFAULT_DATA_RUN})}",
+            flush=True,
+        )
+
+
+def load_datasets(data_args: DataArguments) -> tuple[datasets.Dataset, datasets.Dataset | None]:
+    """The training rows and the held-out rows (``None`` without ``dataset_test_split``), each cut to its limit."""
+    train = first_rows(load_split(data_args, data_args.dataset_train_split), data_args.max_train_samples)
+    evaluation = None
+    if data_args.dataset_test_split:
+        evaluation = first_rows(load_split(data_args, data_args.dataset_test_split), data_args.max_eval_samples)
+    return train, evaluation
+
+
+def check_and_report_trees(trainer: TreeSFTTrainer, num_rows: int) -> float:
+    """Plan the training trees' rows as the collator will (an overlong branch stops the run here, not mid-way) and
+    print how the rows merged (main process); returns the dedup ratio."""
     trees = [Tree.from_dict(row) for row in trainer.train_dataset]
     branch_tokens, tree_tokens = sum(t.num_branch_tokens for t in trees), sum(t.num_tokens for t in trees)
     ratio = dedup_ratio(branch_tokens, tree_tokens)
-    plan_rows(trees, config.packing_config())  # the collator's plan: an overlong branch stops the run here, not mid-way
-    if main_process:
+    plan_rows(trees, trainer.args.packing_config())
+    if trainer.is_world_process_zero():
         print(
-            f"hf_tree: {len(train)} rows -> {len(trees)} trees, dedup ratio {ratio:.2f} "
+            f"hf_tree: {num_rows} rows -> {len(trees)} trees, dedup ratio {ratio:.2f} "
             f"({branch_tokens} branch tokens computed as {tree_tokens} tree tokens)",
             flush=True,
         )
+    return ratio
+
+
+def train_and_summarize(trainer: TreeSFTTrainer, evaluation: datasets.Dataset | None, peft: bool) -> dict[str, float]:
+    """Train, save (checked on the main process), evaluate the held-out rows and end the run's process group.
+
+    Returns ``train_loss``, ``train_runtime`` (Trainer's clock, the evaluations inside ``train()`` included),
+    ``train_eval_seconds`` (those evaluations), the mean ``tree_tokens_per_second`` and ``branch_tokens_per_second``
+    of the training logs, and with held-out rows ``eval_loss_before`` and ``eval_loss``.
+    """
+    config = trainer.args
+    main_process = trainer.is_world_process_zero()
     summary: dict[str, float] = {}
     result = trainer.train(resume_from_checkpoint=config.resume_from_checkpoint)
-    # Trainer's train_runtime (the one clock reported) includes the evaluations run inside train()
     eval_logs = [log for log in trainer.state.log_history if "eval_runtime" in log]
-    eval_seconds = sum(log["eval_runtime"] for log in eval_logs)
     if evaluation is not None:  # eval_on_start's log, before the first step
         summary["eval_loss_before"] = eval_logs[0]["eval_loss"]
     trainer.save_model(config.output_dir)
     if main_process:
-        check_saved(trainer, config.output_dir, peft=model_args.use_peft)
+        check_saved(trainer, config.output_dir, peft=peft)
     if evaluation is not None:
         if main_process:
             announce_evaluation(len(evaluation), "after training")
@@ -482,32 +514,40 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     tree_logs = [log for log in trainer.state.log_history if "tree_tokens_per_second" in log]
     summary.update(
         train_loss=result.training_loss,
-        dedup_ratio=ratio,
         tree_tokens_per_second=sum(x["tree_tokens_per_second"] for x in tree_logs) / max(len(tree_logs), 1),
         branch_tokens_per_second=sum(x["branch_tokens_per_second"] for x in tree_logs) / max(len(tree_logs), 1),
         train_runtime=result.metrics["train_runtime"],
-        train_eval_seconds=eval_seconds,
-        total_seconds=time.perf_counter() - started,
+        train_eval_seconds=sum(log["eval_runtime"] for log in eval_logs),
     )
-    if main_process:
-        what = "LoRA adapter" if model_args.use_peft else "model"
-        if evaluation is not None:
-            print(
-                f"hf_tree: held-out loss ({data_args.dataset_test_split} split, {len(evaluation)} rows) "
-                f"{summary['eval_loss_before']:.4f} before training -> {summary['eval_loss']:.4f} after",
-                flush=True,
-            )
-        write_loss_curve(trainer, config.output_dir)
-        during = f", {eval_seconds:.0f} s of it held-out evaluation" if eval_logs else ""
+    return summary
+
+
+def report_run(
+    trainer: TreeSFTTrainer,
+    summary: dict[str, float],
+    evaluation: datasets.Dataset | None,
+    test_split: str | None,
+    peft: bool,
+) -> None:
+    """The main process's closing lines: the held-out loss before and after, the loss curve, and the run's figures."""
+    if evaluation is not None:
         print(
-            f"hf_tree: trained {result.global_step} steps: train_runtime {summary['train_runtime']:.0f} s{during}; "
-            f"{summary['tree_tokens_per_second']:.0f} tree tokens/s = {summary['branch_tokens_per_second']:.0f} "
-            f"branch tokens/s (what per-branch training would have to process); {what} saved to "
-            f"{os.path.abspath(config.output_dir)}; {summary['total_seconds']:.0f} s in all (loading, training, "
-            "evaluation, saving)",
+            f"hf_tree: held-out loss ({test_split} split, {len(evaluation)} rows) "
+            f"{summary['eval_loss_before']:.4f} before training -> {summary['eval_loss']:.4f} after",
             flush=True,
         )
-    return summary
+    output_dir = trainer.args.output_dir
+    write_loss_curve(trainer, output_dir)
+    # eval_on_start (with held-out rows) is the evaluation inside train()
+    during = f", {summary['train_eval_seconds']:.0f} s of it held-out evaluation" if evaluation is not None else ""
+    print(
+        f"hf_tree: trained {trainer.state.global_step} steps: train_runtime {summary['train_runtime']:.0f} s{during}; "
+        f"{summary['tree_tokens_per_second']:.0f} tree tokens/s = {summary['branch_tokens_per_second']:.0f} "
+        f"branch tokens/s (what per-branch training would have to process); {'LoRA adapter' if peft else 'model'} "
+        f"saved to {os.path.abspath(output_dir)}; {summary['total_seconds']:.0f} s in all (loading, training, "
+        "evaluation, saving)",
+        flush=True,
+    )
 
 
 def cli(argv: list[str] | None = None) -> None:

@@ -404,7 +404,7 @@ def tree_causal_lm_loss(
             model with a tiny tree against its branches run alone (``hf_tree.models.check``; once per model
             instance). ``None``: on unless ``HF_TREE_SELF_CHECK=0``.
         model_inputs: further model inputs of the batch, e.g. the images of a vision-language tree
-            (``hf_tree.vision.forward.batch_model_inputs``).
+            (``hf_tree.batch_inputs.batch_model_inputs``).
 
     Raises:
         ValueError: a model not on ``tree_flash``, one the self-check finds not tree-exact, a batch whose longest

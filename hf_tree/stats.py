@@ -76,8 +76,8 @@ class DatasetPlan:
     def stats(self) -> PackingStats:
         """The collator's counters summed over the batches (splits, truncated/dropped branches, padding), rows
         counted only where the trainer forwards them: a batch whose trees all run depth-first carries a 1-token
-        placeholder row that ``TreeTrainer`` never forwards on one process (``_rows_run``), so neither it nor its
-        padding counts, as in the trainer's logged packing stats."""
+        placeholder row that ``TreeTrainer`` never forwards on one process (``DepthFirstRunner.rows_run``), so
+        neither it nor its padding counts, as in the trainer's logged packing stats."""
         total = PackingStats()
         for plan in self.batches:
             stats = plan.stats

@@ -7,6 +7,10 @@ What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``t
   optimizer step on every data-parallel rank (one all-reduce per step), so N accumulated micro-batches on R
   ranks give the update of one batch of N * R micro-batches;
 - evaluation uses the same loss, summed over the whole evaluation set before dividing;
+- trees larger than a row run depth-first (``tree_execution``) beside the packed rows, by the trainer's
+  ``hf_tree.depth_first_runner.DepthFirstRunner`` (``tree_depth_first``), with the same divisor;
+- image batches (``hf_tree.vision.MediaTreeCollator``) reach the model with the inputs their module registers
+  (``hf_tree.batch_inputs``): this module imports no vision code;
 - an MoE model's router load-balancing loss (``output_router_logits`` with a non-zero ``router_aux_loss_coef``) is
   added per micro-batch as the model's own forward adds it, each packed token weighted by the branches that contain
   it (``hf_tree.models.router_loss``); evaluation reports the token loss only;
@@ -23,6 +27,7 @@ What changes against ``Trainer`` (and, through ``TreeTrainerMixin``, against ``t
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import time
 from collections.abc import Callable
@@ -35,15 +40,14 @@ from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import EvalLoopOutput
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
+from hf_tree.batch_inputs import batch_model_inputs
 from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
-from hf_tree.depth_first import DepthFirstConfig, check_depth_first, depth_first_backward, refuse_for_depth_first
-from hf_tree.distributed import enable_fsdp2_on_cpu, local_depth_first_model, unsupported_process_layout
+from hf_tree.depth_first_runner import DepthFirstRunner
+from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.loss import TreeLosses, tree_losses
 from hf_tree.models.check import (
-    check_model_for_trees,
     refuse_not_tree_aware,
-    self_check_enabled,
     self_check_setting,
 )
 from hf_tree.models.check_guard import keep_training_kernels
@@ -51,12 +55,11 @@ from hf_tree.models.introspection import causal_lm_of
 from hf_tree.models.length_rope import check_dataset_rope_lengths, check_rope_lengths
 from hf_tree.models.quantization import log_quantized_base
 from hf_tree.models.router_loss import router_aux_loss_coef
-from hf_tree.packing import DEPTH_FIRST_KEY, PackingStats, packed_fallback
+from hf_tree.packing import DEPTH_FIRST_KEY, PackingStats
 from hf_tree.parallel.integration import ContextParallelConfig, TreeContextParallel, skip_accelerate_attention_hooks
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.sft_losses import sft_token_loss
 from hf_tree.training_arguments import check_length_column, check_tree_trainer_arguments, refuse_metrics_callables
-from hf_tree.vision.forward import batch_model_inputs
 
 logger = logging.getLogger("hf_tree")
 
@@ -141,7 +144,7 @@ def pad_token_id_of(processing_class: Any) -> int | None:
 
 class TreeTrainerMixin(FSDPFullSaveMixin):
     """Tree loss, exact step divisor, tree eval loss, packing logs and complete FSDP2 saves, for ``Trainer``
-    subclasses.
+    subclasses; depth-first trees are left to its ``DepthFirstRunner`` (``tree_depth_first``).
 
     Place it before the ``Trainer`` class in the bases. Its ``__init__`` (the same arguments as ``Trainer``'s, in
     the same order) is the one init path of the tree trainers: subclasses adapt it through
@@ -248,77 +251,20 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
             )
         # The whole training set, before the first step (the per-batch check in get_batch_samples stays).
         check_dataset_rope_lengths(self.model.config, self.data_collator, self.train_dataset)
-        self.tree_depth_first = self._depth_first_config()
+        self.tree_depth_first = self._plan_depth_first()
 
-    def _depth_first_config(self) -> DepthFirstConfig | None:
-        """The depth-first options of the collator's ``tree_execution`` (``None`` when trees run packed), decided
-        before the first step (the depth-first self-check probe included). Where this setup cannot run depth-first,
-        ``"auto"`` (the default) runs packed with one log line naming why (``hf_tree.packing.packed_fallback``), and
-        ``"depth_first"`` is refused.
-
-        Raises:
-            ValueError: naming ``tree_execution``, the reason and the fix, for ``"depth_first"`` on several processes
-                other than DDP or FSDP2 (FSDP1, HSDP, tensor parallel, ...), under context parallel or DeepSpeed, with
-                fp16 loss scaling, reentrant gradient checkpointing or an MoE router loss, or for a model whose
-                depth-first probe differs from its packed pass.
-        """
-        packing = getattr(self.data_collator, "packing", None)
-        if packing is None or packing.tree_execution == "packed":
-            return None
-        why = self._depth_first_obstacle()
-        if why is None:
-            return DepthFirstConfig(max_unit_tokens=packing.max_packed_tokens)
-        if packing.tree_execution == "auto":
-            self.data_collator.packing = packed_fallback(packing, why)
-            return None
-        raise ValueError(
-            f"tree_execution={packing.tree_execution!r} cannot run here: {why}. Set tree_execution='packed' or 'auto' "
-            "(trees larger than max_packed_tokens are then split by their branches), or train with DDP/FSDP2 or on "
-            "one process (bf16 or float32)."
+    def _plan_depth_first(self) -> DepthFirstRunner | None:
+        """The depth-first runner of the collator's ``tree_execution`` (``None`` when trees run packed; see
+        ``DepthFirstRunner.plan``, which refuses what cannot run and falls ``"auto"`` back to packed rows)."""
+        return DepthFirstRunner.plan(
+            self.data_collator,
+            self.model,
+            self.accelerator,
+            self.args,
+            context_parallel=self.tree_context_parallel is not None,
+            self_check=self.tree_self_check,
+            token_loss=self.tree_token_loss,
         )
-
-    def _depth_first_obstacle(self) -> str | None:
-        """Why this setup cannot run depth-first execution, or ``None`` when it can (one process, DDP or FSDP2,
-        without loss scaling, context parallel, reentrant checkpointing or an MoE router loss)."""
-        layout = unsupported_process_layout(self.accelerator)
-        if layout is not None:
-            return layout
-        checkpointing = self.args.gradient_checkpointing_kwargs or {}
-        unsupported = {
-            "context parallel": self.tree_context_parallel is not None,
-            "DeepSpeed (its engine owns the backward)": self.is_deepspeed_enabled,
-            "fp16 (loss scaling)": self.args.fp16,
-            # reentrant checkpointing would drop the gradient of the cached keys and values
-            f"gradient_checkpointing_kwargs={checkpointing} (reentrant; set {{'use_reentrant': False}})": (
-                self.args.gradient_checkpointing and checkpointing.get("use_reentrant", False)
-            ),
-        }
-        for what, present in unsupported.items():
-            if present:
-                return what
-        try:
-            refuse_for_depth_first(causal_lm_of(self.model))
-        except ValueError as error:  # a model depth-first units would train wrongly (MoE router loss, ...)
-            return str(error)
-        return self._depth_first_probe_failure()
-
-    def _depth_first_probe_failure(self) -> str | None:
-        """The depth-first self-check probe (``hf_tree.depth_first.probe_depth_first``), run now rather than at the
-        first tree larger than a row, so that ``"auto"`` decides (and ``"depth_first"`` refuses) before the first
-        step: why it failed, or ``None``. Skipped with the self-check off, and under FSDP, whose ranks may hold no
-        weights before the first step (the probe then runs at the first depth-first tree, on every rank). A model the
-        packed self-check refuses is left to that check, which refuses it at its first batch whatever the execution."""
-        if not self_check_enabled(self.tree_self_check) or self.is_fsdp_enabled:
-            return None
-        try:
-            logit_head = check_model_for_trees(self.model, self.tree_self_check)
-        except ValueError:
-            return None
-        try:
-            check_depth_first(self.model, causal_lm_of(self.model), logit_head, self.tree_self_check)
-        except ValueError as error:
-            return str(error)
-        return None
 
     @property
     def tree_self_check(self) -> bool | None:
@@ -329,7 +275,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
     # ------------------------------------------------------------------ training
     def _pop_batch_sums(self, batch: dict[str, Any]) -> torch.Tensor:
         """``[len(STEP_SUM_KEYS)]`` float64 sums of one batch; removes the stats keys so the model never sees them.
-        Rows count only when they are forwarded (``_rows_run``)."""
+        Rows count only when they are forwarded (``DepthFirstRunner.rows_run``)."""
         stats = pop_packing_stats(batch)
         if not self._rows_run(batch):
             stats.num_rows = stats.num_padding_tokens = 0
@@ -371,14 +317,12 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         no attention_mask and its packed tokens hold each shared prefix once."""
         if self.args.include_num_input_tokens_seen in ("non_padding", "no"):
             return
-        trees = inputs.get(DEPTH_FIRST_KEY) or ()
-        several = self._depth_first_on_several_processes
         if self._rows_run(inputs):
             super()._track_num_input_tokens(inputs)  # gathers over ranks: every rank calls it
-        tokens = sum(tree.num_tokens for tree in trees)
-        if several:  # every rank, trees or not
-            tokens = int(self.accelerator.gather(torch.tensor(tokens, device=self.args.device)).sum())
-        self.state.num_input_tokens_seen += tokens
+        if self.tree_depth_first is not None:  # every rank, trees or not (a gather under several processes)
+            self.state.num_input_tokens_seen += self.tree_depth_first.forwarded_tokens(
+                inputs.get(DEPTH_FIRST_KEY) or ()
+            )
 
     def _prepare_context_parallel_inputs(self, model, inputs):
         """``(context factory, this rank's inputs)``: the tree CP shard of the batch under context parallel, else
@@ -388,73 +332,26 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         return self.tree_context_parallel.prepare(inputs)
 
     def training_step(self, model, inputs, num_items_in_batch=None):
-        """Trainer's step on the packed rows, then depth-first execution of the trees the collator left whole
-        (``tree_execution``), which runs its own backward; the returned loss (detached) is their sum. Under several
-        processes: ``_distributed_training_step``."""
-        trees, rows_run = inputs.get(DEPTH_FIRST_KEY), self._rows_run(inputs)
-        if DEPTH_FIRST_KEY in inputs:  # a copy without them: Trainer's token count (_track_num_input_tokens) sees them
-            inputs = {key: value for key, value in inputs.items() if key != DEPTH_FIRST_KEY}
-        if self._depth_first_on_several_processes:
-            return self._distributed_training_step(model, inputs, trees or [], num_items_in_batch)
-        if not trees:
+        """Trainer's step on the packed rows and depth-first execution of the trees the collator left whole
+        (``tree_execution``), which runs its own backward (``DepthFirstRunner.training_step``: the order of the two
+        and the divisor under several processes); the returned loss (detached) is their sum."""
+        if self.tree_depth_first is None:
             return super().training_step(model, inputs, num_items_in_batch)
-        loss = super().training_step(model, inputs, num_items_in_batch) if rows_run else None
-        model.train()
-        with self.compute_loss_context_manager():
-            depth_first = self._depth_first_loss(model, trees, num_items_in_batch)
-        return depth_first if loss is None else loss + depth_first.to(loss)
-
-    def _rows_run(self, batch: dict[str, Any]) -> bool:
-        """Whether the packed rows of a training batch are forwarded: not the placeholder row of a batch whose trees
-        all run depth-first, on one process (several run it: it is the synchronizing backward)."""
-        all_depth_first = bool(batch.get(DEPTH_FIRST_KEY)) and not len(batch["loss_positions"])
-        return not all_depth_first or self._depth_first_on_several_processes
-
-    @property
-    def _depth_first_on_several_processes(self) -> bool:
-        return self.tree_depth_first is not None and self.accelerator.num_processes > 1
-
-    def _depth_first_loss(self, model, trees, num_items_in_batch) -> torch.Tensor:
-        """``depth_first_backward`` of ``trees`` with the tree options (``num_items_in_batch``: the divisor)."""
-        return depth_first_backward(
+        trees = inputs.get(DEPTH_FIRST_KEY) or []
+        # a copy without them: Trainer's token count (_track_num_input_tokens) sees them
+        rows = {key: value for key, value in inputs.items() if key != DEPTH_FIRST_KEY}
+        packed_step = functools.partial(super().training_step, model, rows, num_items_in_batch)
+        return self.tree_depth_first.training_step(
             model,
             trees,
-            self.tree_depth_first,
-            self.data_collator.packing.normalization,
-            num_items_in_batch=num_items_in_batch,
-            token_loss=self.tree_token_loss,
-            self_check=self.tree_self_check,
+            num_items_in_batch,
+            packed_step if self._rows_run(inputs) else None,
+            self.compute_loss_context_manager,
         )
 
-    def _depth_first_on_any_rank(self, trees) -> bool:
-        """Whether some rank runs depth-first trees in this micro-batch. Under FSDP2 every rank must then enter
-        ``local_depth_first_model`` (a collective unshard): one all-reduce of a flag; under DDP a rank's own trees."""
-        if not (self.is_fsdp_enabled and self.accelerator.is_fsdp2):
-            return bool(trees)
-        flag = torch.tensor(float(bool(trees)), device=self.args.device)
-        return bool(self.accelerator.reduce(flag, reduction="sum") > 0)
-
-    def _distributed_training_step(self, model, inputs, trees, num_items_in_batch):
-        """Depth-first under several processes (DDP or FSDP2). This rank's depth-first units run first, alone
-        (``hf_tree.distributed.local_depth_first_model``: no collective, however many units each rank has); their
-        gradients accumulate unreduced. Then Trainer's step on the packed rows runs on every rank, the placeholder row
-        of an all-depth-first micro-batch included (zero loss): the micro-batch's one synchronizing backward, which
-        under Trainer's gradient accumulation (``no_sync`` but for the step's last micro-batch) reduces everything the
-        step accumulated, as for packed rows alone. Both parts are divided by the step's global divisor times the
-        number of processes, since DDP and FSDP2 average gradients over ranks (``_tree_step_loss``)."""
-        depth_first = None
-        if self._depth_first_on_any_rank(trees):
-            divisor = None if num_items_in_batch is None else num_items_in_batch / self.accelerator.num_processes
-            with local_depth_first_model(model) as local:
-                # the first-use self-check forwards the model: inside, on every rank, or a rank without trees would
-                # run it in the packed step below, all-gathering alone
-                check_model_for_trees(local, self.tree_self_check)
-                if trees:
-                    local.train()
-                    with self.compute_loss_context_manager():
-                        depth_first = self._depth_first_loss(local, trees, divisor)
-        loss = super().training_step(model, inputs, num_items_in_batch)
-        return loss if depth_first is None else loss + depth_first.to(loss)
+    def _rows_run(self, batch: dict[str, Any]) -> bool:
+        """Whether the packed rows of a training batch are forwarded (``DepthFirstRunner.rows_run``)."""
+        return self.tree_depth_first is None or self.tree_depth_first.rows_run(batch)
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """``tree_causal_lm_loss``; with the step's global divisor, scaled by the number of processes because
@@ -482,7 +379,8 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
         """The tree loss of one batch (no logits: a tree batch has several children per position)."""
         inputs = self._prepare_inputs(inputs)
         pop_packing_stats(inputs)
-        trees = inputs.pop(DEPTH_FIRST_KEY, None)
+        # without a runner a batch holding depth-first trees is refused by tree_losses (it would skip them)
+        trees = inputs.pop(DEPTH_FIRST_KEY, None) if self.tree_depth_first is not None else None
         with torch.no_grad(), self.compute_loss_context_manager():
             total = tree_losses(  # the token loss: a router loss is a per-batch mean, not a sum over the set
                 model,
@@ -492,14 +390,10 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
                 self_check=self.tree_self_check,
                 model_inputs=batch_model_inputs(model, inputs),  # images (evaluation is never context-parallel)
             ).token
-            if self._depth_first_on_several_processes:  # collectives in step on every rank (FSDP2's unshard)
-                if self._depth_first_on_any_rank(trees):
-                    with local_depth_first_model(model) as local:
-                        check_model_for_trees(local, self.tree_self_check)  # every rank (see training)
-                        if trees:
-                            total = total + self._depth_first_loss(local, trees, 1.0).to(total)
-            elif trees:
-                total = total + self._depth_first_loss(model, trees, 1.0).to(total)
+            if self.tree_depth_first is not None:  # every rank under several processes (FSDP2's unshard)
+                depth_first = self.tree_depth_first.evaluation_loss(model, trees or [])
+                if depth_first is not None:
+                    total = total + depth_first.to(total)
         items = inputs["num_loss_items"].to(total.device, torch.float64)
         if self._tree_eval_sums is not None:
             self._tree_eval_sums += torch.stack([total.detach().to(torch.float64), items])

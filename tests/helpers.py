@@ -294,7 +294,7 @@ def one_step_trainer(
 
 # ----------------------------------------------------------------------------------------- accelerate launch
 # 2-process layouts for stand-in accelerators: (accelerate's DistributedType name, is_fsdp2, dp_replicate_size, what
-# the refusal names, or None where hf_tree.distributed.local_depth_first_model runs: DDP and FSDP2).
+# the refusal names, or None where hf_tree.depth_first_runner.DepthFirstRunner.local_model runs: DDP and FSDP2).
 PROCESS_LAYOUTS = [
     ("MULTI_CPU", False, 1, None),
     ("MULTI_GPU", False, 1, None),

@@ -16,6 +16,7 @@ from hf_tree import Tree, split_tree
 from hf_tree.builders import (
     GROUP_BY_PROMPT_TOKENS,
     build_tree_dataset,
+    build_tree_dataset_with_stats,
     completions_to_branches,
     conversation_branch,
     conversation_branches,
@@ -289,7 +290,7 @@ def test_build_tree_dataset_prompt_completion_rows_num_proc_and_drops(tokenizer)
             "source": ["x"] * len(rows),
         }
     )
-    trees, stats = build_tree_dataset(dataset, tokenizer, num_proc=2, branch_fields=["reward"], return_stats=True)
+    trees, stats = build_tree_dataset_with_stats(dataset, tokenizer, num_proc=2, branch_fields=["reward"])
     assert stats.num_rows == len(rows)
     assert stats.num_dropped_rows == {"empty completion": 1, "missing prompt": 1}
     assert stats.num_trees == len(trees) == 2  # grouped by identical prompt tokens
@@ -317,8 +318,8 @@ def test_build_tree_dataset_completion_lists_and_key_grouping(tokenizer):
             "task": ["t1", "t1", "t2"],
         }
     )
-    trees, stats = build_tree_dataset(
-        dataset, tokenizer, group_by="task", branch_fields=["advantage", "task"], return_stats=True
+    trees, stats = build_tree_dataset_with_stats(
+        dataset, tokenizer, group_by="task", branch_fields=["advantage", "task"]
     )
     # the key merges two different prompts into one tree and keeps an identical prompt with another key apart
     assert len(trees) == 2 and stats.num_branches == 5
@@ -337,7 +338,7 @@ def test_build_tree_dataset_completion_lists_and_key_grouping(tokenizer):
 def test_build_tree_dataset_messages_rows(tokenizer):
     other = [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": "Four."}]
     dataset = datasets.Dataset.from_dict({"messages": [CONVERSATION, CONVERSATION[:1], other]})
-    trees, stats = build_tree_dataset(dataset, tokenizer, chat_template=QWEN3_TEMPLATE, return_stats=True)
+    trees, stats = build_tree_dataset_with_stats(dataset, tokenizer, chat_template=QWEN3_TEMPLATE)
     assert stats.num_dropped_rows == {"no assistant message": 1}
     assert len(trees) == 2 and stats.num_branches == 4  # one tree per conversation by default
     # Arrow gives every message every key (missing ones as None); rendering must not change

@@ -220,7 +220,7 @@ def test_the_workload_has_trees_on_both_sides_of_a_row():
 def test_depth_first_refuses_only_what_it_cannot_run_on_several_processes(
     tmp_path, caplog, distributed_type, fsdp2, replicate, refused
 ):
-    """``_depth_first_config`` on 2 processes of each kind (a stand-in accelerator; the launched tests run them):
+    """``_plan_depth_first`` on 2 processes of each kind (a stand-in accelerator; the launched tests run them):
     ``"depth_first"`` is refused where it cannot run, ``"auto"`` (the default) runs packed there with one log line."""
     from types import SimpleNamespace
 
@@ -240,16 +240,15 @@ def test_depth_first_refuses_only_what_it_cannot_run_on_several_processes(
             is_fsdp2=fsdp2,
             parallelism_config=SimpleNamespace(dp_replicate_size=replicate, tp_size=1),
         )
-        trainer.is_deepspeed_enabled = distributed_type == "DEEPSPEED"
         if refused is None:
-            assert trainer._depth_first_config().max_unit_tokens == ROW_TOKENS
+            assert trainer._plan_depth_first().config.max_unit_tokens == ROW_TOKENS
         elif execution == "depth_first":
             with pytest.raises(ValueError, match=rf"tree_execution='depth_first'.*{refused}.*tree_execution='packed'"):
-                trainer._depth_first_config()
+                trainer._plan_depth_first()
         else:
             caplog.clear()
             with caplog.at_level("WARNING", logger="hf_tree"):
-                assert trainer._depth_first_config() is None
+                assert trainer._plan_depth_first() is None
             assert trainer.data_collator.packing.tree_execution == "packed"
             assert trainer.data_collator.packing.max_branch_tokens == ROW_TOKENS  # a packed row holds whole branches
             (line,) = [r.getMessage() for r in caplog.records if "runs as 'packed'" in r.getMessage()]

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from accelerate.utils import DistributedType
 from datasets import Dataset
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
@@ -352,11 +353,15 @@ def test_refusals(path, tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="tree_share_across_microbatches.*router"):
         TreeGRPOTrainer(moe, zero_reward, trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, **no_ref), **setup)
     tree = TreeGRPOTrainer(path, zero_reward, trainer_args(TreeGRPOConfig, path, torch.float64, **SHARED), **setup)
-    with monkeypatch.context() as patch:  # what a 2-process launch or DeepSpeed would set
-        patch.setattr(type(tree.accelerator), "num_processes", property(lambda self: 2))
-        patch.setattr(tree, "is_deepspeed_enabled", True, raising=False)
-        with pytest.raises(ValueError, match="tree_share_across_microbatches.*2 processes.*DeepSpeed"):
-            tree._check_shared_prompts()
+    # what a 2-process launch (not DDP/FSDP2 here) or DeepSpeed would set
+    for name, value, cause in (
+        ("num_processes", 2, "2 processes"),
+        ("distributed_type", DistributedType.DEEPSPEED, "DeepSpeed"),
+    ):
+        with monkeypatch.context() as patch:
+            patch.setattr(type(tree.accelerator), name, property(lambda self, value=value: value))
+            with pytest.raises(ValueError, match=f"tree_share_across_microbatches.*{cause}"):
+                tree._check_shared_prompts()
     ids = torch.tensor([[5, 6, 7, 8, 9]])
     tree.model.train()  # the policy pass (training, gradients on, entropies)
     with torch.enable_grad(), pytest.raises(ValueError, match="tree_share_across_microbatches.*image"):

@@ -299,3 +299,27 @@ def test_tree_flash_and_mixers_work_right_after_import(first):
     """A model loaded with ``attn_implementation="tree_flash"`` right after ``import hf_tree`` trains trees exactly
     (hybrid mixers included), whichever is imported first; setting up imports none of peft, trl, datasets."""
     run_fresh(f"{first}\n{TREE_FLASH_CHECK}")
+
+
+# ------------------------------------------------------------------------- the text trainer and vision (issue 45)
+def module_level_closure(start: str) -> set[str]:
+    """The hf_tree modules ``start`` imports at module level, directly or through others (file granularity)."""
+    files = {_module_name(path): path for path in PACKAGE_DIR.rglob("*.py")}
+    seen, pending = set(), [start]
+    while pending:
+        module = pending.pop()
+        if module in seen or module not in files:
+            continue
+        seen.add(module)
+        path = files[module]
+        pending.extend(_module_level_imports(ast.parse(path.read_text()), module, path.name == "__init__.py"))
+    return seen - {start}
+
+
+def test_text_trainer_imports_no_vision_module():
+    """``hf_tree.trainer`` reaches no ``hf_tree.vision`` module: image batches reach the model through the builder
+    vision registers (``hf_tree.batch_inputs``), not through an import of the trainer's."""
+    reached = module_level_closure("hf_tree.trainer")
+    assert "hf_tree.batch_inputs" in reached and "hf_tree.depth_first_runner" in reached  # the closure is followed
+    vision = sorted(name for name in reached if name == "hf_tree.vision" or name.startswith("hf_tree.vision."))
+    assert not vision, f"hf_tree.trainer imports {vision}; let hf_tree.vision register its hooks instead."

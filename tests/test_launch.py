@@ -439,16 +439,16 @@ def test_vision_language_model_on_builtin_shapes(tmp_path, monkeypatch):
 def test_trees_larger_than_a_row_run_depth_first_from_the_launcher(tmp_path, tiny_model_dir, monkeypatch):
     """``--tree_execution auto`` reaches the trainer: agent trees longer than ``--max_packed_tokens`` run depth-first
     (every tree is trained, none split), and the run trains and saves."""
-    import hf_tree.trainer
+    import hf_tree.depth_first_runner
 
     calls = []
-    original = hf_tree.trainer.depth_first_backward
+    original = hf_tree.depth_first_runner.depth_first_backward
 
     def counted(model, trees, *args, **kwargs):  # the real executor, counting the trees it runs
         calls.append(len(trees))
         return original(model, trees, *args, **kwargs)
 
-    monkeypatch.setattr(hf_tree.trainer, "depth_first_backward", counted)
+    monkeypatch.setattr(hf_tree.depth_first_runner, "depth_first_backward", counted)
     out = tmp_path / "out"
     argv = ["--model_name_or_path", str(tiny_model_dir), "--dataset_name", "builtin:synthetic-agent"]
     argv += ["--synthetic_num_conversations", "4", "--synthetic_max_user_turns", "2", "--synthetic_max_tool_steps", "1"]

@@ -151,7 +151,6 @@ def test_shares_on_two_processes_where_it_can(
         ("parallelism_config", parallelism),
     ):
         monkeypatch.setattr(Accelerator, name, property(lambda self, value=value: value))
-    monkeypatch.setattr(trainer, "is_deepspeed_enabled", distributed_type == "DEEPSPEED", raising=False)
     with caplog.at_level("INFO", logger="hf_tree"):
         trainer._check_shared_prompts()
     lines = [r.getMessage() for r in caplog.records if "shared-prompt policy pass is off" in r.getMessage()]

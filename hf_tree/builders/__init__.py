@@ -21,6 +21,7 @@ from hf_tree.builders.dataset import (
     TREE_FEATURES,
     TreeBuildStats,
     build_tree_dataset,
+    build_tree_dataset_with_stats,
 )
 
 __all__ = [
@@ -32,6 +33,7 @@ __all__ = [
     "CompletionBranches",
     "TreeBuildStats",
     "build_tree_dataset",
+    "build_tree_dataset_with_stats",
     "completions_to_branches",
     "conversation_branch",
     "conversation_branches",

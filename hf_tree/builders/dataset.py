@@ -13,7 +13,7 @@ import json
 import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, overload
+from typing import Any
 
 import datasets
 import numpy as np
@@ -328,40 +328,6 @@ def _group_rows(
     return list(groups.values())
 
 
-@overload
-def build_tree_dataset(
-    dataset: datasets.Dataset,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    group_by: str | None = ...,
-    num_proc: int | None = ...,
-    branch_fields: Sequence[str] | None = ...,
-    chat_template: str | None = ...,
-    chat_template_kwargs: Mapping[str, Any] | None = ...,
-    train_on: TrainOn | None = ...,
-    messages_branches: MessagesBranches = ...,
-    assistant_only_loss: bool = ...,
-    add_eos: bool = ...,
-    text_field: str = ...,
-    return_stats: Literal[False] = ...,
-) -> datasets.Dataset: ...
-@overload
-def build_tree_dataset(
-    dataset: datasets.Dataset,
-    tokenizer: PreTrainedTokenizerBase,
-    *,
-    group_by: str | None = ...,
-    num_proc: int | None = ...,
-    branch_fields: Sequence[str] | None = ...,
-    chat_template: str | None = ...,
-    chat_template_kwargs: Mapping[str, Any] | None = ...,
-    train_on: TrainOn | None = ...,
-    messages_branches: MessagesBranches = ...,
-    assistant_only_loss: bool = ...,
-    add_eos: bool = ...,
-    text_field: str = ...,
-    return_stats: Literal[True],
-) -> tuple[datasets.Dataset, TreeBuildStats]: ...
 def build_tree_dataset(
     dataset: datasets.Dataset,
     tokenizer: PreTrainedTokenizerBase,
@@ -376,8 +342,7 @@ def build_tree_dataset(
     assistant_only_loss: bool = False,
     add_eos: bool = True,
     text_field: str = TEXT_FIELD,
-    return_stats: bool = False,
-) -> datasets.Dataset | tuple[datasets.Dataset, TreeBuildStats]:
+) -> datasets.Dataset:
     """Convert TRL-format rows into tree rows (``Tree.to_dict()`` columns, ``branch_fields`` if any).
 
     Formats (by columns): ``messages`` (a conversation per row -> per-turn branches, see
@@ -385,7 +350,8 @@ def build_tree_dataset(
     ``conversation_branch``); ``prompt`` + ``completion`` (one completion per row); ``prompt`` +
     ``completions`` (a list per row); a ``text_field`` column (TRL's language modeling: one branch per row, every
     token trained, see ``text_branch``). Prompts/completions are text or messages, as in TRL. Optional
-    per-row ``tools`` (list or JSON text) and ``chat_template_kwargs`` columns are used for rendering.
+    per-row ``tools`` (list or JSON text) and ``chat_template_kwargs`` columns are used for rendering. The counts of
+    what was built and dropped are logged; ``build_tree_dataset_with_stats`` also returns them.
 
     Args:
         dataset: the input ``datasets.Dataset``.
@@ -409,14 +375,74 @@ def build_tree_dataset(
         add_eos: plain-text completions and text rows end with ``tokenizer.eos_token`` (see
             ``completions_to_branches``, ``text_branch``).
         text_field: the column of text rows (TRL's ``dataset_text_field``).
-        return_stats: also return the ``TreeBuildStats``.
 
     Raises:
         ValueError: on an unknown format, ``group_by``/``branch_fields`` column or ``train_on``, and (naming
             the row) on a chat template that cannot be split into prompt and assistant tokens.
     """
+    trees, _ = build_tree_dataset_with_stats(
+        dataset,
+        tokenizer,
+        group_by=group_by,
+        num_proc=num_proc,
+        branch_fields=branch_fields,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
+        train_on=train_on,
+        messages_branches=messages_branches,
+        assistant_only_loss=assistant_only_loss,
+        add_eos=add_eos,
+        text_field=text_field,
+    )
+    return trees
+
+
+def build_tree_dataset_with_stats(
+    dataset: datasets.Dataset,
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    group_by: str | None = None,
+    num_proc: int | None = None,
+    branch_fields: Sequence[str] | None = None,
+    chat_template: str | None = None,
+    chat_template_kwargs: Mapping[str, Any] | None = None,
+    train_on: TrainOn | None = None,
+    messages_branches: MessagesBranches = "per_turn",
+    assistant_only_loss: bool = False,
+    add_eos: bool = True,
+    text_field: str = TEXT_FIELD,
+) -> tuple[datasets.Dataset, TreeBuildStats]:
+    """``build_tree_dataset`` (the same arguments and errors), also returning its ``TreeBuildStats``."""
     data_format = detect_format(dataset.column_names, text_field)
     branch_fields = list(branch_fields or [])
+    _check_columns(dataset, branch_fields, group_by, text_field)
+    check_messages_options(messages_branches, train_on, assistant_only_loss)
+    tokenized = _tokenize_rows(
+        dataset,
+        data_format,
+        branch_fields,
+        num_proc,
+        tokenizer=tokenizer,
+        chat_template=chat_template,
+        chat_template_kwargs=chat_template_kwargs,
+        train_on=train_on or "last_assistant",
+        messages_branches=messages_branches,
+        assistant_only_loss=assistant_only_loss,
+        add_eos=add_eos,
+        text_field=text_field,
+    )
+    trees = _merge_groups(tokenized, dataset, group_by, data_format, branch_fields, num_proc)
+    stats = _build_stats(dataset, tokenized, trees)
+    log = logger.warning if stats.num_dropped_rows or stats.num_dropped_completions else logger.info
+    log("build_tree_dataset: %s", stats.summary())
+    return trees.remove_columns(["_num_tokens", "_num_branch_tokens"]), stats
+
+
+def _check_columns(
+    dataset: datasets.Dataset, branch_fields: Sequence[str], group_by: str | None, text_field: str
+) -> None:
+    """Raise ``ValueError`` for a ``branch_fields`` or ``group_by`` column the dataset lacks; log the columns that are
+    not carried into tree rows."""
     for name in branch_fields:
         if name not in dataset.column_names:
             raise ValueError(f"branch_fields names {name!r}, which is not a column of {dataset.column_names}.")
@@ -425,7 +451,6 @@ def build_tree_dataset(
             f"group_by={group_by!r} is not a column of {dataset.column_names}; pass a column name, "
             f"GROUP_BY_PROMPT_TOKENS={GROUP_BY_PROMPT_TOKENS!r}, GROUP_BY_ROW={GROUP_BY_ROW!r} or None."
         )
-    check_messages_options(messages_branches, train_on, assistant_only_loss)
     ignored = [c for c in dataset.column_names if c not in (*_INPUT_COLUMNS, text_field, *branch_fields, group_by)]
     if ignored:
         logger.info(
@@ -435,44 +460,60 @@ def build_tree_dataset(
             ignored,
         )
 
+
+def _tokenize_rows(
+    dataset: datasets.Dataset,
+    data_format: str,
+    branch_fields: Sequence[str],
+    num_proc: int | None,
+    **row_options: Any,
+) -> datasets.Dataset:
+    """The first pass: every row tokenized in full (``_tokenize_row`` with ``row_options``), one output row each."""
     per_completion = [
         n for n in branch_fields if data_format == "prompt/completions" and _is_list_feature(dataset.features[n])
     ]
-    tokenized = dataset.map(
+    return dataset.map(
         _tokenize_row,
         with_indices=True,
         fn_kwargs=dict(
-            tokenizer=tokenizer,
             data_format=data_format,
             branch_fields=branch_fields,
             per_completion_fields=per_completion,
-            chat_template=chat_template,
-            chat_template_kwargs=chat_template_kwargs,
-            train_on=train_on or "last_assistant",
-            messages_branches=messages_branches,
-            assistant_only_loss=assistant_only_loss,
-            add_eos=add_eos,
-            text_field=text_field,
+            **row_options,
         ),
         remove_columns=dataset.column_names,
         features=_tokenized_features(dataset, data_format, branch_fields),
         num_proc=num_proc,
         desc=f"Tokenizing {data_format} rows",
     )
+
+
+def _merge_groups(
+    tokenized: datasets.Dataset,
+    dataset: datasets.Dataset,
+    group_by: str | None,
+    data_format: str,
+    branch_fields: Sequence[str],
+    num_proc: int | None,
+) -> datasets.Dataset:
+    """The second and third passes: the kept rows grouped (``_group_rows``), each group's branches merged into one
+    tree row (``_merge_group``, with its token counts ``_num_tokens`` and ``_num_branch_tokens``)."""
     groups = _group_rows(tokenized, dataset, group_by, data_format)
     features = _tree_features(dataset, data_format, branch_fields)
-    if groups:
-        trees = datasets.Dataset.from_dict({"_rows": groups}).map(
-            _merge_group,
-            fn_kwargs=dict(tokenized=tokenized, branch_fields=branch_fields),
-            remove_columns=["_rows"],
-            features=features,
-            num_proc=num_proc if num_proc and len(groups) >= num_proc else None,
-            desc="Merging branches into trees",
-        )
-    else:
-        trees = datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+    if not groups:
+        return datasets.Dataset.from_dict({name: [] for name in features}, features=features)
+    return datasets.Dataset.from_dict({"_rows": groups}).map(
+        _merge_group,
+        fn_kwargs=dict(tokenized=tokenized, branch_fields=branch_fields),
+        remove_columns=["_rows"],
+        features=features,
+        num_proc=num_proc if num_proc and len(groups) >= num_proc else None,
+        desc="Merging branches into trees",
+    )
 
+
+def _build_stats(dataset: datasets.Dataset, tokenized: datasets.Dataset, trees: datasets.Dataset) -> TreeBuildStats:
+    """What the passes did: rows, trees, branches and tokens, and every dropped row or completion by reason."""
     stats = TreeBuildStats(
         num_rows=len(dataset),
         num_trees=len(trees),
@@ -488,7 +529,4 @@ def build_tree_dataset(
             stats.num_dropped_completions["empty completion"] = (
                 stats.num_dropped_completions.get("empty completion", 0) + dropped
             )
-    trees = trees.remove_columns(["_num_tokens", "_num_branch_tokens"])
-    log = logger.warning if stats.num_dropped_rows or stats.num_dropped_completions else logger.info
-    log("build_tree_dataset: %s", stats.summary())
-    return (trees, stats) if return_stats else trees
+    return stats

@@ -30,7 +30,7 @@ from typing import Any
 import datasets
 from transformers import PreTrainedTokenizerBase
 
-from hf_tree.builders import TREE_FEATURES, TreeBuildStats, build_tree_dataset, render_ids
+from hf_tree.builders import TREE_FEATURES, TreeBuildStats, build_tree_dataset_with_stats, render_ids
 from hf_tree.data.names import AGENT_TEMPLATE, BUILTIN_DATASETS, BUILTIN_PREFIX, BUILTIN_SOURCES
 from hf_tree.data.packages import ConversionStats
 from hf_tree.data.synthetic_agent import MAIN_JOB_CONVERSATIONS, MAIN_JOB_OPTIONS
@@ -293,7 +293,7 @@ def load_tree_rows(
     Args:
         tokenizer: the tokenizer, or a function returning it (called only when the data needs tokenizing).
         chat_template: a template file or TRL template name (see ``chat_template_file``).
-        group_by, num_proc: passed to ``build_tree_dataset``.
+        group_by, num_proc: passed to ``build_tree_dataset_with_stats``.
         subset, limit: as in ``builtin_rows``; ``builtin:synthetic-agent`` is the main job's data (its
             ``MAIN_JOB_CONVERSATIONS`` unless ``limit`` is given, and its ``MAIN_JOB_OPTIONS``).
 
@@ -322,8 +322,8 @@ def load_tree_rows(
         tokenizer = tokenizer()
     template = chat_template_text(chat_template or default_chat_template(source))
     warn_if_template_drops_tool_calls(rows, tokenizer, template)
-    trees, build_stats = build_tree_dataset(
-        rows, tokenizer, chat_template=template, group_by=group_by, num_proc=num_proc, return_stats=True
+    trees, build_stats = build_tree_dataset_with_stats(
+        rows, tokenizer, chat_template=template, group_by=group_by, num_proc=num_proc
     )
     return LoadedTrees(trees, build_stats, conversion)
 

@@ -24,7 +24,7 @@ step and shared by the micro-batches, with the depth-first executor's machinery 
   ``torch.autograd.backward([*entries], [*entry_leaf.grad])``; the parameters' ``.grad`` are
   then what TRL's per-row passes accumulate. The next optimizer step forwards its prompts again (new weights).
 - **Several processes (DDP, FSDP2).** That backward needs the last micro-batch's leaf gradients, so it cannot precede
-  the last micro-batch's synchronizing backward. Every micro-batch runs on ``local_depth_first_model`` instead
+  the last micro-batch's synchronizing backward. Every micro-batch runs on ``DepthFirstRunner.local_model`` instead
   (gradients accumulate unreduced, no collective), then the pieces' backward, then ``_reduce_gradients``: one
   token's zero-loss forward and backward through the wrapped model, which reduces the whole step as DDP/FSDP2 do.
 
@@ -45,8 +45,7 @@ import torch
 from accelerate.utils import is_peft_model
 
 from hf_tree.attention.prefix import PrefixCache
-from hf_tree.depth_first import check_depth_first, refuse_for_depth_first
-from hf_tree.distributed import local_depth_first_model, unsupported_process_layout
+from hf_tree.depth_first_runner import DepthFirstRunner
 from hf_tree.models.check import check_model_for_trees, self_check_setting
 from hf_tree.models.introspection import backbone_of
 from hf_tree.models.length_rope import check_rope_lengths
@@ -195,6 +194,8 @@ class SharedPromptPolicyMixin:
         (naming the option) for what it cannot do, the default ``None`` turns it off there (logged), ``False`` off."""
         self._shared_pieces = {}
         self.shared_prompt_stats = SharedPromptStats()
+        # the process layouts, model checks and collective-free module of depth-first units, which the pieces are
+        self._depth_first = DepthFirstRunner(self.accelerator, self_check_setting(self.args.tree_self_check))
         setting = self.args.tree_share_across_microbatches
         self._share_prompts = setting is not False
         if setting is False:
@@ -214,11 +215,9 @@ class SharedPromptPolicyMixin:
     def _refuse_shared_prompts(self) -> None:
         """``ValueError`` naming the option for what the shared policy pass cannot do on this trainer."""
         causes = self.args.shared_prompt_config_causes()
-        layout = unsupported_process_layout(self.accelerator)
+        layout = self._depth_first.process_obstacle()  # DeepSpeed included
         if layout is not None:
             causes.append(layout)
-        if getattr(self, "is_deepspeed_enabled", False):
-            causes.append("DeepSpeed (its engine owns the backward)")
         if getattr(self, "aux_loss_enabled", False) or router_aux_loss_coef(self._shared_causal_lm()):
             causes.append("an MoE router load-balancing loss (a mean over the micro-batch's tokens)")
         config = self._shared_causal_lm().config
@@ -235,9 +234,9 @@ class SharedPromptPolicyMixin:
         return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
 
     def _refuse_model(self) -> None:
-        """``refuse_for_depth_first`` (MoE router loss, reentrant checkpointing), naming this option."""
+        """``DepthFirstRunner.refuse_model`` (MoE router loss, reentrant checkpointing), naming this option."""
         try:
-            refuse_for_depth_first(self._shared_causal_lm())
+            self._depth_first.refuse_model(self._shared_causal_lm())
         except ValueError as error:
             raise ValueError(f"{OPTION}: {error} (or set tree_share_across_microbatches=False)") from error
 
@@ -282,12 +281,12 @@ class SharedPromptPolicyMixin:
         ``Trainer`` before clipping and the optimizer step), backpropagate the step's prompt pieces once.
 
         Under several processes (DDP, FSDP2) every micro-batch, the last one included, runs on
-        ``local_depth_first_model`` (no collective in its forwards and backwards: each rank holds its own pieces and
-        units; gradients accumulate unreduced), then the pieces' backward, then ``_reduce_gradients`` reduces the
+        ``DepthFirstRunner.local_model`` (no collective in its forwards and backwards: each rank holds its own pieces
+        and units; gradients accumulate unreduced), then the pieces' backward, then ``_reduce_gradients`` reduces the
         whole step's gradients as DDP/FSDP2 reduce TRL's."""
         defer = self._defers_gradient_sync
         try:
-            with local_depth_first_model(model) if defer else contextlib.nullcontext(model) as local:
+            with self._depth_first.local_model(model) if defer else contextlib.nullcontext(model) as local:
                 output = super().training_step(local, inputs, num_items_in_batch)
                 if getattr(self, "_shared_pieces", None) and self.accelerator.sync_gradients:
                     self.backward_shared_prompts()
@@ -397,7 +396,7 @@ class SharedPromptPolicyMixin:
         self_check = self_check_setting(self.args.tree_self_check)
         logit_head = check_model_for_trees(causal_lm, self_check, forward=causal_lm.hf_tree_previous_forward)
         try:
-            check_depth_first(unwrapped, causal_lm, logit_head, self_check)
+            self._depth_first.check_model(unwrapped, causal_lm, logit_head)
         except ValueError as error:
             if not automatic:
                 raise ValueError(f"{OPTION}: {error} (or set tree_share_across_microbatches=False)") from error

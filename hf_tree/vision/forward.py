@@ -22,6 +22,7 @@ import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
+from hf_tree.batch_inputs import register_batch_inputs
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.models.introspection import causal_lm_of
 from hf_tree.vision.collator import image_batch
@@ -380,21 +381,22 @@ def vision_model_inputs(model: torch.nn.Module, batch: dict[str, Any]) -> dict[s
     return inputs
 
 
-def batch_model_inputs(model: torch.nn.Module, batch: dict[str, Any], context_parallel: bool = False) -> dict | None:
-    """``vision_model_inputs`` of a ``MediaTreeCollator`` batch (it has ``media_ids``), ``None`` for a text batch: what
-    the tree trainers pass to ``tree_causal_lm_loss`` as ``model_inputs``.
+def media_batch_inputs(model: torch.nn.Module, batch: dict[str, Any], context_parallel: bool = False) -> dict:
+    """``vision_model_inputs`` of a ``MediaTreeCollator`` batch (it has ``media_ids``): what the tree trainers pass to
+    ``tree_causal_lm_loss`` as ``model_inputs`` (registered below, ``hf_tree.batch_inputs``).
 
     Raises:
         ValueError: for an image batch under context parallel (its shards would split placeholder runs).
     """
-    if "media_ids" not in batch:
-        return None
     if context_parallel:
         raise ValueError(
             "image tree batches (MediaTreeCollator) cannot be sharded by context parallel: a shard would split "
             "images' placeholder runs. Set context_parallel_size=1 for vision-language trees."
         )
     return vision_model_inputs(model, batch)
+
+
+register_batch_inputs("media_ids", media_batch_inputs)  # the text trainers import no vision module
 
 
 def tree_vision_lm_loss(
