@@ -133,6 +133,24 @@ def test_generation_is_unchanged():
     assert torch.equal(model.generate(prompt, **kwargs), twin.generate(prompt, **kwargs))
 
 
+def test_installing_again_replaces_the_head():
+    """A second head wraps the forward the first replaced (TRL's), not the first head; its state stays on the head
+    objects, none on the model."""
+    model = tiny_model()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    trls = model.forward
+    first = add_tree_fused_lm_head(model)
+    second = add_tree_fused_lm_head(model, TreeHeadSettings(outputs=("log_probs", "entropy")))
+    assert first.previous_forward is trls and second.previous_forward is trls and model.forward.__func__ is second
+    ids, mask, keep = padded_batch(*scenario("full_group"))
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-keep] = -100
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert ours.entropy is not None and second.layout_stats.dedup_ratio > 1 and first.layout_stats is None
+    assert not [name for name in vars(model) if name.startswith("hf_tree")]
+
+
 @pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_one_step_matches_trl(tmp_path, monkeypatch, peft):
     """Full fine-tuning (separate reference model) and LoRA (reference = the adapter disabled)."""
