@@ -39,7 +39,7 @@ from trl.trainer.utils import add_fused_lm_head
 
 from hf_tree.attention import select_backend
 from hf_tree.trl.dpo import POLICY_OUTPUTS
-from hf_tree.trl.glue import add_tree_fused_lm_head
+from hf_tree.trl.glue import TreeHeadSettings, add_tree_fused_lm_head
 from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 
 KINDS = ("trl", "tree")  # TRL's own passes and the tree trainers'
@@ -238,7 +238,7 @@ def grpo(args: argparse.Namespace, trl_model: torch.nn.Module, tree_model: torch
         no_grad_passes_per_step=2,  # the old policy's and the reference's
         repeats=args.repeats,
     )
-    stats = tree_model.hf_tree_layout_stats
+    stats = trainers["tree"].tree_head.layout_stats
     dedup = ids.numel() / stats.num_tree_tokens
     print(
         f"\nGRPO: {args.groups} prompt(s) x G={args.generations}, prompt {args.prompt_len}, completions "
@@ -262,7 +262,7 @@ def dpo(args: argparse.Namespace, trl_model: torch.nn.Module, tree_model: torch.
     labels[:, : args.prompt_len] = -100
     add_fused_lm_head(trl_model, outputs=POLICY_OUTPUTS)
     add_fused_lm_head(tree_model, outputs=POLICY_OUTPUTS)
-    add_tree_fused_lm_head(tree_model, outputs=POLICY_OUTPUTS)
+    tree_head = add_tree_fused_lm_head(tree_model, TreeHeadSettings(outputs=POLICY_OUTPUTS))
     models_by_kind = {"trl": trl_model, "tree": tree_model}
 
     def ref_pass(kind: str) -> Callable[[], None]:
@@ -288,7 +288,7 @@ def dpo(args: argparse.Namespace, trl_model: torch.nn.Module, tree_model: torch.
         no_grad_passes_per_step=1,
         repeats=args.repeats,
     )
-    stats = tree_model.hf_tree_layout_stats
+    stats = tree_head.layout_stats
     print(
         f"\nDPO: {args.pairs} pair(s), prompt {args.prompt_len}, responses {args.completion_len}: TRL computes "
         f"{ids.numel()} tokens, the tree {stats.num_tree_tokens} ({stats.num_rows} packed row(s))"

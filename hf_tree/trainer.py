@@ -35,7 +35,6 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from peft import PeftModel
 from transformers import PreTrainedModel, Trainer, TrainingArguments
 from transformers.trainer_utils import EvalLoopOutput
 
@@ -85,7 +84,7 @@ def use_tree_attention(model: torch.nn.Module, name: str = "model") -> None:
             family refused by name (``hf_tree.models.check.refuse_not_tree_aware``), or when transformers refuses the
             switch for this model class.
     """
-    base = model.get_base_model() if isinstance(model, PeftModel) else model
+    base = causal_lm_of(model)
     if not isinstance(base, PreTrainedModel):
         raise ValueError(
             f"{name} is a {type(base).__name__}; tree training needs a transformers PreTrainedModel (causal LM), "

@@ -31,7 +31,7 @@ def refuse_neftune(args: TrainingArguments) -> None:
         raise ValueError(
             f"neftune_noise_alpha={args.neftune_noise_alpha} cannot apply to packed trees: NEFTune scales its noise by "
             "the length of the packed row instead of each branch's and draws one noise per shared token instead of "
-            "one per branch. Set neftune_noise_alpha=None (for the tree log-prob trainers, or tree_logprobs=False to "
+            "one per branch. Set neftune_noise_alpha=None (for the TRL tree trainers, or tree_forward=False to "
             "run TRL's own passes)."
         )
 

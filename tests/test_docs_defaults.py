@@ -15,6 +15,7 @@ import trl
 
 from hf_tree import launcher
 from hf_tree.config import TreeArguments
+from hf_tree.trl.arguments import DEPRECATED_SWITCH_NAMES
 from hf_tree.trl.dpo import TreeDPOConfig
 from hf_tree.trl.grpo import TreeGRPOConfig
 from hf_tree.trl.kto import TreeKTOConfig
@@ -61,12 +62,13 @@ def default_of(f: dataclasses.Field) -> Any:
 
 
 def own_defaults(cls: type, bases: tuple[type, ...]) -> dict[str, Any]:
-    """The fields ``cls`` adds over ``bases``, and those whose default it changes (TreeSFTConfig's overlong)."""
+    """The fields ``cls`` adds over ``bases``, and those whose default it changes (TreeSFTConfig's overlong); not the
+    deprecated names of ``tree_forward`` (the table shows the one name, a line under it the old ones)."""
     inherited = {f.name: default_of(f) for base in bases for f in dataclasses.fields(base)}
     return {
         f.name: default_of(f)
         for f in dataclasses.fields(cls)
-        if f.name not in inherited or default_of(f) != inherited[f.name]
+        if (f.name not in inherited or default_of(f) != inherited[f.name]) and f.name not in DEPRECATED_SWITCH_NAMES
     }
 
 

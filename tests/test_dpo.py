@@ -68,7 +68,7 @@ def test_per_token_values_match_trl(tmp_path, dtype):
     batch = trl.data_collator([trl.train_dataset[i] for i in range(len(PAIRS["prompt"]))])
     theirs, ours = fused_outputs(trl.model, batch), fused_outputs(tree.model, batch)
     ref_theirs, ref_ours = fused_outputs(trl.ref_model, batch), fused_outputs(tree.ref_model, batch)
-    stats = tree.model.hf_tree_layout_stats
+    stats = tree.tree_head.layout_stats
     assert stats.num_tree_tokens < int(batch["attention_mask"].sum()), "chosen and rejected did not share prompts"
     assert torch.equal(ours.label_mask, theirs.label_mask)
     pairs = [(getattr(ours, f), getattr(theirs, f)) for f in FIELDS] + [(ref_ours.log_probs, ref_theirs.log_probs)]
@@ -106,8 +106,7 @@ def test_one_step_matches_trl(tmp_path, peft, precompute):
     with float64_norms():  # the precomputed reference runs inside __init__
         trl, trl_updates = one_step(DPOTrainer, DPOConfig, path, peft, precompute)
         tree, tree_updates = one_step(TreeDPOTrainer, TreeDPOConfig, path, peft, precompute)
-    base = tree.model.get_base_model() if peft else tree.model
-    assert base.hf_tree_layout_stats.dedup_ratio > 1
+    assert tree.tree_head.layout_stats.dedup_ratio > 1
     if precompute:
         for column in ("ref_chosen_logps", "ref_rejected_logps"):
             theirs, ours = torch.tensor(trl.train_dataset[column]), torch.tensor(tree.train_dataset[column])

@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
 from trl.trainer.utils import add_fused_lm_head
 
-from hf_tree.trl.glue import add_tree_fused_lm_head, log_tree_stats
+from hf_tree.trl.glue import TreeHeadSettings, add_tree_fused_lm_head, log_tree_stats
 from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from tests.helpers import (
     TRL_TOLERANCE,
@@ -67,7 +67,7 @@ def test_logprobs_and_entropies_match_trl(trainers, name):
         )
         ref_trl, _, _ = trl._get_per_token_logps_and_entropies(trl.ref_model, ids, mask, keep, batch_size=batch_size)
         ref_tree, _, _ = tree._get_per_token_logps_and_entropies(tree.ref_model, ids, mask, keep, batch_size=batch_size)
-    stats = tree.model.hf_tree_layout_stats
+    stats = tree.tree_head.layout_stats
     assert stats.num_tree_tokens < int(mask.sum()), "the tree pass did not share the prompts"
     assert logps.shape == trl_logps.shape == (ids.shape[0], keep)
     assert torch.equal(logps == 0, trl_logps == 0)  # padding scores exactly zero in both
@@ -110,14 +110,15 @@ def test_split_trees_and_chunked_forwards_match_trl():
     reference, model = tiny_model(attn="sdpa"), tiny_model()
     add_fused_lm_head(reference, temperature=0.7, outputs=("log_probs", "entropy"))
     add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
-    add_tree_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"), max_packed_tokens=24)
+    settings = TreeHeadSettings(temperature=0.7, outputs=("log_probs", "entropy"), max_packed_tokens=24)
+    head = add_tree_fused_lm_head(model, settings)
     ids, mask, keep = padded_batch(*scenario("several_prompts"))
     labels = ids.masked_fill(mask == 0, -100)
     labels[:, :-keep] = -100
     with torch.no_grad(), float64_norms():
         theirs = reference(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
         ours = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True, tree_tokens_per_forward=24)
-    assert model.hf_tree_layout_stats.num_split_trees >= 1 and model.hf_tree_layout_stats.num_rows >= 2
+    assert head.layout_stats.num_split_trees >= 1 and head.layout_stats.num_rows >= 2
     for field in ("log_probs", "entropy", "loss"):
         assert relative_error(getattr(ours, field), getattr(theirs, field)) <= TRL_TOLERANCE
     assert torch.equal(ours.label_mask, theirs.label_mask)
@@ -132,6 +133,24 @@ def test_generation_is_unchanged():
     assert torch.equal(model.generate(prompt, **kwargs), twin.generate(prompt, **kwargs))
 
 
+def test_installing_again_replaces_the_head():
+    """A second head wraps the forward the first replaced (TRL's), not the first head; its state stays on the head
+    objects, none on the model."""
+    model = tiny_model()
+    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    trls = model.forward
+    first = add_tree_fused_lm_head(model)
+    second = add_tree_fused_lm_head(model, TreeHeadSettings(outputs=("log_probs", "entropy")))
+    assert first.previous_forward is trls and second.previous_forward is trls and model.forward.__func__ is second
+    ids, mask, keep = padded_batch(*scenario("full_group"))
+    labels = ids.masked_fill(mask == 0, -100)
+    labels[:, :-keep] = -100
+    with torch.no_grad():
+        ours = model(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
+    assert ours.entropy is not None and second.layout_stats.dedup_ratio > 1 and first.layout_stats is None
+    assert not [name for name in vars(model) if name.startswith("hf_tree")]
+
+
 @pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
 def test_one_step_matches_trl(tmp_path, monkeypatch, peft):
     """Full fine-tuning (separate reference model) and LoRA (reference = the adapter disabled)."""
@@ -139,8 +158,7 @@ def test_one_step_matches_trl(tmp_path, monkeypatch, peft):
     path = saved_tiny_model(tmp_path, torch.float64)
     trl, trl_updates = one_step(GRPOTrainer, GRPOConfig, path, peft)
     tree, tree_updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, path, peft)
-    base = tree.model.get_base_model() if peft else tree.model
-    assert base.hf_tree_layout_stats.dedup_ratio > 1
+    assert tree.tree_head.layout_stats.dedup_ratio > 1
     assert_same_step_as_trl(trl, trl_updates, tree, tree_updates)
 
 
@@ -166,7 +184,7 @@ def test_unsupported_setups_raise(trainers, tmp_path):
     with pytest.raises(ValueError, match="max_packed_tokens"):
         trainer_args(TreeGRPOConfig, str(tmp_path), torch.float64, max_packed_tokens=1)
     small = tiny_model()
-    add_tree_fused_lm_head(small, max_packed_tokens=4)
+    add_tree_fused_lm_head(small, TreeHeadSettings(max_packed_tokens=4))
     labels = ids.masked_fill(mask == 0, -100)
     with pytest.raises(ValueError, match="max_packed_tokens=4"):
         small(input_ids=ids, attention_mask=mask, labels=labels, fused_lm_head=True)
@@ -186,7 +204,7 @@ def test_model_instance_on_sdpa_is_switched(tmp_path, caplog):
 
 def test_a_pass_that_scores_nothing_works(tmp_path):
     """mask_truncated_completions zeroes the completion mask of truncated rows; a micro-batch of only truncated rows
-    scores nothing. The first such policy pass raised AttributeError ('hf_tree_layout_stats') when logging, a later
+    scores nothing. The first such policy pass raised AttributeError (no layout stats yet) when logging, a later
     one logged the previous pass's dedup ratio again (``log_tree_stats``, also called by the DPO trainer)."""
     path = saved_tiny_model(tmp_path, torch.float64)
     setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
@@ -197,7 +215,7 @@ def test_a_pass_that_scores_nothing_works(tmp_path):
     def logged() -> int:
         return sum(len(metrics.get("tree/dedup_ratio", [])) for metrics in tree._metrics.values())
 
-    log_tree_stats(tree, tree.model)  # before any tree pass
+    log_tree_stats(tree)  # before any tree pass
     assert logged() == 0
     with torch.no_grad():
         tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, compute_entropy=True)
@@ -207,6 +225,6 @@ def test_a_pass_that_scores_nothing_works(tmp_path):
     ours, entropy, _ = tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, compute_entropy=True)
     assert torch.equal(ours, theirs) and not ours.any()
     assert torch.equal(entropy * 0, their_entropy * 0)
-    log_tree_stats(tree, tree.model)  # as DPO's compute_loss does after every pass
+    log_tree_stats(tree)  # as DPO's compute_loss does after every pass
     assert logged() == 1  # nothing packed, nothing (stale) logged
     ours.sum().backward()  # the zero output stays connected to the model, as TRL's

@@ -337,8 +337,8 @@ def test_default_shares_where_it_can(path, trl_runs, tmp_path, monkeypatch):
 
 def test_refusals(path, tmp_path, monkeypatch):
     setup = dict(train_dataset=Dataset.from_dict({"prompt": ["w3"]}), processing_class=word_tokenizer())
-    with pytest.raises(ValueError, match="tree_share_across_microbatches.*tree_logprobs"):
-        trainer_args(TreeGRPOConfig, path, torch.float64, tree_logprobs=False, **SHARED)
+    with pytest.raises(ValueError, match="tree_share_across_microbatches.*tree_forward"):
+        trainer_args(TreeGRPOConfig, path, torch.float64, tree_forward=False, **SHARED)
     with pytest.raises(ValueError, match="tree_share_across_microbatches.*reentrant"):
         trainer_args(
             TreeGRPOConfig,

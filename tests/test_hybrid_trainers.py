@@ -125,7 +125,7 @@ def test_grpo_logprobs_and_entropies_match_trl(grpo_trainers, name, monkeypatch)
             leaky = scores(tree, tree.model)[0]
         finally:
             install_tree_mixers()
-    assert tree.model.hf_tree_layout_stats.num_tree_tokens < int(mask.sum()), "the tree pass did not share prompts"
+    assert tree.tree_head.layout_stats.num_tree_tokens < int(mask.sum()), "the tree pass did not share prompts"
     assert torch.equal(logps == 0, trl_logps == 0)  # padding scores exactly zero in both
     for ours, theirs in [(logps, trl_logps), (entropy, trl_entropy), (ref_tree, ref_trl)]:
         assert relative_error(ours, theirs) <= LOGPROB_BOUND, relative_error(ours, theirs)

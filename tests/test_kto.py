@@ -54,7 +54,7 @@ def test_per_token_values_match_trl(tmp_path):
     batch = trl.data_collator([trl.train_dataset[i] for i in range(3)])
     for prefix in ("", "KL_"):
         theirs, ours = fused_outputs(trl.model, batch, prefix), fused_outputs(tree.model, batch, prefix)
-        stats = tree.model.hf_tree_layout_stats
+        stats = tree.tree_head.layout_stats
         assert stats.num_tree_tokens < int(batch[f"{prefix}attention_mask"].sum()), f"{prefix}rows shared nothing"
         ref_theirs, ref_ours = fused_outputs(trl.ref_model, batch, prefix), fused_outputs(tree.ref_model, batch, prefix)
         assert torch.equal(ours.label_mask, theirs.label_mask)
@@ -77,8 +77,7 @@ def test_one_step_matches_trl(tmp_path, peft, precompute):
         trl = make_trainer(KTOTrainer, KTOConfig, path, peft, **settings)
         tree = make_trainer(TreeKTOTrainer, TreeKTOConfig, path, peft, **settings)
     trl_updates, tree_updates = train_and_measure_updates(trl), train_and_measure_updates(tree)
-    base = tree.model.get_base_model() if peft else tree.model
-    assert base.hf_tree_layout_stats.dedup_ratio > 1
+    assert tree.tree_head.layout_stats.dedup_ratio > 1
     if precompute:
         for column in ("ref_logps", "ref_KL_logps"):
             theirs, ours = torch.tensor(trl.train_dataset[column]), torch.tensor(tree.train_dataset[column])

@@ -226,8 +226,7 @@ def test_rollout_trainers_train_trls_router_loss(tmp_path, monkeypatch, trainers
     trl, trl_updates = one_step(trl_cls, trl_config, path, peft, **settings)
     tree, tree_updates = one_step(tree_cls, tree_config, path, peft, **settings)
     assert trl.aux_loss_enabled
-    base = tree.model.get_base_model() if peft else tree.model
-    assert base.hf_tree_layout_stats.dedup_ratio > 1
+    assert tree.tree_head.layout_stats.dedup_ratio > 1
     assert_same_moe_step(trl, trl_updates, tree, tree_updates)
 
 
@@ -264,7 +263,7 @@ def test_preference_trainers_train_trls_router_loss(tmp_path, trainers, family, 
 
     trl, trl_updates = step(trl_cls, trl_config)
     tree, tree_updates = step(tree_cls, tree_config)
-    assert tree.model.hf_tree_layout_stats.dedup_ratio > 1
+    assert tree.tree_head.layout_stats.dedup_ratio > 1
     assert_same_moe_step(trl, trl_updates, tree, tree_updates)
 
 

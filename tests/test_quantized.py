@@ -215,7 +215,7 @@ def test_grpo_step_equals_trls(checkpoint, quantization, monkeypatch):
     _, trl = grpo_step(GRPOTrainer, GRPOConfig, checkpoint, quantization)
     _, trl_padded = grpo_step(GRPOTrainer, GRPOConfig, checkpoint, quantization, pad_to_multiple_of=32)
     tree, updates = grpo_step(TreeGRPOTrainer, TreeGRPOConfig, checkpoint, quantization)
-    assert tree.model.get_base_model().hf_tree_layout_stats.dedup_ratio > 1
+    assert tree.tree_head.layout_stats.dedup_ratio > 1
     # evaluation's generation (eval mode, no gradients) must not repack 4-bit layers: kept off it from __init__ on
     assert not any(layer.support_avx512bf16_for_cpu for _, layer in four_bit_layers(tree.model))
     assert_within_trls_rounding(f"grpo {quantization}", updates, trl, trl_padded)

@@ -55,7 +55,7 @@ def test_rewards_match_trl(tmp_path, pad_is_eos):
     with torch.no_grad(), float64_norms():
         theirs = trl.model(**batch, use_cache=False).logits
         ours = tree.model(**batch, use_cache=False).logits
-    stats = tree.model.hf_tree_layout_stats
+    stats = tree.tree_head.layout_stats
     assert stats.num_tree_tokens < int(batch["attention_mask"].sum()), "chosen and rejected did not share prompts"
     assert stats.num_rows >= 2, "max_packed_tokens=16 should split the batch over several packed rows"
     assert ours.shape == theirs.shape == (8, 1)
@@ -76,8 +76,7 @@ def test_one_step_matches_trl(tmp_path, peft, settings):
         trainer = make_trainer(cls, config_cls, path, peft=peft, max_steps=1, learning_rate=1.0, **settings)
         runs[cls] = trainer, train_and_measure_updates(trainer)
     (trl, trl_updates), (tree, tree_updates) = runs.values()
-    base = tree.model.get_base_model() if peft else tree.model
-    assert base.hf_tree_layout_stats.dedup_ratio > 1
+    assert tree.tree_head.layout_stats.dedup_ratio > 1
     assert any("score" in name for name in tree_updates)
     assert_same_step_as_trl(trl, trl_updates, tree, tree_updates)
 
@@ -103,8 +102,8 @@ def test_unsupported_setups_raise(tmp_path):
         tree.model(input_ids=ids, position_ids=ids)
 
 
-def test_tree_rewards_false_keeps_trls_forward(tmp_path):
+def test_tree_forward_false_keeps_trls_forward(tmp_path):
     path = saved_tiny_model(tmp_path, torch.float64)
-    trainer = make_trainer(TreeRewardTrainer, TreeRewardConfig, path, tree_rewards=False)
-    assert not hasattr(trainer.model, "hf_tree_previous_forward")
+    trainer = make_trainer(TreeRewardTrainer, TreeRewardConfig, path, tree_forward=False)
+    assert trainer.tree_head is None and "forward" not in vars(trainer.model)  # the class's own forward
     assert trainer.model.config._attn_implementation == "sdpa"

@@ -39,7 +39,7 @@ def test_logprobs_match_trl(tmp_path):
         ours = tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, batch_size=2, compute_entropy=True)
         ref_theirs, _, _ = trl._get_per_token_logps_and_entropies(trl.ref_model, ids, mask, keep, batch_size=2)
         ref_ours, _, _ = tree._get_per_token_logps_and_entropies(tree.ref_model, ids, mask, keep, batch_size=2)
-    assert tree.model.hf_tree_layout_stats.num_tree_tokens < int(mask.sum()), "the tree pass did not share prompts"
+    assert tree.tree_head.layout_stats.num_tree_tokens < int(mask.sum()), "the tree pass did not share prompts"
     for mine, their in ((ours[0], theirs[0]), (ours[1], theirs[1]), (ref_ours, ref_theirs)):
         assert mine.shape == their.shape == (ids.shape[0], keep)
         assert relative_error(mine, their) <= TRL_TOLERANCE
@@ -52,8 +52,7 @@ def test_one_step_matches_trl(tmp_path, monkeypatch, peft):
     path = saved_tiny_model(tmp_path, torch.float64)
     trl, trl_updates = one_step(RLOOTrainer, RLOOConfig, path, peft, rollout=False)
     tree, tree_updates = one_step(TreeRLOOTrainer, TreeRLOOConfig, path, peft, rollout=False)
-    base = tree.model.get_base_model() if peft else tree.model
-    assert base.hf_tree_layout_stats.dedup_ratio > 1
+    assert tree.tree_head.layout_stats.dedup_ratio > 1
     assert_same_step_as_trl(trl, trl_updates, tree, tree_updates)
 
 

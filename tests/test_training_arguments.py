@@ -179,10 +179,10 @@ def test_neftune_is_refused_with_plain_training_arguments():
         )
 
 
-def test_neftune_runs_trls_own_passes_without_tree_logprobs():
-    """With tree_logprobs=False TRL's own passes run unchanged, so NEFTune applies as in TRL."""
+def test_neftune_runs_trls_own_passes_without_tree_forward():
+    """With tree_forward=False TRL's own passes run unchanged, so NEFTune applies as in TRL."""
     config = TreeGRPOConfig(
-        output_dir="unused", use_cpu=True, report_to=[], neftune_noise_alpha=5.0, tree_logprobs=False
+        output_dir="unused", use_cpu=True, report_to=[], neftune_noise_alpha=5.0, tree_forward=False
     )
     assert config.neftune_noise_alpha == 5.0
 

@@ -153,7 +153,7 @@ def test_preference_step_on_qwen_and_llava_next_matches_trl(tmp_path, trainer, f
         )  # beta 1: a gradient norm over 1, which the clipping rescales
 
     (trl, trl_updates), (tree, tree_updates) = run_both(classes, path, family, dataset, make_args)
-    assert tree.model.hf_tree_layout_stats.dedup_ratio > 1  # rows shared their image prompt
+    assert tree.tree_head.layout_stats.dedup_ratio > 1  # rows shared their image prompt
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
     assert_same_update(family, trl, trl_updates, tree, tree_updates, TRL_STEP_TOLERANCE)
 

@@ -106,7 +106,7 @@ def test_image_logprobs_entropies_and_gradients_match_trl(trainers):
     else:  # TRL's fused kernel computes its gradients in float32 even for float64 models (docs/grpo_dpo.md)
         assert max_grad_relative_error(grads, trl_grads) <= TRL_STEP_TOLERANCE
     assert encoded == [batch[4]], "one encoder call over the 3 distinct images (TRL: 12 images in 3 chunks)"
-    stats = tree.model.hf_tree_layout_stats  # tries by first token: the two "3 4 <image> 5" prompts share one
+    stats = tree.tree_head.layout_stats  # tries by first token: the two "3 4 <image> 5" prompts share one
     assert stats.num_trees == 2 and stats.dedup_ratio > 2
 
 
@@ -411,8 +411,7 @@ def test_one_preference_step_on_image_prompts_matches_trl(tmp_path, trainer, pef
         with float64_norms():
             results.append((run, train_and_measure_updates(run)))
     (trl, trl_updates), (tree, tree_updates) = results
-    base = tree.model.get_base_model() if peft else tree.model
-    assert base.hf_tree_layout_stats.dedup_ratio > 1  # rows shared their image prompt
+    assert tree.tree_head.layout_stats.dedup_ratio > 1  # rows shared their image prompt
     assert trl.state.log_history[0]["loss"] == pytest.approx(tree.state.log_history[0]["loss"], rel=TRL_TOLERANCE)
     assert trl_updates.keys() == tree_updates.keys() and any(u.norm() > 0 for u in trl_updates.values())
     # CLIP's k_proj biases have a zero true gradient: measured against 1e-6 of the largest update (as for GRPO)

@@ -24,7 +24,8 @@ _backbones: weakref.WeakKeyDictionary[PreTrainedModel, torch.nn.Module] = weakre
 
 
 def causal_lm_of(model: torch.nn.Module) -> PreTrainedModel:
-    """The ``PreTrainedModel`` inside DDP/FSDP/compile and PEFT wrappers (FSDP2 keeps the module itself)."""
+    """The ``PreTrainedModel`` inside DDP/FSDP/compile and PEFT wrappers (FSDP2 keeps the module itself): hf_tree's one
+    unwrap helper, for every trained model (a causal LM, or the reward trainer's sequence classifier)."""
     unwrapped = extract_model_from_parallel(model)
     # a PEFT model has imported peft; not importing it for the others saves seconds (with bitsandbytes installed,
     # peft imports torch._inductor), as accelerate's is_peft_model would not

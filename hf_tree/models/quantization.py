@@ -10,6 +10,8 @@ import logging
 
 import torch
 
+from hf_tree.models.introspection import causal_lm_of
+
 logger = logging.getLogger("hf_tree")
 
 
@@ -17,7 +19,7 @@ def quantized_base_description(model: torch.nn.Module) -> str | None:
     """``"bitsandbytes 4-bit nf4 (double quantization), compute dtype bfloat16"`` for a model whose base was loaded
     quantized (``from_pretrained(quantization_config=...)``, PEFT-wrapped or not); ``None`` for an ordinary model
     (a dequantized GGUF checkpoint included)."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = causal_lm_of(model)
     quantizer = getattr(base, "hf_quantizer", None)
     if not getattr(base, "is_quantized", False) or quantizer is None:
         return None

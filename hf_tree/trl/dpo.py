@@ -17,10 +17,8 @@ from dataclasses import dataclass
 
 from trl import DPOConfig, DPOTrainer
 
-from hf_tree.config import config_field
-from hf_tree.packing import PackingConfig
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.trl.glue import TreeLogProbArguments
+from hf_tree.trl.arguments import InBatchMergeArguments, TreeLogProbArguments
 from hf_tree.trl.preference_logprobs import TreePreferenceLogProbsMixin
 
 # Per-token fields TRL's DPO reads from the policy's fused head (``DPOTrainer.__init__``); the reference needs only
@@ -29,10 +27,9 @@ POLICY_OUTPUTS = ("log_probs", "entropy", "mean_logits", "is_top1")
 
 
 @dataclass
-class TreeDPOConfig(TreeLogProbArguments, DPOConfig):
-    """``DPOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
-
-    merge_in_batch: bool = config_field(PackingConfig, "merge_in_batch")
+class TreeDPOConfig(TreeLogProbArguments, InBatchMergeArguments, DPOConfig):
+    """``DPOConfig`` plus the tree fields (``hf_tree.trl.arguments``): ``tree_forward``, ``max_packed_tokens``,
+    ``tree_self_check`` and ``merge_in_batch``."""
 
 
 class TreeDPOTrainer(FSDPFullSaveMixin, TreePreferenceLogProbsMixin, DPOTrainer):

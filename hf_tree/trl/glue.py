@@ -1,30 +1,28 @@
-"""TRL glue of the tree log-prob passes: the fused-head installer and what ``TreeGRPOTrainer``, ``TreeRLOOTrainer``,
-``TreeDPOTrainer`` and ``TreeKTOTrainer`` share (config fields, head installation on policy and reference), and with
-``TreeRewardTrainer`` (argument preparation, logs).
+"""TRL glue of the tree log-prob passes: the fused head (``TreeFusedHead``, its ``TreeHeadSettings`` and installer)
+and what ``TreeGRPOTrainer``, ``TreeRLOOTrainer``, ``TreeDPOTrainer`` and ``TreeKTOTrainer`` share (head installation
+on policy and reference), and with ``TreeRewardTrainer`` (argument preparation, logs).
 
-The layout and the kernel the head runs are ``hf_tree.trl.logprobs``.
+The layout and the kernel the head runs are ``hf_tree.trl.logprobs``; the config fields ``hf_tree.trl.arguments``.
 """
 
 from __future__ import annotations
 
-import functools
-import types
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
-from accelerate.utils import is_peft_model
 from transformers import PreTrainedModel
 from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
-from hf_tree.models.check import check_model_for_trees, self_check_setting, tree_self_check_field
+from hf_tree.models.check import check_model_for_trees, self_check_setting
 from hf_tree.models.check_guard import keep_training_kernels
+from hf_tree.models.introspection import causal_lm_of
 from hf_tree.packing import check_max_packed_tokens
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
-from hf_tree.training_arguments import refuse_neftune
 from hf_tree.trl.logprobs import FUSED_OUTPUTS, layout_scored_rows, scatter_to_rows, tree_token_log_probs
+from hf_tree.trl.tree_forward import TreeForward
 from hf_tree.versions import require_tested_trl
 from hf_tree.vision.rows import ROW_FAMILIES, ROW_IMAGE_INPUTS, RowMedia
 
@@ -50,124 +48,48 @@ def check_tree_model(model: PreTrainedModel, name: str = "model") -> None:
         raise ValueError(
             f"{name} is a {type(model).__name__} with a separate text config (a vision-language model of "
             f"model_type={config.model_type!r}); tree log-probs support text-only causal LMs and the vision-language "
-            f"families {list(ROW_FAMILIES)} (hf_tree.vision). Set tree_logprobs=False."
+            f"families {list(ROW_FAMILIES)} (hf_tree.vision). Set tree_forward=False."
         )
 
 
-def _tree_fused_call(
-    model: PreTrainedModel,
-    settings: dict[str, Any],
-    previous_forward: Any,
-    input_ids: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    labels: torch.Tensor | None,
-    num_items_in_batch: torch.Tensor | int | None,
-    tokens_per_forward: int | None,
-    router_chunk_rows: int | None,
-    other_inputs: dict[str, Any],
-) -> FusedCausalLMOutput:
-    output_router_logits = bool(other_inputs.pop("output_router_logits", False))
-    media = RowMedia.from_rows(model, input_ids, other_inputs)  # takes the image inputs out of other_inputs
-    if media is not None and output_router_logits:
-        raise ValueError(
-            "router_aux_loss_coef != 0 with image inputs: the MoE router loss of vision-language trees is not tested "
-            "yet. Set router_aux_loss_coef=0.0, or tree_logprobs=False."
-        )
-    unsupported = sorted(k for k, v in other_inputs.items() if v is not None and v is not False)
-    if unsupported:
-        raise ValueError(
-            f"the tree log-prob head got model inputs {unsupported} it does not support (it handles text input_ids, "
-            f"attention_mask, labels and output_router_logits, and {list(ROW_IMAGE_INPUTS)} of hf_tree.vision's "
-            "models; no position_ids, shift_labels or other vision inputs). Set tree_logprobs=False to use TRL's own "
-            "forward."
-        )
-    if labels is None:
-        raise ValueError("fused_lm_head=True needs labels (-100 where no token is scored).")
-    # First call: refuse models the tree passes would get wrong; the original forward, not the model, runs the probe
-    # (calling the model again inside its own forward would rerun FSDP's root hooks).
-    logit_head = check_model_for_trees(model, settings["self_check"], forward=previous_forward)
-    tokens_per_forward = tokens_per_forward or input_ids.numel()
-    # TRL's router loss is one per forward of router_chunk_rows rows (GRPO's batch_size chunks), averaged.
-    router_chunk_rows = (router_chunk_rows or input_ids.shape[0]) if output_router_logits else None
-    capacity = settings["max_packed_tokens"] or tokens_per_forward
-    rows = input_ids if media is None else media.input_ids  # placeholders as image ids: rows merge by tokens and images
-    layout = layout_scored_rows(rows, attention_mask, labels, capacity, router_chunk_rows, settings["merge_in_batch"])
-    if layout.num_scored == 0:  # nothing to score: TRL's forward keeps the zero output connected to the model
-        model.hf_tree_layout_stats = None  # nothing packed: no (stale) ratio to log for this call
-        router_inputs = {"output_router_logits": True} if output_router_logits else {}
-        return previous_forward(
-            input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, **router_inputs
-        )
-    values = tree_token_log_probs(
-        model,
-        layout,
-        settings["temperature"],
-        settings["outputs"],
-        tokens_per_forward,
-        settings["cast_lm_head_to_fp32"],
-        logit_head,
-        model_inputs=None if media is None else media.model_inputs,
-    )
-    aux_loss = values.pop("aux_loss", None)
-    per_token = {
-        name: scatter_to_rows(value, layout.output_index, layout.output_shape) for name, value in values.items()
-    }
-    label_mask = labels[:, 1:] != -100
-    divisor = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
-    loss = -per_token["log_probs"].sum() / divisor
-    if aux_loss is not None:  # as TRL's fused head: plus the config's coefficient times the router loss
-        loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux_loss
-    model.hf_tree_layout_stats = layout.stats  # the last call's packing, for the trainers' logs
-    return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=aux_loss, **per_token)
+@dataclass(frozen=True)
+class TreeHeadSettings:
+    """What the tree fused head of one model computes and how it packs (``add_tree_fused_lm_head``).
 
-
-def add_tree_fused_lm_head(
-    model: PreTrainedModel,
-    temperature: float = 1.0,
-    outputs: Sequence[str] = ("log_probs",),
-    max_packed_tokens: int | None = None,
-    cast_lm_head_to_fp32: bool = False,
-    name: str = "model",
-    self_check: bool | None = None,
-    merge_in_batch: bool = True,
-) -> None:
-    """Replace the fused head that TRL's ``add_fused_lm_head`` installed on ``model`` by the tree one.
-
-    ``model(..., labels=labels, fused_lm_head=True)`` then returns a ``FusedCausalLMOutput`` with the same fields
-    and layout as TRL's, computed on packed trees; it also accepts ``tree_tokens_per_forward=`` (packed tokens per
-    backbone call, default ``B * T``). With ``output_router_logits=True`` (an MoE model), ``aux_loss`` is the router
-    load-balancing loss of the padded batch, each packed token weighted by the rows that contain it
-    (``hf_tree.models.router_loss``); ``tree_router_chunk_rows=`` gives the mean over chunks of that many rows, as TRL's
-    GRPO computes one per forward chunk. Without ``fused_lm_head`` the previous forward runs (generation is
-    unchanged). Calling it again replaces the settings.
-
-    Args:
-        model: the causal LM (the base model of a PEFT model), loaded with ``attn_implementation="tree_flash"``.
-        temperature, cast_lm_head_to_fp32: as given to TRL's ``add_fused_lm_head`` for this model.
+    Attributes:
         outputs: per-token fields to compute, among ``FUSED_OUTPUTS``.
+        temperature, cast_lm_head_to_fp32: as given to TRL's ``add_fused_lm_head`` for this model.
         max_packed_tokens: packed row capacity; ``None``: the call's tokens per forward.
-        name: how errors refer to the model.
         self_check: run ``hf_tree.models.check``'s refusals and probe before the first tree pass (``None``: on
             unless ``HF_TREE_SELF_CHECK=0``).
         merge_in_batch: merge the call's rows into tries by their tokens; ``False``: each row a tree of its own.
     """
-    check_tree_model(model, name)
-    unknown = sorted(set(outputs) - set(FUSED_OUTPUTS))
-    if unknown:
-        raise ValueError(f"outputs={tuple(outputs)!r} holds unknown fields {unknown}; choose among {FUSED_OUTPUTS}.")
-    settings = dict(
-        temperature=temperature,
-        outputs=tuple(outputs),
-        max_packed_tokens=max_packed_tokens,
-        cast_lm_head_to_fp32=cast_lm_head_to_fp32,
-        self_check=self_check,
-        merge_in_batch=merge_in_batch,
-    )
-    previous_forward = getattr(model, "hf_tree_previous_forward", None) or model.forward
 
-    @functools.wraps(type(model).forward)  # keep the signature: generate() validates its kwargs against it
-    def forward(
-        self: PreTrainedModel,
+    outputs: tuple[str, ...] = ("log_probs",)
+    temperature: float = 1.0
+    cast_lm_head_to_fp32: bool = False
+    max_packed_tokens: int | None = None
+    self_check: bool | None = None
+    merge_in_batch: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "outputs", tuple(self.outputs))
+        unknown = sorted(set(self.outputs) - set(FUSED_OUTPUTS))
+        if unknown:
+            raise ValueError(f"outputs={self.outputs!r} holds unknown fields {unknown}; choose among {FUSED_OUTPUTS}.")
+        check_max_packed_tokens(self.max_packed_tokens, none_allowed=True)
+
+
+class TreeFusedHead(TreeForward):
+    """The tree fused head of one model (``add_tree_fused_lm_head``): its settings, the forward it replaced and the
+    packing of its last call (``TreeForward``)."""
+
+    def __init__(self, settings: TreeHeadSettings) -> None:
+        self.settings = settings
+
+    def __call__(
+        self,
+        model: PreTrainedModel,
         input_ids: torch.Tensor | None = None,
         attention_mask: torch.Tensor | None = None,
         *,
@@ -182,13 +104,11 @@ def add_tree_fused_lm_head(
             for key, value in (("labels", labels), ("num_items_in_batch", num_items_in_batch)):
                 if value is not None:
                     kwargs[key] = value
-            return previous_forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
+            return self.previous_forward(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
         for key in IGNORED_INPUTS:
             kwargs.pop(key, None)
-        return _tree_fused_call(
-            self,
-            settings,
-            previous_forward,
+        return self._fused_call(
+            model,
             input_ids,
             attention_mask,
             labels,
@@ -198,59 +118,106 @@ def add_tree_fused_lm_head(
             kwargs,
         )
 
-    model.forward = types.MethodType(forward, model)
-    model.hf_tree_previous_forward = previous_forward
+    def _fused_call(
+        self,
+        model: PreTrainedModel,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        labels: torch.Tensor | None,
+        num_items_in_batch: torch.Tensor | int | None,
+        tokens_per_forward: int | None,
+        router_chunk_rows: int | None,
+        other_inputs: dict[str, Any],
+    ) -> FusedCausalLMOutput:
+        settings = self.settings
+        output_router_logits = bool(other_inputs.pop("output_router_logits", False))
+        media = RowMedia.from_rows(model, input_ids, other_inputs)  # takes the image inputs out of other_inputs
+        if media is not None and output_router_logits:
+            raise ValueError(
+                "router_aux_loss_coef != 0 with image inputs: the MoE router loss of vision-language trees is not "
+                "tested yet. Set router_aux_loss_coef=0.0, or tree_forward=False."
+            )
+        unsupported = sorted(k for k, v in other_inputs.items() if v is not None and v is not False)
+        if unsupported:
+            raise ValueError(
+                f"the tree log-prob head got model inputs {unsupported} it does not support (it handles text "
+                f"input_ids, attention_mask, labels and output_router_logits, and {list(ROW_IMAGE_INPUTS)} of "
+                "hf_tree.vision's models; no position_ids, shift_labels or other vision inputs). Set "
+                "tree_forward=False to use TRL's own forward."
+            )
+        if labels is None:
+            raise ValueError("fused_lm_head=True needs labels (-100 where no token is scored).")
+        # First call: refuse models the tree passes would get wrong; the original forward, not the model, runs the
+        # probe (calling the model again inside its own forward would rerun FSDP's root hooks).
+        logit_head = check_model_for_trees(model, settings.self_check, forward=self.previous_forward)
+        tokens_per_forward = tokens_per_forward or input_ids.numel()
+        # TRL's router loss is one per forward of router_chunk_rows rows (GRPO's batch_size chunks), averaged.
+        router_chunk_rows = (router_chunk_rows or input_ids.shape[0]) if output_router_logits else None
+        capacity = settings.max_packed_tokens or tokens_per_forward
+        rows = input_ids if media is None else media.input_ids  # placeholders as image ids: rows merge by images too
+        layout = layout_scored_rows(rows, attention_mask, labels, capacity, router_chunk_rows, settings.merge_in_batch)
+        # the last call's packing, for the trainers' logs; None when nothing is packed (no stale ratio to log)
+        self.layout_stats = layout.stats if layout.num_scored else None
+        if layout.num_scored == 0:  # nothing to score: TRL's forward keeps the zero output connected to the model
+            router_inputs = {"output_router_logits": True} if output_router_logits else {}
+            return self.previous_forward(
+                input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, **router_inputs
+            )
+        values = tree_token_log_probs(
+            model,
+            layout,
+            settings.temperature,
+            settings.outputs,
+            tokens_per_forward,
+            settings.cast_lm_head_to_fp32,
+            logit_head,
+            model_inputs=None if media is None else media.model_inputs,
+        )
+        aux_loss = values.pop("aux_loss", None)
+        per_token = {
+            name: scatter_to_rows(value, layout.output_index, layout.output_shape) for name, value in values.items()
+        }
+        label_mask = labels[:, 1:] != -100
+        divisor = label_mask.sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+        loss = -per_token["log_probs"].sum() / divisor
+        if aux_loss is not None:  # as TRL's fused head: plus the config's coefficient times the router loss
+            loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux_loss
+        return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=aux_loss, **per_token)
+
+
+def add_tree_fused_lm_head(
+    model: PreTrainedModel, settings: TreeHeadSettings | None = None, name: str = "model"
+) -> TreeFusedHead:
+    """Replace the fused head that TRL's ``add_fused_lm_head`` installed on ``model`` by the tree one.
+
+    ``model(..., labels=labels, fused_lm_head=True)`` then returns a ``FusedCausalLMOutput`` with the same fields
+    and layout as TRL's, computed on packed trees; it also accepts ``tree_tokens_per_forward=`` (packed tokens per
+    backbone call, default ``B * T``). With ``output_router_logits=True`` (an MoE model), ``aux_loss`` is the router
+    load-balancing loss of the padded batch, each packed token weighted by the rows that contain it
+    (``hf_tree.models.router_loss``); ``tree_router_chunk_rows=`` gives the mean over chunks of that many rows, as TRL's
+    GRPO computes one per forward chunk. Without ``fused_lm_head`` the previous forward runs (generation is
+    unchanged). Calling it again replaces the head (and its settings).
+
+    Args:
+        model: the causal LM (the base model of a PEFT model), loaded with ``attn_implementation="tree_flash"``.
+        settings: what the head computes (``None``: ``TreeHeadSettings()``, log-probs only).
+        name: how errors refer to the model.
+
+    Returns:
+        The installed head: its ``layout_stats`` is the packing of the last call (what the trainers log).
+    """
+    check_tree_model(model, name)
+    head = TreeFusedHead(settings or TreeHeadSettings())
+    head.install(model)
+    return head
 
 
 # ----------------------------------------------- shared by the TRL tree trainers (GRPO, RLOO, DPO, KTO; reward: some)
-def trl_max_packed_tokens_field() -> Any:
-    """The ``max_packed_tokens`` field of the TRL tree configs (``TreeLogProbArguments``, ``TreeRewardConfig``): as
-    ``hf_tree.packing.PackingConfig``'s (same rule: ``check_max_packed_tokens``), but ``None`` by default, where TRL's
-    own forward sizes the rows."""
-    return field(
-        default=None,
-        metadata={
-            "help": "Capacity of one packed row in tokens (an integer >= 2). None: the tokens of one TRL forward (rows "
-            "x padded length), so no packed row holds more tokens than TRL's own forward. A larger tree is split by "
-            "its branches (exact; the prompt is repeated)."
-        },
-    )
-
-
-@dataclass
-class TreeLogProbArguments:
-    """Tree fields of ``TreeGRPOConfig``, ``TreeRLOOConfig`` (through ``TreeRolloutArguments``), ``TreeDPOConfig`` and
-    ``TreeKTOConfig`` (a mixin placed before the TRL config in the bases).
-
-    With ``tree_logprobs=True``, a model given by name is loaded with ``attn_implementation="tree_flash"`` unless
-    ``model_init_kwargs`` names another (which then fails with a clear error).
-    """
-
-    tree_logprobs: bool = field(
-        default=True,
-        metadata={
-            "help": "Compute the log-prob passes (policy and reference; old policy in GRPO) on packed prompt trees. "
-            "False runs TRL's own passes unchanged (for comparison)."
-        },
-    )
-    max_packed_tokens: int | None = trl_max_packed_tokens_field()
-
-    tree_self_check: bool = tree_self_check_field()
-
-    def __post_init__(self) -> None:
-        super().__post_init__()  # the TRL config parses its fields first (e.g. JSON model_init_kwargs)
-        check_max_packed_tokens(self.max_packed_tokens, none_allowed=True)
-        if self.tree_logprobs:  # TRL's own passes (tree_logprobs=False) apply NEFTune per row as usual
-            refuse_neftune(self)
-
-
-def prepare_trl_args(
-    args: Any, config_class: type, model: Any, trainer_name: str, switch: str = "tree_logprobs"
-) -> Any:
-    """The tree trainer's arguments: ``args`` (TRL's default naming when ``None``); when the config's ``switch``
-    field (``tree_logprobs``, or ``tree_rewards``) is on, the model on ``tree_flash`` as ``TreeSFTTrainer`` does it:
-    by name, ``model_init_kwargs["attn_implementation"]`` becomes ``tree_flash`` (``None``/unset silently, another
-    name with a warning); an instance is switched (``hf_tree.trainer.use_tree_attention``).
+def prepare_trl_args(args: Any, config_class: type, model: Any, trainer_name: str) -> Any:
+    """The tree trainer's arguments: ``args`` (TRL's default naming when ``None``); with ``tree_forward`` on, the
+    model on ``tree_flash`` as ``TreeSFTTrainer`` does it: by name, ``model_init_kwargs["attn_implementation"]``
+    becomes ``tree_flash`` (``None``/unset silently, another name with a warning); an instance is switched
+    (``hf_tree.trainer.use_tree_attention``).
 
     Raises:
         ValueError: for a plain TRL config, which lacks the tree fields, or a model that cannot be switched.
@@ -263,19 +230,18 @@ def prepare_trl_args(
             f"args is a {type(args).__name__}; the tree trainer needs a {config_class.__name__} (the same fields plus "
             "the tree ones): swap the config class too."
         )
-    if getattr(args, switch) and isinstance(model, str):
+    if args.tree_forward and isinstance(model, str):
         args.model_init_kwargs = tree_model_init_kwargs(args.model_init_kwargs)
-    elif getattr(args, switch):
+    elif args.tree_forward:
         use_tree_attention(model)
     return args
 
 
-def log_tree_stats(trainer: Any, model: torch.nn.Module) -> None:
-    """Append the last tree pass's dedup ratio (branch tokens / packed tokens) to a TRL trainer's metrics; nothing
-    when that pass scored no token (e.g. every completion masked by ``mask_truncated_completions``) or none ran."""
-    unwrapped = trainer.accelerator.unwrap_model(model)
-    base = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-    stats = getattr(base, "hf_tree_layout_stats", None)
+def log_tree_stats(trainer: Any) -> None:
+    """Append the dedup ratio (branch tokens / packed tokens) of the last call of the trainer's tree forward
+    (``trainer.tree_head``, a ``TreeForward``) to a TRL trainer's metrics; nothing when that call scored no token
+    (e.g. every completion masked by ``mask_truncated_completions``), none ran or ``tree_forward=False``."""
+    stats = None if trainer.tree_head is None else trainer.tree_head.layout_stats
     if stats is None:
         return
     mode = "train" if trainer.model.training else "eval"
@@ -287,26 +253,29 @@ def install_tree_heads(
     policy_outputs: Sequence[str],
     temperature: float = 1.0,
     cast_lm_head_to_fp32: bool = False,
-) -> None:
+) -> TreeFusedHead:
     """Put the tree fused head on a TRL trainer's policy (the base model of a PEFT policy) and reference model.
 
     Args:
         trainer: a ``TreeGRPOTrainer``/``TreeRLOOTrainer``/``TreeDPOTrainer``/``TreeKTOTrainer`` after TRL's
-            ``__init__`` installed its own heads (its
-            ``args`` carry ``max_packed_tokens`` and ``tree_self_check``).
+            ``__init__`` installed its own heads (its ``args`` carry ``max_packed_tokens`` and ``tree_self_check``).
         policy_outputs: per-token fields the policy pass computes (the reference computes ``log_probs`` only).
         temperature, cast_lm_head_to_fp32: as TRL gives them to its ``add_fused_lm_head``.
+
+    Returns:
+        The policy's head (the trainer logs its packing).
     """
-    settings = dict(
+    settings = TreeHeadSettings(
         temperature=temperature,
         max_packed_tokens=trainer.args.max_packed_tokens,
         self_check=self_check_setting(trainer.args.tree_self_check),
         cast_lm_head_to_fp32=cast_lm_head_to_fp32,
-        # the preference configs declare it (PackingConfig's field); the online RL trainers always merge
+        # the preference configs declare it (InBatchMergeArguments); the online RL trainers always merge
         merge_in_batch=getattr(trainer.args, "merge_in_batch", True),
     )
-    policy = trainer.model.get_base_model() if is_peft_model(trainer.model) else trainer.model
-    add_tree_fused_lm_head(policy, outputs=policy_outputs, **settings)
+    policy = causal_lm_of(trainer.model)
+    head = add_tree_fused_lm_head(policy, replace(settings, outputs=tuple(policy_outputs)))
     keep_training_kernels(policy)  # no-grad passes (reference precompute, evaluation) must not repack 4-bit weights
     if trainer.ref_model is not None:
-        add_tree_fused_lm_head(trainer.accelerator.unwrap_model(trainer.ref_model), name="ref_model", **settings)
+        add_tree_fused_lm_head(causal_lm_of(trainer.ref_model), settings, name="ref_model")
+    return head

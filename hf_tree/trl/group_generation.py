@@ -41,6 +41,8 @@ from transformers.cache_utils import (
 )
 from transformers.generation.configuration_utils import GenerationMode
 
+from hf_tree.models.introspection import causal_lm_of
+
 logger = logging.getLogger("hf_tree")
 
 # Layers whose every state is indexed by batch row and expanded exactly by ``reorder_cache`` (index_select on dim 0);
@@ -81,7 +83,7 @@ def generation_fallback_cause(model: torch.nn.Module, generation_config: Generat
         return f"cache_implementation={config.cache_implementation!r} (the shared prompts live in a DynamicCache)"
     if config.prefill_chunk_size is not None:
         return "prefill_chunk_size (chunked prefill)"
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the model it wraps
+    causal_lm = causal_lm_of(model)  # PEFT: the model it wraps
     if not type(causal_lm)._supports_default_dynamic_cache():
         return f"{type(causal_lm).__name__} has no default DynamicCache"
     if model.training and _dropout_active(model):
@@ -126,7 +128,7 @@ def generate_prefilling_once(
     # generate's own rule (GenerationMixin._prepare_position_ids_for_generation)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     cache = DynamicCache(config=_text_config(model))
-    causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT: the model it wraps
+    causal_lm = causal_lm_of(model)  # PEFT: the model it wraps
     last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(causal_lm.forward).parameters else {}
     with torch.no_grad():
         model(

@@ -25,18 +25,16 @@ from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.glue import prepare_trl_args
 from hf_tree.trl.group_generation import GroupPrefillGenerationMixin
 from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
-from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin, TreeRolloutArguments
+from hf_tree.trl.shared_prompts import TreeRolloutArguments
 
 
 @dataclass
 class TreeGRPOConfig(TreeRolloutArguments, GRPOConfig):
-    """``GRPOConfig`` plus ``tree_logprobs``, ``max_packed_tokens`` (see ``TreeLogProbArguments``),
-    ``tree_share_across_microbatches`` and ``tree_prefill_once_per_group`` (``TreeRolloutArguments``)."""
+    """``GRPOConfig`` plus the tree fields (``hf_tree.trl.arguments``): ``tree_forward``, ``max_packed_tokens``,
+    ``tree_self_check``, ``tree_share_across_microbatches`` and ``tree_prefill_once_per_group``."""
 
 
-class TreeGRPOTrainer(
-    FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, GroupPrefillGenerationMixin, GRPOTrainer
-):
+class TreeGRPOTrainer(FSDPFullSaveMixin, TreeRolloutLogProbsMixin, GroupPrefillGenerationMixin, GRPOTrainer):
     """``GRPOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``GRPOTrainer``'s arguments with ``args`` a ``TreeGRPOConfig`` (a plain ``GRPOConfig`` is
@@ -49,5 +47,4 @@ class TreeGRPOTrainer(
     def __init__(self, model: Any, reward_funcs: Any = None, args: TreeGRPOConfig | None = None, **kwargs: Any) -> None:
         args = prepare_trl_args(args, TreeGRPOConfig, model, "GRPO")
         super().__init__(model, reward_funcs, args, **kwargs)
-        self._install_rollout_tree_heads(cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)
-        self._check_shared_prompts()  # tree_share_across_microbatches (hf_tree.trl.shared_prompts)
+        self._install_rollout_tree_passes(cast_lm_head_to_fp32=self.args.cast_lm_head_to_fp32)

@@ -20,18 +20,15 @@ from dataclasses import dataclass
 
 from trl import KTOConfig, KTOTrainer
 
-from hf_tree.config import config_field
-from hf_tree.packing import PackingConfig
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.trl.glue import TreeLogProbArguments
+from hf_tree.trl.arguments import InBatchMergeArguments, TreeLogProbArguments
 from hf_tree.trl.preference_logprobs import TreePreferenceLogProbsMixin
 
 
 @dataclass
-class TreeKTOConfig(TreeLogProbArguments, KTOConfig):
-    """``KTOConfig`` plus ``tree_logprobs`` and ``max_packed_tokens`` (see ``TreeLogProbArguments``)."""
-
-    merge_in_batch: bool = config_field(PackingConfig, "merge_in_batch")
+class TreeKTOConfig(TreeLogProbArguments, InBatchMergeArguments, KTOConfig):
+    """``KTOConfig`` plus the tree fields (``hf_tree.trl.arguments``): ``tree_forward``, ``max_packed_tokens``,
+    ``tree_self_check`` and ``merge_in_batch``."""
 
 
 class TreeKTOTrainer(FSDPFullSaveMixin, TreePreferenceLogProbsMixin, KTOTrainer):

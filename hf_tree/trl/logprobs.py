@@ -153,7 +153,7 @@ def layout_scored_rows(
         if run.size != end - start:
             raise ValueError(
                 f"row {row}: attention_mask is not one contiguous run of real tokens; hf_tree's tree log-probs "
-                "support left-padded prompts and right-padded completions (set tree_logprobs=False otherwise)."
+                "support left-padded prompts and right-padded completions (set tree_forward=False otherwise)."
             )
         if columns.size and (columns[0] <= start or columns[-1] >= end):
             raise ValueError(

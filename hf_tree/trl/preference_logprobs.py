@@ -13,28 +13,33 @@ from datasets import Dataset
 from hf_tree.models.dropout import warn_if_dropout
 from hf_tree.models.quantization import log_quantized_base
 from hf_tree.trainer import use_tree_attention
-from hf_tree.trl.glue import install_tree_heads, log_tree_stats, prepare_trl_args
+from hf_tree.trl.glue import TreeFusedHead, install_tree_heads, log_tree_stats, prepare_trl_args
 
 
 class TreePreferenceLogProbsMixin:
     """Placed before TRL's ``DPOTrainer``/``KTOTrainer`` in the bases. The subclass names its tree config
     (``tree_config_class``, TRL's config plus ``TreeLogProbArguments``), TRL's name of the method (``trl_name``, for
-    the default output folder) and the policy's fused-head fields (``_tree_policy_outputs``)."""
+    the default output folder) and the policy's fused-head fields (``_tree_policy_outputs``).
+
+    Attributes:
+        tree_head: the policy's tree fused head (its ``layout_stats`` are logged); ``None`` until it is installed and
+            with ``tree_forward=False``.
+    """
 
     tree_config_class: type
     trl_name: str
+    tree_head: TreeFusedHead | None = None
 
     def __init__(self, model: Any, ref_model: Any = None, args: Any = None, **kwargs: Any) -> None:
         """TRL's arguments; ``args`` must be a ``tree_config_class``. The model (and a ``ref_model`` instance) is put
         on ``tree_flash`` as ``TreeSFTTrainer`` does (a name loads with it, an instance is switched with a warning)."""
         args = prepare_trl_args(args, self.tree_config_class, model, self.trl_name)
-        if args.tree_logprobs and ref_model is not None and not isinstance(ref_model, str):
+        if args.tree_forward and ref_model is not None and not isinstance(ref_model, str):
             use_tree_attention(ref_model, "ref_model")
-        self._tree_heads_ready = False
         super().__init__(model, ref_model, args, **kwargs)
         self._install_tree_heads()
         log_quantized_base(self.model)
-        if self.args.tree_logprobs:
+        if self.args.tree_forward:
             warn_if_dropout(self.model, f"keep disable_dropout=True ({self.trl_name}Config's default)")
 
     def _tree_policy_outputs(self) -> tuple[str, ...]:
@@ -45,19 +50,17 @@ class TreePreferenceLogProbsMixin:
     def _install_tree_heads(self) -> None:
         """Put the tree fused head on the policy (and reference); runs before the first log-prob pass, which may
         be the reference precompute inside TRL's ``__init__``."""
-        if self._tree_heads_ready or not self.args.tree_logprobs:
+        if self.tree_head is not None or not self.args.tree_forward:
             return
         # Image prompts: the fused head splits TRL's image inputs per image (hf_tree.vision.rows) and refuses
         # families outside ROW_FAMILIES (check_tree_model) and image inputs it does not know, before any pass.
-        install_tree_heads(self, self._tree_policy_outputs())
-        self._tree_heads_ready = True
+        self.tree_head = install_tree_heads(self, self._tree_policy_outputs())
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ):
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.args.tree_logprobs:
-            log_tree_stats(self, model)
+        log_tree_stats(self)
         return loss
 
     def _precompute_ref_logps(self, dataset: Dataset, name: str, batch_size: int) -> Dataset:

@@ -14,45 +14,29 @@ equal TRL's (tests/test_reward.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
-from accelerate.utils import is_peft_model
 from trl import RewardConfig, RewardTrainer
 
-from hf_tree.config import config_field
-from hf_tree.models.check import self_check_setting, tree_self_check_field
+from hf_tree.models.check import self_check_setting
 from hf_tree.models.check_guard import keep_training_kernels
 from hf_tree.models.dropout import warn_if_dropout
+from hf_tree.models.introspection import causal_lm_of
 from hf_tree.models.quantization import log_quantized_base
-from hf_tree.packing import PackingConfig, check_max_packed_tokens
 from hf_tree.saving import FSDPFullSaveMixin
-from hf_tree.training_arguments import refuse_neftune
-from hf_tree.trl.glue import log_tree_stats, prepare_trl_args, trl_max_packed_tokens_field
-from hf_tree.trl.reward_head import add_tree_reward_forward
+from hf_tree.trl.arguments import InBatchMergeArguments, TreeTRLArguments, deprecated_switch_field
+from hf_tree.trl.glue import log_tree_stats, prepare_trl_args
+from hf_tree.trl.reward_head import TreeRewardForward, add_tree_reward_forward
 
 
 @dataclass
-class TreeRewardConfig(RewardConfig):
-    """``RewardConfig`` plus the tree fields. With ``tree_rewards=True``, a model given by name is loaded with
+class TreeRewardConfig(TreeTRLArguments, InBatchMergeArguments, RewardConfig):
+    """``RewardConfig`` plus the tree fields (``hf_tree.trl.arguments``): ``tree_forward``, ``max_packed_tokens``,
+    ``tree_self_check`` and ``merge_in_batch``. With ``tree_forward=True``, a model given by name is loaded with
     ``attn_implementation="tree_flash"`` (another name in ``model_init_kwargs`` is replaced with a warning)."""
 
-    tree_rewards: bool = field(
-        default=True,
-        metadata={
-            "help": "Score chosen and rejected on packed prompt trees. False runs TRL's own forward unchanged (for "
-            "comparison)."
-        },
-    )
-    max_packed_tokens: int | None = trl_max_packed_tokens_field()
-    tree_self_check: bool = tree_self_check_field()
-    merge_in_batch: bool = config_field(PackingConfig, "merge_in_batch")
-
-    def __post_init__(self) -> None:
-        super().__post_init__()
-        check_max_packed_tokens(self.max_packed_tokens, none_allowed=True)
-        if self.tree_rewards:  # TRL's own forward (tree_rewards=False) applies NEFTune per row as usual
-            refuse_neftune(self)
+    tree_rewards: bool | None = deprecated_switch_field()
 
 
 class TreeRewardTrainer(FSDPFullSaveMixin, RewardTrainer):
@@ -63,16 +47,22 @@ class TreeRewardTrainer(FSDPFullSaveMixin, RewardTrainer):
     with a warning). Raises ``ValueError`` for a plain ``RewardConfig``, ``neftune_noise_alpha``, a model that is not
     a transformers ``GenericForSequenceClassification`` or cannot be switched, and (at the first batch) models that
     fail hf_tree's self-check.
+
+    Attributes:
+        tree_head: the tree forward installed on the model (its ``layout_stats`` are logged); ``None`` with
+            ``tree_forward=False``.
     """
 
+    tree_head: TreeRewardForward | None = None
+
     def __init__(self, model: Any, args: TreeRewardConfig | None = None, *rest: Any, **kwargs: Any) -> None:
-        args = prepare_trl_args(args, TreeRewardConfig, model, "Reward", switch="tree_rewards")
+        args = prepare_trl_args(args, TreeRewardConfig, model, "Reward")
         super().__init__(model, args, *rest, **kwargs)
         log_quantized_base(self.model)
-        if not self.args.tree_rewards:
+        if not self.args.tree_forward:
             return
-        base = self.model.get_base_model() if is_peft_model(self.model) else self.model
-        add_tree_reward_forward(
+        base = causal_lm_of(self.model)
+        self.tree_head = add_tree_reward_forward(
             base,
             self.args.max_packed_tokens,
             self_check_setting(self.args.tree_self_check),
@@ -85,6 +75,5 @@ class TreeRewardTrainer(FSDPFullSaveMixin, RewardTrainer):
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
     ):
         loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        if self.args.tree_rewards:
-            log_tree_stats(self, model)
+        log_tree_stats(self)
         return loss

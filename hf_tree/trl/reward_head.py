@@ -19,8 +19,6 @@ alone without padding (right-padded rows, TRL's collator, get the same positions
 
 from __future__ import annotations
 
-import functools
-import types
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,8 +32,9 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.models.check import probe_tree_exactness, refuse_known_unsupported, self_check_enabled
 from hf_tree.models.check_guard import CheckedModel
 from hf_tree.models.length_rope import longest_exact_branch
-from hf_tree.packing import PackingStats
+from hf_tree.packing import PackingStats, check_max_packed_tokens
 from hf_tree.trl.logprobs import backbone_hidden_states, pack_rows
+from hf_tree.trl.tree_forward import TreeForward
 
 # Inputs of a call that do not change the pooled scores: TRL's RewardTrainer passes ``use_cache=False`` and its
 # collator's ``margin`` column (which the model's own forward ignores as well); ``None`` values are ignored too.
@@ -97,7 +96,7 @@ def layout_pooled_rows(
         if run.size != end - start:
             raise ValueError(
                 f"row {row}: attention_mask is not one contiguous run of real tokens; hf_tree's tree reward forward "
-                "supports rows padded on either side (set tree_rewards=False otherwise)."
+                "supports rows padded on either side (set tree_forward=False otherwise)."
             )
         if not start <= pooled[row] < end:
             raise ValueError(
@@ -127,7 +126,7 @@ def check_reward_model(model: PreTrainedModel) -> None:
         raise ValueError(
             f"model is a {type(model).__name__}; the tree reward forward supports transformers' generic sequence "
             "classification models (GenericForSequenceClassification: LlamaForSequenceClassification, Qwen2/3, "
-            "Mistral, Gemma, ...), whose score it reproduces. Set tree_rewards=False for this model."
+            "Mistral, Gemma, ...), whose score it reproduces. Set tree_forward=False for this model."
         )
     if model.config._attn_implementation != TREE_ATTENTION_NAME:
         raise ValueError(
@@ -136,12 +135,55 @@ def check_reward_model(model: PreTrainedModel) -> None:
         )
 
 
+class TreeRewardForward(TreeForward):
+    """The tree reward forward of one model (``add_tree_reward_forward``): its settings, the forward it replaced, the
+    first-use check's record and the packing of its last call (``TreeForward``)."""
+
+    def __init__(self, max_packed_tokens: int | None, self_check: bool | None, merge_in_batch: bool) -> None:
+        self.max_packed_tokens = max_packed_tokens
+        self.self_check = self_check
+        self.merge_in_batch = merge_in_batch
+        self.checked: CheckedModel | None = None  # set by the first call
+
+    def __call__(
+        self,
+        model: PreTrainedModel,
+        input_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> SequenceClassifierOutputWithPast:
+        given = {k: v for k, v in kwargs.items() if k not in IGNORED_INPUTS}
+        unsupported = sorted(k for k, v in given.items() if v is not None and v is not False)
+        if input_ids is None or unsupported:
+            raise ValueError(
+                f"the tree reward forward got model inputs {unsupported or ['inputs_embeds without input_ids']} it "
+                "does not support (it handles input_ids and attention_mask; no labels, position_ids, embeddings, "
+                "cache or extra outputs). Set tree_forward=False to use the model's own forward."
+            )
+        enabled = self_check_enabled(self.self_check)
+        if self.checked is None:
+            if enabled:  # the original forward runs the probe (see hf_tree.trl.glue)
+                refuse_known_unsupported(model)
+                probe_tree_exactness(model, self.previous_forward, length_limit=longest_exact_branch(model.config))
+            self.checked = CheckedModel.of(model)
+        elif enabled:
+            self.checked.refuse_changes(model)
+        pad_token_id = model.config.get_text_config().pad_token_id
+        capacity = self.max_packed_tokens or input_ids.numel()
+        layout = layout_pooled_rows(input_ids, attention_mask, pad_token_id, capacity, self.merge_in_batch)
+        device = model.get_input_embeddings().weight.device
+        hidden = backbone_hidden_states(model, {k: v.to(device) for k, v in layout.batch.items()})
+        logits = model.score(hidden.index_select(0, layout.pooled_index.to(hidden.device)))
+        self.layout_stats = layout.stats  # the last call's packing, for the trainer's logs
+        return SequenceClassifierOutputWithPast(logits=logits)
+
+
 def add_tree_reward_forward(
     model: PreTrainedModel,
     max_packed_tokens: int | None = None,
     self_check: bool | None = None,
     merge_in_batch: bool = True,
-) -> None:
+) -> TreeRewardForward:
     """Replace ``model``'s forward by the tree one (see the module docstring).
 
     ``model(input_ids, attention_mask)`` then returns a ``SequenceClassifierOutputWithPast`` whose ``logits``
@@ -155,43 +197,12 @@ def add_tree_reward_forward(
         self_check: run ``hf_tree.models.check``'s refusals and probe before the first tree pass, and its guard
             (``hf_tree.models.check_guard``) on every later one (``None``: on unless ``HF_TREE_SELF_CHECK=0``).
         merge_in_batch: merge the call's rows into tries by their tokens; ``False``: each row a tree of its own.
+
+    Returns:
+        The installed forward: its ``layout_stats`` is the packing of the last call (what the trainer logs).
     """
     check_reward_model(model)
-    previous_forward = getattr(model, "hf_tree_previous_forward", None) or model.forward
-    checked: CheckedModel | None = None  # set by the first call
-
-    @functools.wraps(type(model).forward)
-    def forward(
-        self: PreTrainedModel,
-        input_ids: torch.Tensor | None = None,
-        attention_mask: torch.Tensor | None = None,
-        **kwargs: Any,
-    ) -> SequenceClassifierOutputWithPast:
-        nonlocal checked
-        given = {k: v for k, v in kwargs.items() if k not in IGNORED_INPUTS}
-        unsupported = sorted(k for k, v in given.items() if v is not None and v is not False)
-        if input_ids is None or unsupported:
-            raise ValueError(
-                f"the tree reward forward got model inputs {unsupported or ['inputs_embeds without input_ids']} it "
-                "does not support (it handles input_ids and attention_mask; no labels, position_ids, embeddings, "
-                "cache or extra outputs). Set tree_rewards=False to use the model's own forward."
-            )
-        enabled = self_check_enabled(self_check)
-        if checked is None:
-            if enabled:  # the original forward runs the probe (see trl_glue)
-                refuse_known_unsupported(self)
-                probe_tree_exactness(self, previous_forward, length_limit=longest_exact_branch(self.config))
-            checked = CheckedModel.of(self)
-        elif enabled:
-            checked.refuse_changes(self)
-        pad_token_id = self.config.get_text_config().pad_token_id
-        capacity = max_packed_tokens or input_ids.numel()
-        layout = layout_pooled_rows(input_ids, attention_mask, pad_token_id, capacity, merge_in_batch)
-        device = self.get_input_embeddings().weight.device
-        hidden = backbone_hidden_states(self, {k: v.to(device) for k, v in layout.batch.items()})
-        logits = self.score(hidden.index_select(0, layout.pooled_index.to(hidden.device)))
-        self.hf_tree_layout_stats = layout.stats  # the last call's packing, for the trainer's logs
-        return SequenceClassifierOutputWithPast(logits=logits)
-
-    model.forward = types.MethodType(forward, model)
-    model.hf_tree_previous_forward = previous_forward
+    check_max_packed_tokens(max_packed_tokens, none_allowed=True)
+    forward = TreeRewardForward(max_packed_tokens, self_check, merge_in_batch)
+    forward.install(model)
+    return forward

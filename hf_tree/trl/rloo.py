@@ -22,18 +22,16 @@ from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.glue import prepare_trl_args
 from hf_tree.trl.group_generation import GroupPrefillGenerationMixin
 from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
-from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin, TreeRolloutArguments
+from hf_tree.trl.shared_prompts import TreeRolloutArguments
 
 
 @dataclass
 class TreeRLOOConfig(TreeRolloutArguments, RLOOConfig):
-    """``RLOOConfig`` plus ``tree_logprobs``, ``max_packed_tokens`` (see ``TreeLogProbArguments``),
-    ``tree_share_across_microbatches`` and ``tree_prefill_once_per_group`` (``TreeRolloutArguments``)."""
+    """``RLOOConfig`` plus the tree fields (``hf_tree.trl.arguments``): ``tree_forward``, ``max_packed_tokens``,
+    ``tree_self_check``, ``tree_share_across_microbatches`` and ``tree_prefill_once_per_group``."""
 
 
-class TreeRLOOTrainer(
-    FSDPFullSaveMixin, SharedPromptPolicyMixin, TreeRolloutLogProbsMixin, GroupPrefillGenerationMixin, RLOOTrainer
-):
+class TreeRLOOTrainer(FSDPFullSaveMixin, TreeRolloutLogProbsMixin, GroupPrefillGenerationMixin, RLOOTrainer):
     """``RLOOTrainer`` whose per-token log-probs and entropies come from packed prompt trees.
 
     Accepts exactly ``RLOOTrainer``'s arguments with ``args`` a ``TreeRLOOConfig``; the model is put on
@@ -45,5 +43,4 @@ class TreeRLOOTrainer(
     def __init__(self, model: Any, reward_funcs: Any = None, args: TreeRLOOConfig | None = None, **kwargs: Any) -> None:
         args = prepare_trl_args(args, TreeRLOOConfig, model, "RLOO")
         super().__init__(model, reward_funcs, args, **kwargs)
-        self._install_rollout_tree_heads()  # RLOO's fused head has no cast_lm_head_to_fp32
-        self._check_shared_prompts()  # tree_share_across_microbatches (hf_tree.trl.shared_prompts)
+        self._install_rollout_tree_passes()  # RLOO's fused head has no cast_lm_head_to_fp32

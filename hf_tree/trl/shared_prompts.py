@@ -42,16 +42,16 @@ from typing import Any, NamedTuple
 
 import numpy as np
 import torch
-from accelerate.utils import is_peft_model
 
 from hf_tree.attention.prefix import PrefixCache
 from hf_tree.depth_first_runner import DepthFirstRunner
 from hf_tree.models.check import check_model_for_trees, self_check_setting
-from hf_tree.models.introspection import backbone_of
+from hf_tree.models.introspection import backbone_of, causal_lm_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef
 from hf_tree.tree import Tree
-from hf_tree.trl.glue import TreeLogProbArguments
+from hf_tree.trl.arguments import TreeLogProbArguments
+from hf_tree.trl.glue import TreeFusedHead
 from hf_tree.trl.logprobs import fused_head_values, scatter_to_rows
 
 OPTION = "tree_share_across_microbatches=True"
@@ -74,7 +74,7 @@ class TreeRolloutArguments(TreeLogProbArguments):
             "another, else the per-micro-batch pass (exact too; logged where unsupported). True: on, and refused "
             "(ValueError) with several processes other than DDP/FSDP2 (FSDP1, HSDP, tensor parallel), DeepSpeed, "
             "fp16, an MoE router loss, a vision-language model, reentrant gradient checkpointing or "
-            "tree_logprobs=False. False: off."
+            "tree_forward=False. False: off."
         },
     )
 
@@ -102,8 +102,8 @@ class TreeRolloutArguments(TreeLogProbArguments):
     def shared_prompt_config_causes(self) -> list[str]:
         """What in this config rules the shared policy pass out (empty: nothing)."""
         causes = []
-        if not self.tree_logprobs:
-            causes.append("tree_logprobs=False (it is a tree log-prob pass)")
+        if not self.tree_forward:
+            causes.append("tree_forward=False (it is a tree log-prob pass)")
         if self.gradient_checkpointing and (self.gradient_checkpointing_kwargs or {}).get("use_reentrant"):
             causes.append(
                 "reentrant gradient checkpointing (it would drop the gradient of the cached prompt keys/values; "
@@ -177,9 +177,12 @@ def _rows_by_prompt(ids: np.ndarray, real: np.ndarray, prompt_width: int) -> dic
 
 
 class SharedPromptPolicyMixin:
-    """Placed before ``TreeRolloutLogProbsMixin`` in ``TreeGRPOTrainer``/``TreeRLOOTrainer``'s bases; a no-op unless
-    ``args.tree_share_across_microbatches``. The subclass calls ``_check_shared_prompts`` after TRL's ``__init__``."""
+    """The base of ``TreeRolloutLogProbsMixin`` (``TreeGRPOTrainer``, ``TreeRLOOTrainer``), which calls
+    ``_check_shared_prompts`` after TRL's ``__init__`` and ``_shared_policy_logps`` from its log-prob pass; a no-op
+    unless ``args.tree_share_across_microbatches``."""
 
+    tree_head: TreeFusedHead | None
+    """The policy's tree fused head (``TreeRolloutLogProbsMixin`` installs it): its forward runs the first-use probe."""
     _shared_pieces: dict[tuple[int, ...], _Piece]
     shared_prompt_stats: SharedPromptStats
     _share_prompts: bool = False
@@ -218,9 +221,9 @@ class SharedPromptPolicyMixin:
         layout = self._depth_first.process_obstacle()  # DeepSpeed included
         if layout is not None:
             causes.append(layout)
-        if getattr(self, "aux_loss_enabled", False) or router_aux_loss_coef(self._shared_causal_lm()):
+        if getattr(self, "aux_loss_enabled", False) or router_aux_loss_coef(causal_lm_of(self.model)):
             causes.append("an MoE router load-balancing loss (a mean over the micro-batch's tokens)")
-        config = self._shared_causal_lm().config
+        config = causal_lm_of(self.model).config
         if config.get_text_config() is not config:
             causes.append(f"a vision-language model (model_type={config.model_type!r})")
         if causes:
@@ -229,53 +232,38 @@ class SharedPromptPolicyMixin:
             )
         self._refuse_model()
 
-    def _shared_causal_lm(self) -> torch.nn.Module:
-        unwrapped = self.accelerator.unwrap_model(self.model)
-        return unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
-
     def _refuse_model(self) -> None:
         """``DepthFirstRunner.refuse_model`` (MoE router loss, reentrant checkpointing), naming this option."""
         try:
-            self._depth_first.refuse_model(self._shared_causal_lm())
+            self._depth_first.refuse_model(causal_lm_of(self.model))
         except ValueError as error:
             raise ValueError(f"{OPTION}: {error} (or set tree_share_across_microbatches=False)") from error
 
-    # ------------------------------------------------------------------------------------------ TRL hooks
-    def _get_per_token_logps_and_entropies(
+    def _shared_policy_logps(
         self,
         model: torch.nn.Module,
         input_ids: torch.Tensor,
         attention_mask: torch.Tensor,
         logits_to_keep: int,
-        batch_size: int | None = None,
-        compute_entropy: bool = False,
-        compute_aux_loss: bool = False,
-        **multimodal_inputs: Any,
-    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-        """The policy pass (entropies asked for, gradients on, training) over the step's shared prompts; every other
-        pass is the packed one (``TreeRolloutLogProbsMixin``)."""
+        compute_entropy: bool,
+        compute_aux_loss: bool,
+        multimodal_inputs: dict[str, Any],
+    ) -> tuple[torch.Tensor, torch.Tensor, None] | None:
+        """TRL's log-probs and entropies of the policy pass (entropies asked for, gradients on, training) over the
+        step's shared prompts; ``None`` for every other pass, and where ``_shared_policy_pass`` declines (the caller,
+        ``TreeRolloutLogProbsMixin._get_per_token_logps_and_entropies``, then runs the packed pass)."""
         shared = self._shares_prompts() and compute_entropy and torch.is_grad_enabled() and self.model.training
-        if shared:
-            images = sorted(k for k, v in multimodal_inputs.items() if v is not None)
-            if images or compute_aux_loss:
-                raise ValueError(
-                    f"{OPTION} does not support image inputs {images} or an MoE router loss. Set "
-                    "tree_share_across_microbatches=False."
-                )
-            result = self._shared_policy_pass(model, input_ids, attention_mask, logits_to_keep)
-            if result is not None:
-                return result
-        return super()._get_per_token_logps_and_entropies(
-            model,
-            input_ids,
-            attention_mask,
-            logits_to_keep,
-            batch_size,
-            compute_entropy,
-            compute_aux_loss,
-            **multimodal_inputs,
-        )
+        if not shared:
+            return None
+        images = sorted(k for k, v in multimodal_inputs.items() if v is not None)
+        if images or compute_aux_loss:
+            raise ValueError(
+                f"{OPTION} does not support image inputs {images} or an MoE router loss. Set "
+                "tree_share_across_microbatches=False."
+            )
+        return self._shared_policy_pass(model, input_ids, attention_mask, logits_to_keep)
 
+    # ------------------------------------------------------------------------------------------ TRL hooks
     def training_step(self, model: torch.nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None):
         """TRL's step; after the optimizer step's last micro-batch (accelerate's ``sync_gradients``, set by
         ``Trainer`` before clipping and the optimizer step), backpropagate the step's prompt pieces once.
@@ -392,9 +380,9 @@ class SharedPromptPolicyMixin:
             ValueError: when the probe rules it out and ``tree_share_across_microbatches=True``.
         """
         unwrapped = self.accelerator.unwrap_model(model)
-        causal_lm = unwrapped.get_base_model() if is_peft_model(unwrapped) else unwrapped
+        causal_lm = causal_lm_of(unwrapped)
         self_check = self_check_setting(self.args.tree_self_check)
-        logit_head = check_model_for_trees(causal_lm, self_check, forward=causal_lm.hf_tree_previous_forward)
+        logit_head = check_model_for_trees(causal_lm, self_check, forward=self.tree_head.previous_forward)
         try:
             self._depth_first.check_model(unwrapped, causal_lm, logit_head)
         except ValueError as error:

@@ -140,7 +140,7 @@ class RowMedia:
         count = len(grid) if grid is not None else len(pixel_values)
         images = split_images(pixel_values, grid, count, name, image_sizes=given["image_sizes"])
         check_token_types(
-            given, rows, image_token_id, name, "hf_tree's tree log-probs support images only. Set tree_logprobs=False."
+            given, rows, image_token_id, name, "hf_tree's tree log-probs support images only. Set tree_forward=False."
         )
         store = MediaStore()
         media = [store.add(image) for image in images]
