@@ -1,16 +1,18 @@
-"""Tree context parallel: activation memory per rank at cp=1 vs cp=2, and the work balance of the shard plans.
+"""Tree context parallel: memory and step time per rank at cp=1 against larger CP sizes, and the work balance of the
+shard plans.
 
 Part 1 (no model): for long packed rows (a GRPO group, an agent trajectory, a random deep tree) and several CP
 sizes, the attention work balance (max / mean visible query-key pairs per rank) of each split strategy against
 the naive equal-token split, and the shard length each needs (its memory).
 
 Part 2 (tiny Llama, float32, one long row): one training step (``tree_causal_lm_loss`` forward + backward) at
-cp=1 in this process and at cp=2 in two spawned gloo processes, measuring on every rank
+cp=1 in this process and at cp=2 in two forked gloo processes, measuring on every rank
 
 - activation memory: bytes of the distinct storages autograd saves for backward during the forward
   (parameters excluded), i.e. what a long row costs beyond the model;
 - peak memory: the running total of the torch profiler's allocation events over forward + backward, above what
-  was allocated before (CPU); ``torch.cuda.max_memory_allocated`` on CUDA.
+  was allocated before (CPU); ``torch.cuda.max_memory_allocated`` on CUDA;
+- step time: a third step, not profiled.
 
 cp=1 runs the memory-frugal "blocked" engine on CPU (the automatic ``cpu`` engine would pick the faster
 ``segments`` for these rows; the comparison is with the leanest whole-row engine). The target is
@@ -18,11 +20,10 @@ cp=2 activation memory per rank <= 0.6x cp=1.
 
 Part 3 (``--models``): the same step on one long GRPO tree (16k tokens) for a tiny sliding-window Mistral
 (window 256, shorter than the shared prompt) and a tiny LFM2 hybrid (short convolutions, run on the whole row
-gathered from the ranks), adding the step time of each rank (a third step, not profiled) and its ratio to cp=1.
+gathered from the ranks) at cp=1 and each of ``--cp`` (default 2 and 4), the ratios of the largest rank to cp=1.
 
     python benchmarks/context_parallel.py            # rows of 32k-128k tokens for balance, 8k for memory
-    python benchmarks/context_parallel.py --models mistral               # part 3 only (16k tokens, ~7 min)
-    python benchmarks/context_parallel.py --models lfm2 --tokens 8192    # (16k: ~7 GB for cp=1's profiler)
+    python benchmarks/context_parallel.py --models mistral lfm2 --cp 2 4   # part 3 only (16k tokens)
     python benchmarks/context_parallel.py --quick    # small sizes, seconds (smoke test; part 3 on 1k tokens)
 
 The last line printed is a JSON summary (what tests/test_context_parallel_benchmark_smoke.py reads).
@@ -280,7 +281,7 @@ def memory_row(name: str, num_tokens: int, model_name: str = "llama", cp_sizes: 
 
 
 def print_memory(title: str, results: list[dict]) -> None:
-    print(f"\n== per rank, {title}: MiB (activations, peak) and s (step); ratio: the largest rank / cp=1")
+    print(f"\n== memory per rank and step time, {title}: MiB (activations, peak), s; ratio: the largest rank / cp=1")
     print(
         f"{'model':8} {'row':6} {'tokens':>7} {'cp':>3} | {'activations':>28} {'ratio':>6} | {'peak':>28} {'ratio':>6} "
         f"| {'step':>24} {'ratio':>6}"
