@@ -12,7 +12,7 @@ whose tree mixers run on the whole row gathered from the ranks (``hf_tree.models
   shards cut inside segments (deeper than the window, inside a chunk), at forks and at sibling starts: per-rank
   logits, the summed loss and every gradient against the same model on the whole batch (float64, 1e-9);
 - Llama 4's temperature tuning refused by the whole row's length, not the shard's;
-- ``TreeTrainer`` on Mistral (also with LoRA), Gemma 3, Qwen3.5, LFM2 and Bamba (with LoRA), and TRL's
+- ``TreeTrainer`` on Mistral (also with LoRA), Gemma 3, Llama 4, Qwen3.5, LFM2 and Bamba (with LoRA), and TRL's
   ``TreeSFTTrainer`` on Gemma 3 and Qwen3.5 (FSDP2, activation checkpointing): losses and final parameters against
   the same run in one process (the test's own process);
 - the refusal that stays: accelerate's own for a windowed model prepared outside a tree trainer.
@@ -79,6 +79,7 @@ WRAP_CLASSES = {
     "qwen3_5": "Qwen3_5DecoderLayer",
     "lfm2": "Lfm2DecoderLayer",
     "bamba": "BambaDecoderLayer",
+    "llama4": "Llama4TextDecoderLayer",
 }
 # TreeTrainer runs of the launch (each costs ~10 s of two CPU processes): name -> (model, LoRA adapters).
 TRAINER_RUNS = {
@@ -86,6 +87,7 @@ TRAINER_RUNS = {
     "gemma3": ("gemma3", False),
     "qwen3_5": ("qwen3_5", False),
     "lfm2": ("lfm2", False),
+    "llama4": ("llama4", False),  # chunked layers: accelerate's hooks refuse 'chunked_attention' too
     "mistral_lora": ("mistral", True),
     "bamba_lora": ("bamba", True),  # adapters on the Mamba2 mixer's projections too (all-linear)
 }
@@ -410,7 +412,8 @@ def test_tree_trainer_under_accelerate_cp_matchessingle_process(launched, name, 
         assert abs(got - want) <= LOGGED_LOSS_TOLERANCE * abs(want), (distributed["losses"], single["losses"])
     assert distributed["params"].keys() == single["params"].keys()
     errors = {n: relative_error(p, single["params"][n]) for n, p in distributed["params"].items()}
-    assert max(errors.values()) <= FLOAT64_TOLERANCE, errors
+    tolerance = FLOAT32_CAST_TOLERANCE if model_name in FLOAT32_CAST_MODELS else FLOAT64_TOLERANCE
+    assert max(errors.values()) <= tolerance, errors
 
 
 @pytest.mark.slow
