@@ -1,16 +1,18 @@
-"""Tree context parallel: activation memory per rank at cp=1 vs cp=2, and the work balance of the shard plans.
+"""Tree context parallel: memory and step time per rank at cp=1 against larger CP sizes, and the work balance of the
+shard plans.
 
 Part 1 (no model): for long packed rows (a GRPO group, an agent trajectory, a random deep tree) and several CP
 sizes, the attention work balance (max / mean visible query-key pairs per rank) of each split strategy against
 the naive equal-token split, and the shard length each needs (its memory).
 
 Part 2 (tiny Llama, float32, one long row): one training step (``tree_causal_lm_loss`` forward + backward) at
-cp=1 in this process and at cp=2 in two spawned gloo processes, measuring on every rank
+cp=1 in this process and at cp=2 in two forked gloo processes, measuring on every rank
 
 - activation memory: bytes of the distinct storages autograd saves for backward during the forward
   (parameters excluded), i.e. what a long row costs beyond the model;
 - peak memory: the running total of the torch profiler's allocation events over forward + backward, above what
-  was allocated before (CPU); ``torch.cuda.max_memory_allocated`` on CUDA.
+  was allocated before (CPU); ``torch.cuda.max_memory_allocated`` on CUDA;
+- step time: a third step, not profiled.
 
 cp=1 runs the memory-frugal "blocked" engine on CPU (the automatic ``cpu`` engine would pick the faster
 ``segments`` for these rows; the comparison is with the leanest whole-row engine). The target is
@@ -18,11 +20,10 @@ cp=2 activation memory per rank <= 0.6x cp=1.
 
 Part 3 (``--models``): the same step on one long GRPO tree (16k tokens) for a tiny sliding-window Mistral
 (window 256, shorter than the shared prompt) and a tiny LFM2 hybrid (short convolutions, run on the whole row
-gathered from the ranks), adding the step time of each rank (a third step, not profiled) and its ratio to cp=1.
+gathered from the ranks) at cp=1 and each of ``--cp`` (default 2 and 4), the ratios of the largest rank to cp=1.
 
     python benchmarks/context_parallel.py            # rows of 32k-128k tokens for balance, 8k for memory
-    python benchmarks/context_parallel.py --models mistral               # part 3 only (16k tokens, ~7 min)
-    python benchmarks/context_parallel.py --models lfm2 --tokens 8192    # (16k: ~7 GB for cp=1's profiler)
+    python benchmarks/context_parallel.py --models mistral lfm2 --cp 2 4   # part 3 only (16k tokens)
     python benchmarks/context_parallel.py --quick    # small sizes, seconds (smoke test; part 3 on 1k tokens)
 
 The last line printed is a JSON summary (what tests/test_context_parallel_benchmark_smoke.py reads).
@@ -257,50 +258,46 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def memory_row(name: str, num_tokens: int, model_name: str = "llama") -> dict:
-    """cp=1 in this process, then cp=2 in two forked gloo processes, on the ``name`` row of ``num_tokens``."""
+def memory_row(name: str, num_tokens: int, model_name: str = "llama", cp_sizes: tuple[int, ...] = (2,)) -> dict:
+    """cp=1 in this process, then each of ``cp_sizes`` in that many forked gloo processes, on the ``name`` row of
+    ``num_tokens``: per CP size, each rank's figures and the largest rank's ratio to cp=1."""
     tree = ROWS[name](num_tokens, random.Random(0))
+    per_cp = {}
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         measure(0, 1, tree, out, 0, model_name)
-        # fork: the children reuse this process's imports (seconds, not tens of seconds); safe because main()
-        # keeps torch single-threaded, so no OpenMP pool exists to be broken by the fork.
-        args = (2, tree, out, free_port(), model_name)
-        mp.start_processes(measure, args=args, nprocs=2, join=True, start_method="fork")
-        single = json.loads((out / "cp1_rank0.json").read_text())
-        ranks = [json.loads((out / f"cp2_rank{r}.json").read_text()) for r in range(2)]
-    return {
-        "row": name,
-        "model": model_name,
-        "num_tokens": tree.num_tokens,
-        "cp1_activations": single["activations"],
-        "cp1_peak": single["peak"],
-        "cp1_seconds": single["seconds"],
-        "cp2_activations": [r["activations"] for r in ranks],
-        "cp2_peak": [r["peak"] for r in ranks],
-        "cp2_seconds": [r["seconds"] for r in ranks],
-        "activation_ratio": max(r["activations"] for r in ranks) / single["activations"],
-        "peak_ratio": max(r["peak"] for r in ranks) / single["peak"],
-        "time_ratio": max(r["seconds"] for r in ranks) / single["seconds"],
-    }
+        for cp_size in cp_sizes:
+            # fork: the children reuse this process's imports (seconds, not tens of seconds); safe because main()
+            # keeps torch single-threaded, so no OpenMP pool exists to be broken by the fork.
+            args = (cp_size, tree, out, free_port(), model_name)
+            mp.start_processes(measure, args=args, nprocs=cp_size, join=True, start_method="fork")
+        for cp_size in (1, *cp_sizes):
+            ranks = [json.loads((out / f"cp{cp_size}_rank{r}.json").read_text()) for r in range(cp_size)]
+            per_cp[cp_size] = {key: [r[key] for r in ranks] for key in ("activations", "peak", "seconds")}
+    for figures in per_cp.values():
+        for key in ("activations", "peak", "seconds"):
+            figures[f"{key}_ratio"] = max(figures[key]) / per_cp[1][key][0]
+    return {"row": name, "model": model_name, "num_tokens": tree.num_tokens, "cp": per_cp}
 
 
 def print_memory(title: str, results: list[dict]) -> None:
-    print(f"\n== memory per rank, {title} (MiB; step time in s)")
+    print(f"\n== memory per rank and step time, {title}: MiB (activations, peak), s; ratio: the largest rank / cp=1")
     print(
-        f"{'model':8} {'row':6} {'tokens':>7} | {'act cp1':>8} {'act cp2 r0/r1':>15} {'ratio':>6} | "
-        f"{'peak cp1':>8} {'peak cp2 r0/r1':>15} {'ratio':>6} | {'s cp1':>6} {'s cp2 r0/r1':>13} {'ratio':>6}"
+        f"{'model':8} {'row':6} {'tokens':>7} {'cp':>3} | {'activations':>28} {'ratio':>6} | {'peak':>28} {'ratio':>6} "
+        f"| {'step':>24} {'ratio':>6}"
     )
     mib = 1 << 20
     for r in results:
-        print(
-            f"{r['model']:8} {r['row']:6} {r['num_tokens']:>7} | {r['cp1_activations'] / mib:>8.1f} "
-            f"{r['cp2_activations'][0] / mib:>7.1f}/{r['cp2_activations'][1] / mib:<7.1f} "
-            f"{r['activation_ratio']:>6.2f} | {r['cp1_peak'] / mib:>8.1f} "
-            f"{r['cp2_peak'][0] / mib:>7.1f}/{r['cp2_peak'][1] / mib:<7.1f} {r['peak_ratio']:>6.2f} | "
-            f"{r['cp1_seconds']:>6.2f} {r['cp2_seconds'][0]:>6.2f}/{r['cp2_seconds'][1]:<6.2f} {r['time_ratio']:>6.2f}"
-        )
-    print("target: activation ratio (max over cp=2 ranks / cp=1) <= 0.60")
+        for cp_size, f in r["cp"].items():
+            act = "/".join(f"{b / mib:.1f}" for b in f["activations"])
+            peak = "/".join(f"{b / mib:.1f}" for b in f["peak"])
+            step = "/".join(f"{t:.2f}" for t in f["seconds"])
+            print(
+                f"{r['model']:8} {r['row']:6} {r['num_tokens']:>7} {cp_size:>3} | {act:>28} "
+                f"{f['activations_ratio']:>6.2f} | {peak:>28} {f['peak_ratio']:>6.2f} | {step:>24} "
+                f"{f['seconds_ratio']:>6.2f}"
+            )
+    print("target: activation ratio at cp=2 (the largest rank / cp=1) <= 0.60")
 
 
 def memory_table(num_tokens: int, rows: list[str]) -> list[dict]:
@@ -309,11 +306,11 @@ def memory_table(num_tokens: int, rows: list[str]) -> list[dict]:
     return results
 
 
-def models_table(num_tokens: int, models: list[str]) -> list[dict]:
-    """Part 3: one GRPO tree of ``num_tokens`` on each of ``models`` (windowed, hybrid)."""
+def models_table(num_tokens: int, models: list[str], cp_sizes: tuple[int, ...]) -> list[dict]:
+    """Part 3: one GRPO tree of ``num_tokens`` on each of ``models`` (windowed, hybrid) at cp=1 and ``cp_sizes``."""
     results = []
     for model in models:  # each row printed as soon as it is measured
-        results.append(memory_row("grpo", num_tokens, model))
+        results.append(memory_row("grpo", num_tokens, model, cp_sizes))
         print_memory(f"one training step on one long tree, {model}, float32", results[-1:])
     return results
 
@@ -325,17 +322,18 @@ def main() -> None:
         "--models", nargs="*", choices=["mistral", "lfm2"], help="part 3 only, on these models (default: both)"
     )
     parser.add_argument("--tokens", type=int, default=16384, help="part 3: tokens of the tree")
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4], help="part 3: CP sizes measured beside cp=1")
     args = parser.parse_args()
-    torch.set_num_threads(1)  # one thread per process: keeps fork safe and cp=1 vs cp=2 times comparable
+    torch.set_num_threads(1)  # one thread per process: keeps fork safe and the CP sizes' times comparable
     if args.models is not None:
-        print(json.dumps({"models": models_table(args.tokens, args.models or ["mistral", "lfm2"])}))
+        print(json.dumps({"models": models_table(args.tokens, args.models or ["mistral", "lfm2"], tuple(args.cp))}))
         return
     balance_tokens = [2048] if args.quick else [32768, 131072]
     cp_sizes = [2, 4] if args.quick else [2, 4, 8]
     memory_tokens = 1024 if args.quick else 8192
     balance = balance_table(balance_tokens, cp_sizes)
     memory = memory_table(memory_tokens, ["agent", "grpo"] if not args.quick else ["agent"])
-    models = models_table(1024, ["mistral", "lfm2"]) if args.quick else []
+    models = models_table(1024, ["mistral", "lfm2"], (2, 4)) if args.quick else []
     print(json.dumps({"balance": balance, "memory": memory, "models": models}))
 
 

@@ -23,7 +23,7 @@ from hf_tree.parallel import (
     visible_keys_per_query,
 )
 from tests.helpers import VOCAB, float64_norms, grads_of, max_grad_relative_error, relative_error, tiny_model
-from tests.workloads import agent_row, deep_forest_rows, grpo_row, make_batch, random_tree_branches
+from tests.workloads import TINY_LLAMA4, agent_row, deep_forest_rows, grpo_row, make_batch, random_tree_branches
 
 ROWS = {"grpo": grpo_row, "agent": agent_row, "deep_forest": deep_forest_rows}
 
@@ -169,6 +169,8 @@ MODELS = {
         torch.float32,
         1e-5,
     ),
+    # Chunks of 4 depths on layer 0 (the blocks select the ancestors of their chunks); float32 RoPE and router.
+    "llama4_chunked": (dict(family="llama4_text", **TINY_LLAMA4), torch.float64, 1e-10),
 }
 
 

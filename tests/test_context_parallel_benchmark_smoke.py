@@ -28,10 +28,10 @@ def test_quick_benchmark_reports_balance_and_memory_per_rank():
     for row in summary["balance"]:
         assert row["balanced_balance"] <= row["naive_balance"]
     (memory,) = summary["memory"]
-    assert len(memory["cp2_activations"]) == 2 and memory["cp1_activations"] > 0
-    assert 0 < memory["activation_ratio"] < 1  # each rank holds less than the whole row
-    # Part 3: a windowed model and a hybrid on one tree, step time and memory per rank at cp=1 and cp=2.
+    assert len(memory["cp"]["2"]["activations"]) == 2 and memory["cp"]["1"]["activations"][0] > 0
+    assert 0 < memory["cp"]["2"]["activations_ratio"] < 1  # each rank holds less than the whole row
+    # Part 3: a windowed model and a hybrid on one tree, step time and memory per rank at cp=1, 2 and 4.
     assert [m["model"] for m in summary["models"]] == ["mistral", "lfm2"]
     for row in summary["models"]:
-        assert len(row["cp2_seconds"]) == 2 and row["cp1_seconds"] > 0
-        assert 0 < row["activation_ratio"] < 1
+        assert [len(row["cp"][c]["seconds"]) for c in ("1", "2", "4")] == [1, 2, 4] and row["cp"]["1"]["seconds"][0] > 0
+        assert 0 < row["cp"]["4"]["activations_ratio"] < row["cp"]["2"]["activations_ratio"] < 1

@@ -1,4 +1,4 @@
-"""Tree context parallel for sliding-window, softcapped and hybrid models under accelerate's FSDP2 + CP config.
+"""Tree context parallel for sliding-window, chunked, softcapped and hybrid models under accelerate's FSDP2 + CP config.
 
 accelerate 1.15 refuses any model with a sliding-window (or linear-attention) layer at ``accelerator.prepare`` when
 ``cp_size > 1`` (its ring attention drops masks); the tree trainers skip accelerate's attention hooks for the models
@@ -7,14 +7,17 @@ whose tree mixers run on the whole row gathered from the ranks (``hf_tree.models
 ``accelerate launch`` of this file (2 gloo ranks, ``parallelism_config_cp_size: 2``) runs:
 
 - shard cases: a tiny Mistral (window 4), a tiny Gemma 3 (window 3 on half its layers, attention and final logit
-  softcapping) and tiny Qwen3.5 (GatedDeltaNet + conv), LFM2 (short conv) and Bamba (Mamba2 + conv) hybrids, on rows
-  deeper than the windows, with shards cut inside segments (deeper than the window), at forks and at sibling
-  starts: per-rank logits, the summed loss and every gradient against the same model on the whole batch (float64,
-  1e-9);
-- ``TreeTrainer`` on Mistral (also with LoRA), Gemma 3 and Qwen3.5, and TRL's ``TreeSFTTrainer`` on Gemma 3 (FSDP2,
-  activation checkpointing): losses and final parameters against the same run in one process (the test's own
-  process);
+  softcapping), a tiny Llama 4 (chunks of 4 depths on one layer, a NoPE layer) and tiny Qwen3.5 (GatedDeltaNet +
+  conv), LFM2 (short conv) and Bamba (Mamba2 + conv) hybrids, on rows deeper than the windows and chunks, with
+  shards cut inside segments (deeper than the window, inside a chunk), at forks and at sibling starts: per-rank
+  logits, the summed loss and every gradient against the same model on the whole batch (float64, 1e-9);
+- Llama 4's temperature tuning refused by the whole row's length, not the shard's;
+- ``TreeTrainer`` on Mistral (also with LoRA), Gemma 3, Llama 4, Qwen3.5, LFM2 and Bamba (with LoRA), and TRL's
+  ``TreeSFTTrainer`` on Gemma 3 and Qwen3.5 (FSDP2, activation checkpointing): losses and final parameters against
+  the same run in one process (the test's own process);
 - the refusal that stays: accelerate's own for a windowed model prepared outside a tree trainer.
+
+A second launch on 4 ranks (``--shards-only``) runs the shard cases and the Llama 4 refusal again.
 """
 
 from __future__ import annotations
@@ -38,7 +41,7 @@ from tests.context_parallel_harness import (
     train_tree_trainer,
 )
 from tests.helpers import HYBRIDS, VOCAB, finish_launched_worker, free_port, relative_error
-from tests.workloads import agent_row, deep_forest_rows, grpo_row, make_batch
+from tests.workloads import TINY_LLAMA4, agent_row, deep_forest_rows, grpo_row, make_batch
 
 REPO = Path(__file__).resolve().parents[1]
 # The CP launch of test_context_parallel_distributed without its Llama-only wrap class (set per model: WRAP_CLASSES).
@@ -62,26 +65,42 @@ MODELS = {
         ),
         3,
     ),
+    # Chunked attention (Llama 4, chunks of 4 depths on layer 0; the "window" the trees must be deeper than).
+    "llama4": ("llama4_text", TINY_LLAMA4, TINY_LLAMA4["attention_chunk_size"]),
     # Hybrids (no window: 0); the configs of tests/helpers.HYBRIDS.
     "qwen3_5": ("qwen3_5_text", HYBRIDS["qwen3_5_text"], 0),
     "lfm2": ("lfm2", HYBRIDS["lfm2"], 0),
     "bamba": ("bamba", HYBRIDS["bamba"], 0),
 }
 # The layer class FSDP2 wraps in each model TreeTrainer trains in the launch.
-WRAP_CLASSES = {"mistral": "MistralDecoderLayer", "gemma3": "Gemma3DecoderLayer", "qwen3_5": "Qwen3_5DecoderLayer"}
+WRAP_CLASSES = {
+    "mistral": "MistralDecoderLayer",
+    "gemma3": "Gemma3DecoderLayer",
+    "qwen3_5": "Qwen3_5DecoderLayer",
+    "lfm2": "Lfm2DecoderLayer",
+    "bamba": "BambaDecoderLayer",
+    "llama4": "Llama4TextDecoderLayer",
+}
 # TreeTrainer runs of the launch (each costs ~10 s of two CPU processes): name -> (model, LoRA adapters).
 TRAINER_RUNS = {
     "mistral": ("mistral", False),
     "gemma3": ("gemma3", False),
     "qwen3_5": ("qwen3_5", False),
+    "lfm2": ("lfm2", False),
+    "llama4": ("llama4", False),  # chunked layers: accelerate's hooks refuse 'chunked_attention' too
     "mistral_lora": ("mistral", True),
+    "bamba_lora": ("bamba", True),  # adapters on the Mamba2 mixer's projections too (all-linear)
 }
+# TRL's TreeSFTTrainer runs of the launch: a windowed, softcapped model and a hybrid.
+SFT_RUNS = ("gemma3", "qwen3_5")
 # name: (model, rows, strategy, max_packed_tokens, query_block_size, chunks_per_rank)
 SHARD_CASES = {
     "mistral_deep_forest_balanced": ("mistral", deep_forest_rows, "balanced", 72, 5, 8),
     "mistral_agent_naive": ("mistral", agent_row, "naive", 128, 1024, 8),
     "gemma3_grpo_balanced": ("gemma3", grpo_row, "balanced", 128, 8, 4),
     "gemma3_deep_forest_zigzag": ("gemma3", deep_forest_rows, "zigzag", 72, 1024, 8),
+    "llama4_deep_forest_balanced": ("llama4", deep_forest_rows, "balanced", 72, 5, 8),
+    "llama4_agent_naive": ("llama4", agent_row, "naive", 128, 1024, 8),
     "qwen3_5_deep_forest_balanced": ("qwen3_5", deep_forest_rows, "balanced", 72, 5, 8),
     "qwen3_5_agent_naive": ("qwen3_5", agent_row, "naive", 128, 1024, 8),
     "lfm2_grpo_balanced": ("lfm2", grpo_row, "balanced", 128, 8, 4),
@@ -92,6 +111,12 @@ LOGGED_LOSS_TOLERANCE = 2 * torch.finfo(torch.float32).eps
 # Qwen3.5 and Bamba compute exp(A_log.float()) in float32 even in a float64 model: A_log's gradient is a float32 sum
 # over the tokens, added in another order when each rank sums its shard (measured 1e-8..7e-8; 1e-16 elsewhere).
 FLOAT32_CAST_TOLERANCE = 1e-6
+FLOAT32_CAST_PARAMETERS = ("A_log",)
+# Llama 4 computes its RoPE (complex float32) and its router in float32 inside a float64 model: a hidden state that
+# differs in the 16th digit (attention summed in other blocks) can round to another float32, so every gradient
+# behind them sits at the float32 floor (measured up to 3.6e-8 on the agent row, 4e-16 on the deep forest; logits
+# and loss stay within 1e-9).
+FLOAT32_CAST_MODELS = ("llama4",)
 # TreeTrainer's context_parallel_* arguments in the launch.
 TRAINER_OPTIONS = {"context_parallel_strategy": "balanced", "context_parallel_query_block_size": 5}
 
@@ -126,6 +151,19 @@ def shard_cuts(kv_end: torch.Tensor, owner: torch.Tensor, window: int) -> list[s
     return kinds
 
 
+def chunk_cuts(kv_end: torch.Tensor, owner: torch.Tensor, chunk: int) -> int:
+    """How many cuts fall inside a chunk below the first: ``p`` continues ``p - 1``'s only path on another rank,
+    ``depth(p)`` is not a chunk start and at least one chunk lies above (so a block starting at ``p`` must take its
+    chunk's ancestors from the other rank and leave the earlier chunks out). ``kv_end [B, N]``, ``owner [N]``."""
+    count, owner = 0, owner.tolist()
+    for row in kv_end.tolist():
+        for p in range(1, len(row)):
+            depth = sum(row[j] > p for j in range(p))
+            inside = owner[p] != owner[p - 1] and row[p - 1] > p and row[p] == row[p - 1]
+            count += inside and depth > chunk and depth % chunk != 0
+    return count
+
+
 def run_shard_case(name: str, cp) -> dict:
     from hf_tree.parallel import plan_context_parallel
     from tests.helpers import max_grad_relative_error, tiny_model
@@ -147,8 +185,28 @@ def run_shard_case(name: str, cp) -> dict:
         "grad_errors": {n: max_grad_relative_error({n: grads[n]}, {n: ref_grads[n]}) for n in grads},
         "num_grads": len(grads),
         "cuts": shard_cuts(batch["kv_end"], owner[: plan.num_tokens], window),
+        "chunk_cuts": chunk_cuts(batch["kv_end"], owner[: plan.num_tokens], window) if family == "llama4_text" else 0,
         "max_depth": max(int((row[:p] > p).sum()) for row in batch["kv_end"] for p in range(plan.num_tokens)),
     }
+
+
+def llama4_temperature_refusal(cp) -> dict:
+    """Llama 4's NoPE layers scale queries by packed index, which on a shard restarts at 0: a row reaching the
+    config's ``floor_scale`` is refused under CP as in one process, though each shard alone is shorter."""
+    from hf_tree.parallel import plan_context_parallel, shard_batch_for_context_parallel, tree_context_parallel
+    from tests.helpers import tiny_model
+
+    batch = make_batch(agent_row, 128)
+    plan = plan_context_parallel(batch["kv_end"], cp.size)
+    model = tiny_model("llama4_text", dtype=torch.float64, vocab_size=VOCAB, **TINY_LLAMA4, floor_scale=plan.num_tokens)
+    local = shard_batch_for_context_parallel(batch, plan, cp.rank)
+    inputs = {k: local[k] for k in ("input_ids", "position_ids", "kv_end")}
+    try:
+        with tree_context_parallel(batch, plan, cp.rank, cp.group), torch.no_grad():
+            model(**inputs, use_cache=False)
+    except ValueError as error:
+        return {"error": str(error), "num_tokens": plan.num_tokens, "shard_len": plan.shard_len}
+    return {"error": "", "num_tokens": plan.num_tokens, "shard_len": plan.shard_len}
 
 
 def accelerate_refusal(accelerator) -> str:
@@ -221,6 +279,7 @@ def worker(out_dir: str, shards_only: bool) -> None:
     with float64_everywhere():
         for name in SHARD_CASES:
             results[name] = run_shard_case(name, cp)
+        results["llama4_temperature_refusal"] = llama4_temperature_refusal(cp)
         if shards_only:
             Path(out_dir, f"rank{accelerator.process_index}.json").write_text(json.dumps(results))
             finish_launched_worker()
@@ -231,8 +290,9 @@ def worker(out_dir: str, shards_only: bool) -> None:
             # the text model, which accelerate refuses): the launch config's wrap class, set per model.
             os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = WRAP_CLASSES[model_name]
             trainers[name] = train_tree_trainer(str(Path(out_dir, name)), family, overrides, TRAINER_OPTIONS, lora)
-        os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = WRAP_CLASSES["gemma3"]
-        trainers["sft_gemma3"] = sft_run(str(Path(out_dir, "sft")), "gemma3")
+        for model_name in SFT_RUNS:
+            os.environ["FSDP_TRANSFORMER_CLS_TO_WRAP"] = WRAP_CLASSES[model_name]
+            trainers[f"sft_{model_name}"] = sft_run(str(Path(out_dir, f"sft_{model_name}")), model_name)
     if accelerator.process_index == 0:
         torch.save(trainers, Path(out_dir, "trainers.pt"))
     Path(out_dir, f"rank{accelerator.process_index}.json").write_text(json.dumps(results))
@@ -290,7 +350,8 @@ def check_shard_case(results: list[dict], name: str, cp_size: int) -> None:
         assert case["max_depth"] > MODELS[SHARD_CASES[name][0]][2]  # the trees are deeper than the window
         assert case["logits"] <= FLOAT64_TOLERANCE and case["loss"] <= FLOAT64_TOLERANCE, (rank, case)
         for parameter, error in case["grad_errors"].items():
-            tolerance = FLOAT32_CAST_TOLERANCE if parameter.endswith("A_log") else FLOAT64_TOLERANCE
+            float32_cast = parameter.endswith(FLOAT32_CAST_PARAMETERS) or SHARD_CASES[name][0] in FLOAT32_CAST_MODELS
+            tolerance = FLOAT32_CAST_TOLERANCE if float32_cast else FLOAT64_TOLERANCE
             assert error <= tolerance, (rank, parameter, error)
 
 
@@ -303,6 +364,29 @@ def test_shards_cut_inside_windows_and_segments_at_forks_and_at_siblings(launche
     results, _ = launched
     cuts = {kind for name, case in SHARD_CASES.items() if case[0] in models for kind in results[0][name]["cuts"]}
     assert {"segment", "fork", "sibling"} <= cuts, cuts
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_llama4_shards_cut_inside_chunks(request, cp_size):
+    """The Llama 4 cases cut a segment inside a chunk below the first one: the rank continuing it takes that chunk's
+    ancestors from the other ranks and none of the earlier chunks (``check_shard_case`` shows the result exact)."""
+    results = request.getfixturevalue("launched")[0] if cp_size == 2 else request.getfixturevalue("launched_on_four")
+    assert sum(results[0][name]["chunk_cuts"] for name in SHARD_CASES if name.startswith("llama4")) > 0
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("cp_size", [2, 4])
+def test_llama4_temperature_tuning_measures_the_whole_row_under_cp(request, cp_size):
+    """A row of ``floor_scale`` tokens is refused on every rank, though each shard is shorter than
+    ``floor_scale`` (the NoPE layers' packed index restarts on a shard; one process refuses the row too)."""
+    results = request.getfixturevalue("launched")[0] if cp_size == 2 else request.getfixturevalue("launched_on_four")
+    for r in results:
+        refusal = r["llama4_temperature_refusal"]
+        assert refusal["shard_len"] < refusal["num_tokens"]
+        assert f"floor_scale={refusal['num_tokens']}" in refusal["error"], refusal
 
 
 @pytest.mark.slow
@@ -328,17 +412,19 @@ def test_tree_trainer_under_accelerate_cp_matchessingle_process(launched, name, 
         assert abs(got - want) <= LOGGED_LOSS_TOLERANCE * abs(want), (distributed["losses"], single["losses"])
     assert distributed["params"].keys() == single["params"].keys()
     errors = {n: relative_error(p, single["params"][n]) for n, p in distributed["params"].items()}
-    assert max(errors.values()) <= FLOAT64_TOLERANCE, errors
+    tolerance = FLOAT32_CAST_TOLERANCE if model_name in FLOAT32_CAST_MODELS else FLOAT64_TOLERANCE
+    assert max(errors.values()) <= tolerance, errors
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-def test_tree_sft_trainer_under_accelerate_cp_matchessingle_process(launched, tmp_path):
-    """TRL's path: ``TreeSFTTrainer`` on agent conversations with the windowed, softcapped Gemma 3 under the FSDP2 +
-    cp_size 2 launch equals the same run in one process."""
-    distributed = launched[1]["sft_gemma3"]
+@pytest.mark.parametrize("model_name", SFT_RUNS)
+def test_tree_sft_trainer_under_accelerate_cp_matchessingle_process(launched, tmp_path, model_name):
+    """TRL's path: ``TreeSFTTrainer`` on agent conversations with the windowed, softcapped Gemma 3 and with the
+    Qwen3.5 hybrid under the FSDP2 + cp_size 2 launch equals the same run in one process."""
+    distributed = launched[1][f"sft_{model_name}"]
     with float64_everywhere():
-        single = sft_run(str(tmp_path), "gemma3")
+        single = sft_run(str(tmp_path), model_name)
     assert distributed["cp_size"] == 2 and single["cp_size"] == 1
     assert len(distributed["losses"]) == len(single["losses"]) == 2
     for got, want in zip(distributed["losses"], single["losses"]):

@@ -31,23 +31,14 @@ from tests.helpers import (
     tiny_model,
     train_and_measure_updates,
 )
-from tests.workloads import TINY_DEEPSEEK_V3, prompt_completion_dataset
+from tests.workloads import TINY_DEEPSEEK_V3, TINY_LLAMA4, prompt_completion_dataset
 
 VOCAB = 97
 LOSS_TOLERANCE = 1e-9
 GRAD_TOLERANCE = 1e-5  # float32 routers / RoPE inside float64 models (measured <= 4e-7 packed)
 DEEPSEEK = dict(TINY_DEEPSEEK_V3, experts_implementation="eager")  # grouped_mm experts refuse float64
 MLA_FAMILIES = {"deepseek_v2": dict(DEEPSEEK, q_lora_rank=None), "deepseek_v3": DEEPSEEK}
-CHUNK = 4
-# Tiny Llama 4 text: layer 0 chunked (chunks of 4 depths, RoPE), layer 1 full attention (NoPE).
-LLAMA4 = dict(
-    head_dim=8,
-    attention_chunk_size=CHUNK,
-    num_local_experts=2,
-    intermediate_size_mlp=48,
-    no_rope_layers=[1, 0],
-    experts_implementation="eager",
-)
+LLAMA4 = TINY_LLAMA4
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
 

@@ -260,6 +260,16 @@ TINY_DEEPSEEK_V3 = dict(
     n_shared_experts=1,
 )
 
+# Tiny Llama 4 text: layer 0 chunked (chunks of 4 depths, RoPE), layer 1 full attention (NoPE), 2 eager experts.
+TINY_LLAMA4 = dict(
+    head_dim=8,
+    attention_chunk_size=4,
+    num_local_experts=2,
+    intermediate_size_mlp=48,
+    no_rope_layers=[1, 0],
+    experts_implementation="eager",
+)
+
 
 def forest(seed: int, num_trees: int = 4, max_packed_tokens: int = 64, pad_to_multiple_of: int = 16):
     """(groups of (sequences, masks), collated batch): several trees per row, several rows, padding."""

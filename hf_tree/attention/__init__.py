@@ -135,17 +135,14 @@ def tree_attention_forward(
             module, query, key, value, attention_mask, scaling=scaling, dropout=dropout, **kwargs
         )
     refuse_torch_context_parallel()  # torch's CP would shard the row and force a causal mask
-    row_tokens = None if kv_prefix is None else kv_prefix.row_kv_end.shape[1]  # depth-first: the unit's depths
+    engine = scoped_attention_engine()  # e.g. hf_tree.parallel's context parallel: local rows, all keys
+    # An engine that runs a shard of a longer row (tree context parallel) names the row's length: packed-index
+    # checks measure the whole row, and it takes the row's depths from its own batch.
+    shard_of_row = getattr(engine, "row_tokens", None)
+    row_tokens = shard_of_row if kv_prefix is None else kv_prefix.row_kv_end.shape[1]  # depth-first: the unit's
     options = tree_mode_options(
         module, query, key, kv_end, attention_mask, scaling, dropout, kwargs, row_tokens, bidirectional_block
     )
-    engine = scoped_attention_engine()  # e.g. hf_tree.parallel's context parallel: local rows, all keys
-    if options.attention_chunk is not None and engine is not None:
-        raise ValueError(
-            f"chunked attention (attention_chunk_size={options.attention_chunk}, Llama 4) inside an "
-            "attention_engine_scope (tree context parallel): the scoped engine has no chunks. Train without "
-            "context parallel."
-        )
     if bidirectional_block is not None and (engine is not None or kv_prefix is not None):
         raise ValueError(
             "bidirectional_block (e.g. Gemma 3's image blocks) is supported by the packed tree engines only, not "
@@ -168,9 +165,9 @@ def tree_attention_forward(
         if prefix_key is not None:
             out = prefix_tree_attention(query, key, value, prefix_key, prefix_value, kv_prefix, engine, options)
             return out[..., :value_dim], None
-    if options.position_ids is None and options.attention_chunk is not None:
+    if options.position_ids is None and options.attention_chunk is not None and shard_of_row is None:
         # Llama 4's layers do not pass position_ids; a token's index in its branch (what transformers' chunks count)
-        # is its depth, the number of its ancestors
+        # is its depth, the number of its ancestors (a shard engine counts them on the whole row)
         options = dataclasses.replace(options, position_ids=visible_keys_per_query(kv_end) - 1)
     out = engine(query, key, value, kv_end, options)
     return out[..., :value_dim], None

@@ -25,7 +25,13 @@ from torch.utils.checkpoint import checkpoint
 
 from hf_tree.attention import attention_engine_scope, scoped_attention_engine
 from hf_tree.attention.engine import TreeAttentionOptions
-from hf_tree.attention.mask import check_sinks, tree_mask_mod
+from hf_tree.attention.mask import (
+    check_sinks,
+    check_window_depths,
+    lowest_visible_depth,
+    tree_mask_mod,
+    visible_keys_per_query,
+)
 from hf_tree.attention.reference import masked_attention
 from hf_tree.attention.torch_cp import refuse_torch_context_parallel as refuse_torch_context_parallel  # re-export
 from hf_tree.parallel.plan import ContextParallelPlan
@@ -101,8 +107,9 @@ def _block_attention(
     key_ids: torch.Tensor,
     key_rows: torch.Tensor,
     kv_end: torch.Tensor,
-    position_ids: torch.Tensor,
+    positions: torch.Tensor,
     sliding_window: int | None,
+    attention_chunk: int | None,
     scaling: float,
     softcap: float | None,
     sinks: torch.Tensor | None,
@@ -113,7 +120,9 @@ def _block_attention(
         query: ``[B, H, Q, D]`` the block's queries, global ids ``query_ids [Q]``.
         rows: ``[cp_size * L, 2, B, Hkv, D]`` the gathered keys and values of all ranks (rank-major slots).
         key_ids, key_rows: ``[K]`` global ids of the keys the block needs and their rows in ``rows``.
-        kv_end, position_ids: ``[B, num_slots]`` of the global row (padding slots included).
+        kv_end, positions: ``[B, num_slots]`` of the global row (padding slots included); ``positions``: what the
+            window and the chunks measure (``ContextParallelAttention._positions``).
+        attention_chunk: chunk size in depths (Llama 4's chunked layers), or ``None``.
         sinks: ``[H]`` attention-sink logits that join each query's softmax denominator, or ``None``.
 
     Returns ``[B, H, Q, D]``. Run under activation checkpointing: the selected keys/values, the ``[B, Q, K]``
@@ -121,7 +130,8 @@ def _block_attention(
     """
     key, value = rows.index_select(0, key_rows).movedim(0, 3).unbind(0)  # [B, Hkv, K, D] each
     batch_rows = torch.arange(kv_end.shape[0], device=kv_end.device)[:, None, None]
-    visible = tree_mask_mod(kv_end, position_ids, sliding_window)(batch_rows, None, query_ids[None, :, None], key_ids)
+    mask_mod = tree_mask_mod(kv_end, positions, sliding_window, attention_chunk=attention_chunk)
+    visible = mask_mod(batch_rows, None, query_ids[None, :, None], key_ids)
     visible = visible[:, None]  # [B, 1, Q, K], shared by the heads
     if softcap is None and sinks is None:  # SDPA's fused kernels take a boolean mask and GQA directly (no scores kept)
         return F.scaled_dot_product_attention(
@@ -166,11 +176,17 @@ class ContextParallelAttention:
         # Planning tensors stay on the CPU; _on() copies them to the device the attention runs on, once.
         self.kv_end = extend_to_slots(kv_end.detach().to("cpu", torch.int64), plan, "kv_end")
         self.position_ids = extend_to_slots(batch["position_ids"].detach().to("cpu", torch.int64), plan, "position_ids")
+        # Each slot's depth (its number of ancestors, 0 for padding slots): what a chunked layer that passes no
+        # position_ids (Llama 4) counts its chunks in, as hf_tree.attention.tree_attention_forward does at cp=1.
+        self.depth = visible_keys_per_query(self.kv_end) - 1
+        # The global row's length: checks of packed indices (Llama 4's temperature tuning) measure the whole row,
+        # not the shard a layer sees (hf_tree.attention.tree_attention_forward reads it).
+        self.row_tokens = plan.num_tokens
         self.blocks = _query_blocks(plan.indices[rank], self.kv_end, query_block_size)
         self.device: torch.device | None = None
-        # Per sliding window (None: no window): each block's key ids and their rows in the gathered keys/values,
-        # on the device (``_block_keys``).
-        self._keys: dict[int | None, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
+        # Per (sliding window, attention chunk, measured in depths): each block's key ids and their rows in the
+        # gathered keys/values, on the device (``_block_keys``).
+        self._keys: dict[tuple, tuple[list[torch.Tensor], list[torch.Tensor]]] = {}
 
     def _on(self, device: torch.device) -> None:
         """Move the index tensors to ``device`` (first layer of the forward)."""
@@ -181,32 +197,52 @@ class ContextParallelAttention:
         # Global slot id -> row of the rank-major gathered keys/values.
         self.slot_rows = torch.argsort(self.plan.indices.flatten()).to(device)
         self._keys = {}
-        self.kv_end, self.position_ids = self.kv_end.to(device), self.position_ids.to(device)
+        self.kv_end, self.position_ids, self.depth = (
+            t.to(device) for t in (self.kv_end, self.position_ids, self.depth)
+        )
 
-    def _block_keys(self, sliding_window: int | None) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    def _positions(
+        self, layer_position_ids: torch.Tensor | None, sliding_window: int | None, attention_chunk: int | None
+    ) -> tuple[torch.Tensor, bool]:
+        """``[B, num_slots]`` what a layer's window and chunks measure, as at cp=1: the depths of ``kv_end`` for
+        a chunked layer that passes no ``position_ids`` (Llama 4), else the batch's ``position_ids`` (of which the
+        layer's ``layer_position_ids`` are this rank's shard); and whether they are the depths."""
+        if layer_position_ids is None and attention_chunk is not None:
+            return self.depth, True
+        check_window_depths("tree context parallel", layer_position_ids, sliding_window, attention_chunk)
+        return self.position_ids, False
+
+    def _block_keys(
+        self, positions: torch.Tensor, by_depth: bool, sliding_window: int | None, attention_chunk: int | None
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         """Each block's key ids (on the device) and their rows in the gathered keys/values, for layers with
-        ``sliding_window`` (computed once per window size and forward).
+        ``sliding_window`` and ``attention_chunk`` measured in ``positions`` (computed once per such layer kind and
+        forward).
 
-        With a window, an ancestor ``j`` is kept only if some row could show it to some query ``i`` of the block,
-        ``position[j] > position[i] - window``: ancestors more than a window above the block's shallowest query
-        are hidden from all its queries, so dropping them changes nothing (the mask still decides) but the work of
-        a windowed layer becomes ``O(window)`` keys per query instead of the query's depth.
+        With a window or chunks, an ancestor ``j`` is kept only if some row could show it to some query of the
+        block: ``position[j]`` at least the lowest visible position (``lowest_visible_depth``: the window's or the
+        chunk's start) of the block's shallowest query, which is the smallest over its queries as that start never
+        decreases with depth. Dropping the others changes nothing (the mask still decides), but a windowed or
+        chunked layer's work becomes ``O(window)`` or ``O(chunk)`` keys per query instead of the query's depth.
         """
-        if sliding_window not in self._keys:
-            positions = self.position_ids.cpu()
+        kind = (sliding_window, attention_chunk, by_depth)
+        if kind not in self._keys:
+            positions = positions.cpu()
             local_ids, slot_rows = self.local_ids.cpu(), self.slot_rows.cpu()
             ids = []
             for b in self.blocks:
                 key_ids = b.key_ids
-                if sliding_window is not None:
-                    lowest = positions[:, local_ids[b.q0 : b.q1]].min()
-                    key_ids = key_ids[positions[:, key_ids].max(0).values > lowest - sliding_window]
+                lowest = lowest_visible_depth(
+                    positions[:, local_ids[b.q0 : b.q1]].min(), sliding_window, attention_chunk
+                )
+                if lowest is not None:
+                    key_ids = key_ids[positions[:, key_ids].max(0).values >= lowest]
                 ids.append(key_ids)
-            self._keys[sliding_window] = (
+            self._keys[kind] = (
                 [i.to(self.device) for i in ids],
                 [slot_rows[i].to(self.device) for i in ids],
             )
-        return self._keys[sliding_window]
+        return self._keys[kind]
 
     def gather_keys_values(self, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """``key/value [B, Hkv, L, D]`` of this rank -> ``[cp_size * L, 2, B, Hkv, D]`` of all ranks, rank-major."""
@@ -244,15 +280,18 @@ class ContextParallelAttention:
         options: TreeAttentionOptions,
     ) -> torch.Tensor:
         """A ``TreeAttentionEngine`` over the rank's rows: ``query [B, H, L, D]``, ``key/value [B, Hkv, L, D]`` ->
-        ``[B, L, H, D]``. ``options.position_ids`` are not read (the depths of the whole row come from the batch
-        given at construction); ``sinks [H]``' gradient stays on the rank, summed over ranks by DDP/FSDP; attention
-        chunks and bidirectional blocks are refused."""
-        if options.attention_chunk is not None or options.bidirectional_block is not None:
+        ``[B, L, H, D]``. ``options.sinks [H]``: attention-sink logits (their gradient stays on the rank, summed over
+        ranks by DDP/FSDP); ``options.attention_chunk``: chunk size in depths (Llama 4's chunked layers: a query sees
+        its ancestors of the same chunk); ``options.position_ids``: the layer's ``[B, L]`` position ids of the shard,
+        or ``None``; only whether they are given is read (the whole row's come from the batch given at
+        construction): without them a window is refused and chunks count depths, as at cp=1. Bidirectional blocks
+        are refused."""
+        if options.bidirectional_block is not None:
             raise ValueError(
-                f"tree context parallel got attention_chunk={options.attention_chunk}, bidirectional_block="
-                f"{'set' if options.bidirectional_block is not None else None}: it computes neither. Train without "
-                "context parallel."
+                "tree context parallel got a bidirectional_block: it does not compute one. Train without context "
+                "parallel."
             )
+        sliding_window, attention_chunk = options.sliding_window, options.attention_chunk
         if query.shape[2] != self.plan.shard_len or kv_end.shape != self.kv_end.shape[:1] + (self.plan.shard_len,):
             raise ValueError(
                 f"tree context parallel expects this rank's shard ([batch, {self.plan.shard_len}] rows, from "
@@ -261,8 +300,9 @@ class ContextParallelAttention:
             )
         check_sinks("tree context parallel", options.sinks, query.shape[1])
         self._on(query.device)
+        positions, by_depth = self._positions(options.position_ids, sliding_window, attention_chunk)
         rows = self.gather_keys_values(key, value)
-        block_key_ids, block_key_rows = self._block_keys(options.sliding_window)
+        block_key_ids, block_key_rows = self._block_keys(positions, by_depth, sliding_window, attention_chunk)
         outputs = [
             checkpoint(
                 _block_attention,
@@ -272,8 +312,9 @@ class ContextParallelAttention:
                 key_ids,
                 key_rows,
                 self.kv_end,
-                self.position_ids,
-                options.sliding_window,
+                positions,
+                sliding_window,
+                attention_chunk,
                 options.scaling,
                 options.softcap,
                 options.sinks,

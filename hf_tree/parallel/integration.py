@@ -125,9 +125,9 @@ def skip_accelerate_attention_hooks(accelerator) -> None:
     layer's mask and force ``is_causal=True`` for torch's ring attention, so it refuses any model with a
     sliding-window or chunked layer (their masks would be lost). hf_tree's tree context parallel never enters
     torch's ring attention (``accelerator.maybe_context_parallel``; refused around a tree forward): every rank
-    computes its shard against all keys under the model's own tree mask, windows in depth and softcapping
-    included, and plain forwards (no ``kv_end``) keep the model's own mask. For a model only hf_tree drives the
-    hooks are both unneeded and the one obstacle, so this skips them; the rest of ``_prepare_cp`` (the CP
+    computes its shard against all keys under the model's own tree mask, windows and chunks in depth and
+    softcapping included, and plain forwards (no ``kv_end``) keep the model's own mask. For a model only hf_tree
+    drives the hooks are both unneeded and the one obstacle, so this skips them; the rest of ``_prepare_cp`` (the CP
     context accelerate builds for ``maybe_context_parallel``) still runs. Other accelerators, and modules prepared
     elsewhere, keep accelerate's hooks and its refusal.
 
