@@ -84,7 +84,8 @@ def kimi_groups(prompt_length: int = 70, seed: int = 44) -> list[tuple[list[list
     masks = [[0] * prompt_length + [1] * (len(s) - prompt_length) for s in sequences]
     masks[4], masks[5] = [0, 1, 1], [0] * len(sequences[5])  # the last branch untrained: it still feeds states
     second = tokens(9)
-    return [(sequences, masks), ([second + tokens(4), second[:5] + tokens(7), second + tokens(1)], None)]
+    second_tree = [second + tokens(4), second[:5] + tokens(7), second + tokens(1)]
+    return [(sequences, masks), (second_tree, [[0] + [1] * (len(s) - 1) for s in second_tree])]
 
 
 def collate(groups, max_packed_tokens: int = 512) -> dict[str, torch.Tensor]:
@@ -192,6 +193,7 @@ def test_kimi_linear_tree_logits_and_gradients_match_per_branch():
     assert max_grad_relative_error(tree_grads, grads_of(model)) <= TOLERANCE
 
 
+@pytest.mark.slow
 def test_without_the_tree_delta_rule_kimi_is_refused_or_wrong(monkeypatch):
     """The oracle has teeth: with the model's own mixers (the row as one sequence) the first-use probe refuses the
     model at its delta attention, and with the check off the gradients are off by > 1e-2."""
@@ -328,8 +330,9 @@ SFT_ROWS = {
 @pytest.mark.slow
 def test_sft_step_equals_trl(tmp_path):
     """TreeSFTTrainer against TRL's SFTTrainer: one SGD step (2 micro-batches of 2 rows, each a tree of one prompt and
-    its 2 completions) logs TRL's loss and moves every parameter as TRL does. The loaded model keeps ``dt_bias`` and
-    the routers' weights in float32 (``_keep_in_fp32_modules_strict``), so the bound is TRL's step tolerance."""
+    its 2 completions) logs TRL's loss and moves every parameter as TRL does (TRL's step tolerance: its fused LM head
+    computes in float32). The loaded model keeps ``dt_bias`` and the routers' weights in float32
+    (``_keep_in_fp32_modules_strict``): their updates are float32 differences, compared at the float32 floor."""
     path = str(tmp_path / "model")
     model = hybrid_model("kimi_linear")
     model.set_attn_implementation("sdpa")
@@ -355,5 +358,11 @@ def test_sft_step_equals_trl(tmp_path):
     trl, trl_updates = sft_step(SFTTrainer, SFTConfig)
     tree, tree_updates = sft_step(TreeSFTTrainer, TreeSFTConfig)
     assert tree.state.log_history[0]["dedup_ratio"] > 1
-    assert_same_step_as_trl(trl, trl_updates, tree, tree_updates)
-    assert float32_floor_grad_error(tree_updates, trl_updates) <= FLOAT32_FLOOR
+    kept = {name for name, update in trl_updates.items() if update.dtype == torch.float32}
+    assert kept and all(name.endswith(("dt_bias", "gate.weight")) for name in kept)
+
+    def without_kept(updates: dict) -> dict:
+        return {name: update for name, update in updates.items() if name not in kept}
+
+    assert_same_step_as_trl(trl, without_kept(trl_updates), tree, without_kept(tree_updates))
+    assert float32_floor_grad_error(tree_updates, trl_updates) <= FLOAT32_FLOOR  # the float32 ones (1e-6 measured)
