@@ -8,7 +8,7 @@ Oracle: each branch alone through the model's own path (MLA with ``sdpa``, the m
 attention), float64. The model computes its norms, forget gate, router and delta attention in float32 even in a
 float64 model; ``float64_kimi_linear`` (hf_tree.testing) keeps them in float64 in both runs, the oracle's delta
 attention being the model's own recurrence (``recurrent_kimi_delta_attention``, token by token): 1e-9 holds
-(measured ~2e-15). The bug this guards against (siblings in a branch's recurrent state) moves gradients by > 1e-2.
+(measured ~2e-15). The bug this guards against (siblings in a branch's recurrent state) moves gradients by 0.51 here.
 
 Trees: a prompt longer than the model's chunk of 64 tokens (several chunks) and segments longer than the 16-token
 decay blocks (``DECAY_BLOCK``), forks at position 1, inside the prompt and inside an answer, a prefix branch, an
