@@ -244,14 +244,18 @@ def test_batches_without_kv_end_are_unchanged():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("max_unit_tokens", [7, 40])
-def test_depth_first_matches_per_branch(max_unit_tokens):
+@pytest.mark.parametrize("max_unit_tokens, checkpointing", [(7, False), (40, True)])
+def test_depth_first_matches_per_branch(max_unit_tokens, checkpointing):
     """Depth-first execution: each unit's roots start from the state its nearest cached ancestor piece ended with,
     and its convolutions read the ancestors' cached inputs; units of 7 tokens cut every segment, units of 40 hold
-    decay blocks and several segments. Also equal to the trees packed."""
+    decay blocks and several segments (with gradient checkpointing: a recompute records the same entries). Also
+    equal to the trees packed."""
     groups = kimi_groups()
     trees = [Tree.from_sequences(s, m) for s, m in groups]
     model = kimi_model()
+    if checkpointing:
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        model.train()
     with float64_kimi_linear():
         loss = depth_first_backward(model, trees, DepthFirstConfig(max_unit_tokens))
         grads = grads_of(model)
