@@ -10,9 +10,9 @@ float64 model; ``float64_kimi_linear`` (hf_tree.testing) keeps them in float64 i
 attention being the model's own recurrence (``recurrent_kimi_delta_attention``, token by token): 1e-9 holds
 (measured ~2e-15). The bug this guards against (siblings in a branch's recurrent state) moves gradients by 0.51 here.
 
-Trees: a prompt longer than the model's chunk of 64 tokens (several chunks) and segments longer than the 16-token
-decay blocks (``DECAY_BLOCK``), forks at position 1, inside the prompt and inside an answer, a prefix branch, an
-untrained branch, uneven siblings, and a second tree in the row.
+Trees: a segment longer than the model's chunk of 64 tokens (70 tokens: two chunks) and segments longer than the
+16-token decay blocks (``DECAY_BLOCK``), forks at position 1, inside the prompt and inside an answer, a prefix
+branch, an untrained branch, uneven siblings, and a second tree in the row.
 """
 
 from __future__ import annotations
@@ -65,7 +65,7 @@ TOLERANCE = 1e-9
 EXACT = 1e-12  # the tree op against the model's own recurrence on each branch, float64
 
 
-def kimi_groups(prompt_length: int = 70, seed: int = 44) -> list[tuple[list[list[int]], list[list[int]]]]:
+def kimi_groups(prompt_length: int = 80, seed: int = 44) -> list[tuple[list[list[int]], list[list[int]]]]:
     """Two trees (see the module docstring); token ids in [3, VOCAB)."""
     rng = random.Random(seed)
 
@@ -79,7 +79,7 @@ def kimi_groups(prompt_length: int = 70, seed: int = 44) -> list[tuple[list[list
         prompt + answer[:4],  # a prefix branch
         prompt + tokens(5),
         prompt[:1] + tokens(2),  # a fork at position 1
-        prompt[:30] + tokens(6),  # a fork inside the prompt
+        prompt[:10] + tokens(6),  # a fork inside the prompt
     ]
     masks = [[0] * prompt_length + [1] * (len(s) - prompt_length) for s in sequences]
     masks[4], masks[5] = [0, 1, 1], [0] * len(sequences[5])  # the last branch untrained: it still feeds states
@@ -130,8 +130,8 @@ def test_decay_blocks_factor_exactly_where_the_plain_split_overflows():
 @pytest.mark.parametrize("chunk_size", [4, 32])
 def test_tree_kimi_delta_rule_matches_each_branch(chunk_size):
     """The tree op on a packed forest against, on each branch alone, the model's own recurrence in float64 (1e-12)
-    and its own chunked torch path (float32 inside); gradients against the sum of the branches' (1e-12). A 45-token
-    prompt: several chunks of 32 (each of two decay blocks), or many chunks of 4 (one explicit block each)."""
+    and its own chunked torch path (float32 inside); gradients against the sum of the branches' (1e-12). A 35-token
+    segment: two chunks of 32 (each of two decay blocks), or many chunks of 4 (one explicit block each)."""
     from transformers.models.kimi_linear import modeling_kimi_linear as kimi
 
     recurrence = in_float64(kimi.recurrent_kimi_delta_attention.__hf_tree_original__)
