@@ -123,7 +123,7 @@ def test_decay_blocks_factor_exactly_where_the_plain_split_overflows():
         torch.ones(64, 64, dtype=torch.bool).triu(1)[..., None], float("-inf")
     )
     explicit = (left[..., :, None, :] * right[..., None, :, :] * difference.exp()).sum(-1)
-    (blocked,) = _decayed_scores(cum, (left, right))
+    (blocked,) = _decayed_scores(cum, right, left)
     assert 64 // DECAY_BLOCK > 1 and relative_error(blocked, explicit) <= EXACT
 
 

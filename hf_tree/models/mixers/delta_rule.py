@@ -65,39 +65,40 @@ def _solve_unit_lower(matrix: torch.Tensor, *rights: torch.Tensor) -> list[torch
 DECAY_BLOCK = 16
 
 
-def _decayed_scores(cum: torch.Tensor, *pairs: tuple[torch.Tensor, torch.Tensor]) -> list[torch.Tensor]:
+def _decayed_scores(cum: torch.Tensor, right: torch.Tensor, *lefts: torch.Tensor) -> list[torch.Tensor]:
     """``scores[..., i, j] = sum_c left[i, c] right[j, c] exp(cum[i, c] - cum[j, c])`` for ``j <= i``, zero above the
-    diagonal, for each ``(left, right)`` pair of ``[..., C, K]`` chunks; ``cum [..., C, 1]`` (one decay per head) or
-    ``[..., C, K]`` (one per key channel) cumulative log decays (non-increasing along C). Returns ``[..., C, C]`` each.
+    diagonal, for each ``left`` against one ``right`` (``[..., C, K]`` chunks); ``cum [..., C, 1]`` (one decay per
+    head) or ``[..., C, K]`` (one per key channel) cumulative log decays (non-increasing along C). Returns
+    ``[..., C, C]`` each.
 
     Per channel, ``exp(cum_i - cum_j)`` cannot be split into ``exp(cum_i) exp(-cum_j)`` (the second factor overflows
     over a long chunk). Within a block of ``DECAY_BLOCK`` tokens it is taken as is; for ``j`` in an earlier block it
     is ``exp(cum_i - cum_s) exp(cum_s - cum_j)`` with ``s`` the first token of ``i``'s block, both factors ``<= 1``:
-    a matmul instead of a ``[C, C, K]`` tensor."""
+    a matmul instead of a ``[C, C, K]`` tensor. The decayed ``right`` is shared by every ``left``."""
     size = cum.shape[-2]
     upper = torch.ones(size, size, dtype=torch.bool, device=cum.device).triu(1)
     if cum.shape[-1] == 1:  # one decay for every channel: one [C, C] decay matrix
         pairwise = (cum[..., :, None, 0] - cum[..., None, :, 0]).masked_fill(upper, float("-inf")).exp()
-        return [(left @ right.transpose(-1, -2)) * pairwise for left, right in pairs]
+        return [(left @ right.transpose(-1, -2)) * pairwise for left in lefts]
     block = DECAY_BLOCK if size % DECAY_BLOCK == 0 else size
     count = size // block
     blocks = cum.unflatten(-2, (count, block))  # [..., nb, b, K]
     within = (blocks[..., :, None, :] - blocks[..., None, :, :]).masked_fill(upper[:block, :block, None], float("-inf"))
-    within = within.exp()  # [..., nb, b, b, K]
+    decayed_right = within.exp() * right.unflatten(-2, (count, block))[..., None, :, :]  # [..., nb, b, b, K]
     if count > 1:
         starts = blocks[..., :1, :]  # [..., nb, 1, K]: the first token of each block
         to_start = (blocks - starts).exp().flatten(-3, -2)  # [..., C, K]: exp(cum_i - cum_s(i))
         earlier = torch.arange(size, device=cum.device) < torch.arange(0, size, block, device=cum.device)[:, None]
         from_start = (starts - cum[..., None, :, :]).masked_fill(~earlier[..., None], float("-inf")).exp()
+        earlier_right = (right[..., None, :, :] * from_start).transpose(-1, -2)  # [..., nb, K, C]
         identity = torch.eye(count, dtype=cum.dtype, device=cum.device)[:, None, :, None]  # [nb, 1, nb, 1]
     scores = []
-    for left, right in pairs:
-        left_blocks, right_blocks = left.unflatten(-2, (count, block)), right.unflatten(-2, (count, block))
-        diagonal = (left_blocks[..., :, None, :] * within * right_blocks[..., None, :, :]).sum(-1)  # [..., nb, b, b]
+    for left in lefts:
+        left_blocks = left.unflatten(-2, (count, block))[..., None]  # [..., nb, b, K, 1]
+        diagonal = (decayed_right @ left_blocks)[..., 0]  # [..., nb, b, b]
         if count == 1:
             scores.append(diagonal.flatten(-3, -2))
             continue
-        earlier_right = (right[..., None, :, :] * from_start).transpose(-1, -2)  # [..., nb, K, C]
         across = (left * to_start).unflatten(-2, (count, block)) @ earlier_right  # [..., nb, b, C]
         block_diagonal = diagonal[..., :, :, None, :] * identity  # [..., nb, b, nb, b]
         scores.append((across + block_diagonal.flatten(-2, -1)).flatten(-3, -2))
@@ -124,7 +125,7 @@ def _level_delta_rule(
     if cum_decay.dim() == 3:
         cum_decay = cum_decay[..., None]  # one decay shared by every key channel
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
-    ut_system, intra = _decayed_scores(cum_decay, (k_beta, k), (q, k))
+    ut_system, intra = _decayed_scores(cum_decay, k, k_beta, q)
     decayed_k_beta = k_beta * cum_decay.exp()
     new_values, k_cumdecay = _solve_unit_lower(ut_system, v_beta, decayed_k_beta)
     q = q * cum_decay.exp()
