@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-from collections.abc import Iterator, Sequence
+import inspect
+import types
+from collections.abc import Callable, Iterator, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +35,7 @@ __all__ = [
     "SLOW_HYBRIDS",
     "TINY",
     "VOCAB",
+    "float64_kimi_linear",
     "float64_norms",
     "float64_qwen3_5_norms",
     "grads_of",
@@ -169,6 +172,56 @@ def float64_qwen3_5_norms() -> Iterator[None]:
         return (h * F.silu(gate.to(compute))).to(hidden_states.dtype)
 
     with replaced([Qwen3_5RMSNorm], "forward", norm), replaced([Qwen3_5RMSNormGated], "forward", gated):
+        yield
+
+
+class _Float64Torch:
+    """``torch`` with ``torch.float32`` read as ``torch.float64`` (see ``in_float64``)."""
+
+    def __getattr__(self, name: str) -> object:
+        return torch.float64 if name == "float32" else getattr(torch, name)
+
+
+def in_float64(function: Callable) -> Callable:
+    """``function``'s own code (unwrapped from its decorators) with every ``torch.float32`` read as ``torch.float64``:
+    the models' upcasts to float32 then keep a float64 model in float64, and nothing else changes."""
+    function = inspect.unwrap(function)
+    globals_ = {**function.__globals__, "torch": _Float64Torch()}
+    copy_ = types.FunctionType(
+        function.__code__, globals_, function.__name__, function.__defaults__, function.__closure__
+    )
+    copy_.__kwdefaults__ = function.__kwdefaults__
+    return copy_
+
+
+@contextlib.contextmanager
+def float64_kimi_linear() -> Iterator[None]:
+    """Kimi Linear in float64 throughout, for a float64 model (``model.double()``: its ``dt_bias`` and router weight
+    are kept in float32 on load): its RMSNorms, gated RMSNorm and MoE router run their own code with float32 read as
+    float64 (``in_float64``), its forget gate (which upcasts with ``.float()``) the same math in float64, and a
+    sequence without ``kv_end`` (the per-branch oracle) runs its delta attention through the model's own recurrence
+    (``recurrent_kimi_delta_attention``, its decoding path, token by token over the whole branch) in float64: its
+    chunked torch path rounds its decay mask to float32 (``.float()``), ~1e-8 off in float64. Tree batches still run
+    the tree-aware delta rule (``hf_tree.models.mixers``)."""
+    from transformers.models.kimi_linear import modeling_kimi_linear as kimi
+
+    from hf_tree.models.mixers.install import TREE_OPS, is_tree_dispatch, tree_dispatch
+
+    def forget_gate(self, hidden_states):
+        compute = torch.promote_types(hidden_states.dtype, torch.float32)
+        forget = self.f_b_proj(self.f_a_proj(hidden_states)).to(compute) + self.dt_bias.to(compute).view(1, 1, -1)
+        g = forget.view(*hidden_states.shape[:2], -1, self.head_dim)
+        return -self.A_log.to(compute).exp() * torch.where(g > 20.0, g, torch.log(1.0 + torch.exp(g)))
+
+    name = "chunk_kimi_delta_attention"
+    recurrence = kimi.recurrent_kimi_delta_attention
+    own = recurrence.__hf_tree_original__ if is_tree_dispatch(recurrence) else recurrence
+    classes = (kimi.KimiLinearRMSNorm, kimi.KimiLinearRMSNormGated, kimi.KimiLinearTopkRouter)
+    with contextlib.ExitStack() as stack:
+        for cls in classes:
+            stack.enter_context(replaced([cls], "forward", in_float64(cls.forward)))
+        stack.enter_context(replaced([kimi.KimiLinearForgetGate], "forward", forget_gate))
+        stack.enter_context(replaced([kimi], name, tree_dispatch(in_float64(own), TREE_OPS[name])))
         yield
 
 
@@ -342,6 +395,31 @@ SLOW_HYBRIDS = {
         num_key_value_heads=2,
         head_dim=8,
         conv_L_cache=3,
+    ),
+    # Kimi delta attention (a gated delta rule with a decay per key channel, and its conv), MLA attention, MoE
+    "kimi_linear": dict(
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=1,
+        hidden_size=32,
+        intermediate_size=48,
+        num_hidden_layers=3,
+        layer_types=["linear_attention", "linear_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse"],
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        kv_lora_rank=16,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=8,
+        v_head_dim=16,
+        linear_num_heads=2,
+        linear_head_dim=8,
+        linear_conv_kernel_dim=4,
+        num_experts=4,
+        num_experts_per_token=2,
+        moe_intermediate_size=16,
+        num_expert_group=1,
+        topk_group=1,
     ),
     "mamba2": dict(
         hidden_size=16,

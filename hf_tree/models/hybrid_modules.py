@@ -16,6 +16,7 @@ TREE_MIXER_MODULES = (
     "zamba2",
     "olmo_hybrid",
     "lfm3",
+    "kimi_linear",
     # no mixer of their own: their decoder layers drop kv_end before their attention (KWARG_DROPPING_CLASSES)
     "nemotron",
     "stablelm",

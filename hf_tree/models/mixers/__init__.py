@@ -1,5 +1,6 @@
-"""Tree-aware token mixers for hybrid models: causal depthwise convolutions, the gated delta rule and the Mamba2
-SSD scan read a packed trie (``kv_end``) instead of the row as one sequence. See docs/hybrids.md."""
+"""Tree-aware token mixers for hybrid models: causal depthwise convolutions, the gated delta rule (GatedDeltaNet,
+Kimi delta attention) and the Mamba2 SSD scan read a packed trie (``kv_end``) instead of the row as one sequence. See
+docs/hybrids.md."""
 
 from hf_tree.models.mixers.conv import tree_causal_conv1d
 from hf_tree.models.mixers.delta_rule import tree_chunk_gated_delta_rule

@@ -1,4 +1,5 @@
-"""Tree-aware causal depthwise convolution (Qwen3.5 / Qwen3-Next GatedDeltaNet, LFM2 ShortConv, Mamba2 mixers).
+"""Tree-aware causal depthwise convolution (Qwen3.5 / Qwen3-Next GatedDeltaNet, Kimi delta attention, LFM2 ShortConv,
+Mamba2 mixers).
 
 A branch alone convolves each token with itself and its ``k - 1`` previous tokens, zero-padded before the first
 token. In a packed tree the previous tokens of a branch are a token's nearest *ancestors*, not the previous row

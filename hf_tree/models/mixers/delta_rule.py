@@ -1,13 +1,17 @@
-"""Tree-aware chunked gated delta rule (GatedDeltaNet of Qwen3.5 / Qwen3-Next).
+"""Tree-aware chunked gated delta rule: GatedDeltaNet (Qwen3.5 / Qwen3-Next / OLMo-hybrid) and Kimi delta attention
+(Kimi Linear), which is the same rule with a decay per key channel instead of one per head.
 
-The recurrence ``S_t = exp(g_t) S_{t-1} (I - beta_t k_t k_t^T) + beta_t v_t k_t^T``, ``o_t = S_t^T q_t`` must start
-each trie segment from its parent segment's final state (zero at a root). Segments run level by level
-(``TreeTopology.levels``): one batched call per level whose initial states are gathered from the previous level's
-final states. The gather is differentiable, so in backward the state gradients of siblings add up.
+The recurrence over a state ``S [K, V]``: ``S_t = (I - beta_t k_t k_t^T) D_t S_{t-1} + beta_t k_t v_t^T``,
+``o_t = S_t^T q_t``, with ``D_t = exp(g_t) I`` (GatedDeltaNet, ``g [.., H]``) or ``D_t = diag(exp(g_t))`` (Kimi,
+``g [.., H, K]``). It must start each trie segment from its parent segment's final state (zero at a root). Segments
+run level by level (``TreeTopology.levels``): one batched call per level whose initial states are gathered from the
+previous level's final states. The gather is differentiable, so in backward the state gradients of siblings add up.
 
 The torch path is the models' own chunked algorithm (intra-chunk UT transform, then a scan over chunks), written for
-variable-length segments cut into chunks; it computes in ``float32`` or in ``float64`` for ``float64`` inputs. On
-CUDA with ``flash-linear-attention`` installed each level is one varlen FLA call with per-segment initial states.
+variable-length segments cut into chunks and for either decay (a per-head decay is a per-channel one shared by every
+channel); it computes in ``float32`` or in ``float64`` for ``float64`` inputs. On CUDA with ``flash-linear-attention``
+installed each level is one varlen FLA call (``chunk_gated_delta_rule`` or ``chunk_kda``) with per-segment initial
+states.
 """
 
 from __future__ import annotations
@@ -56,6 +60,51 @@ def _solve_unit_lower(matrix: torch.Tensor, *rights: torch.Tensor) -> list[torch
     return [torch.linalg.solve_triangular(matrix, r, upper=False, unitriangular=True) for r in rights]
 
 
+# Kimi's per-channel decays within a chunk are taken explicitly (a [C, C, K] tensor, like the model's own torch path)
+# only inside blocks of this many tokens; across blocks they factor through the block's first token.
+DECAY_BLOCK = 16
+
+
+def _decayed_scores(cum: torch.Tensor, right: torch.Tensor, *lefts: torch.Tensor) -> list[torch.Tensor]:
+    """``scores[..., i, j] = sum_c left[i, c] right[j, c] exp(cum[i, c] - cum[j, c])`` for ``j <= i``, zero above the
+    diagonal, for each ``left`` against one ``right`` (``[..., C, K]`` chunks); ``cum [..., C, 1]`` (one decay per
+    head) or ``[..., C, K]`` (one per key channel) cumulative log decays (non-increasing along C). Returns
+    ``[..., C, C]`` each.
+
+    Per channel, ``exp(cum_i - cum_j)`` cannot be split into ``exp(cum_i) exp(-cum_j)`` (the second factor overflows
+    over a long chunk). Within a block of ``DECAY_BLOCK`` tokens it is taken as is; for ``j`` in an earlier block it
+    is ``exp(cum_i - cum_s) exp(cum_s - cum_j)`` with ``s`` the first token of ``i``'s block, both factors ``<= 1``:
+    a matmul instead of a ``[C, C, K]`` tensor. The decayed ``right`` is shared by every ``left``."""
+    size = cum.shape[-2]
+    upper = torch.ones(size, size, dtype=torch.bool, device=cum.device).triu(1)
+    if cum.shape[-1] == 1:  # one decay for every channel: one [C, C] decay matrix
+        pairwise = (cum[..., :, None, 0] - cum[..., None, :, 0]).masked_fill(upper, float("-inf")).exp()
+        return [(left @ right.transpose(-1, -2)) * pairwise for left in lefts]
+    block = DECAY_BLOCK if size % DECAY_BLOCK == 0 else size
+    count = size // block
+    blocks = cum.unflatten(-2, (count, block))  # [..., nb, b, K]
+    within = (blocks[..., :, None, :] - blocks[..., None, :, :]).masked_fill(upper[:block, :block, None], float("-inf"))
+    decayed_right = within.exp() * right.unflatten(-2, (count, block))[..., None, :, :]  # [..., nb, b, b, K]
+    if count > 1:
+        starts = blocks[..., :1, :]  # [..., nb, 1, K]: the first token of each block
+        to_start = (blocks - starts).exp().flatten(-3, -2)  # [..., C, K]: exp(cum_i - cum_s(i))
+        earlier = torch.arange(size, device=cum.device) < torch.arange(0, size, block, device=cum.device)[:, None]
+        from_start = (starts - cum[..., None, :, :]).masked_fill(~earlier[..., None], float("-inf")).exp()
+        earlier_right = (right[..., None, :, :] * from_start).transpose(-1, -2)  # [..., nb, K, C]
+        identity = torch.eye(count, dtype=cum.dtype, device=cum.device)[:, None, :, None]  # [nb, 1, nb, 1]
+    scores = []
+    for left in lefts:
+        left_blocks = left.unflatten(-2, (count, block))[..., None]  # [..., nb, b, K, 1]
+        diagonal = (decayed_right @ left_blocks)[..., 0]  # [..., nb, b, b]
+        if count == 1:
+            scores.append(diagonal.flatten(-3, -2))
+            continue
+        across = (left * to_start).unflatten(-2, (count, block)) @ earlier_right  # [..., nb, b, C]
+        block_diagonal = diagonal[..., :, :, None, :] * identity  # [..., nb, b, nb, b]
+        scores.append((across + block_diagonal.flatten(-2, -1)).flatten(-3, -2))
+    return scores
+
+
 def _level_delta_rule(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -65,24 +114,23 @@ def _level_delta_rule(
     initial_state: torch.Tensor,
     layout: LevelLayout,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One bucket of a level. Token rows ``query/key [T+1, H, K]``, ``value [T+1, H, V]``, ``g/beta [T+1, H]``
-    (scaled, normalised, compute dtype; row T zero); ``initial_state [S, H, K, V]`` in the layout's segment order.
+    """One bucket of a level. Token rows ``query/key [T+1, H, K]``, ``value [T+1, H, V]``, ``beta [T+1, H]``, ``g
+    [T+1, H]`` (a decay per head) or ``[T+1, H, K]`` (per key channel) (scaled, normalised, compute dtype; row T
+    zero); ``initial_state [S, H, K, V]`` in the layout's segment order.
 
     Returns (``[M, H, V]`` outputs of the bucket's M tokens, their token indices, ``[S, H, K, V]`` final states)."""
-    chunk_size = layout.chunk_size
     q, k, v = (gather_chunks(x, layout) for x in (query, key, value))
-    g, beta = (gather_chunks(x, layout) for x in (g, beta))  # [NC, H, C]
+    beta = gather_chunks(beta, layout)  # [NC, H, C]
+    cum_decay = gather_chunks(g, layout).cumsum(dim=2)  # [NC, H, C] or [NC, H, C, K]
+    if cum_decay.dim() == 3:
+        cum_decay = cum_decay[..., None]  # one decay shared by every key channel
     v_beta, k_beta = v * beta[..., None], k * beta[..., None]
-    strictly_upper = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).triu(1)
-    cum_decay = g.cumsum(dim=-1)
-    pairwise = (cum_decay[..., :, None] - cum_decay[..., None, :]).masked_fill(strictly_upper, float("-inf")).exp()
-    ut_system = (k_beta @ k.transpose(-1, -2)) * pairwise
-    intra = (q @ k.transpose(-1, -2)) * pairwise
-    decayed_k_beta = k_beta * cum_decay.exp()[..., None]
+    ut_system, intra = _decayed_scores(cum_decay, k, k_beta, q)
+    decayed_k_beta = k_beta * cum_decay.exp()
     new_values, k_cumdecay = _solve_unit_lower(ut_system, v_beta, decayed_k_beta)
-    q = q * cum_decay.exp()[..., None]
-    k = k * (cum_decay[..., -1:] - cum_decay).exp()[..., None]
-    chunk_decay = cum_decay[..., -1].exp()[..., None, None]
+    q = q * cum_decay.exp()
+    k = k * (cum_decay[..., -1:, :] - cum_decay).exp()
+    chunk_decay = cum_decay[..., -1, :].exp()[..., None]  # [NC, H, 1 or K, 1]: scales the state's key rows
 
     state, outputs, offset = initial_state, [], 0
     for count in layout.step_counts:  # step s: chunk s of the `count` longest segments
@@ -113,18 +161,23 @@ def _level_delta_rule_fla(
     use_qk: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """CUDA: one varlen ``fla`` call per level with per-segment initial states (FLA's ``dh0`` carries their
-    gradients back to the parents). Token rows in the model's dtype, unscaled and un-normalised (FLA does both;
-    ``[T+1, Hk, K]`` queries/keys, ``[T+1, Hv, V]`` values: FLA applies grouped values itself).
+    gradients back to the parents): ``chunk_gated_delta_rule`` for a decay per head (``g [T+1, Hv]``),
+    ``chunk_kda`` for one per key channel (``g [T+1, Hv, K]``). Token rows in the model's dtype, unscaled and
+    un-normalised (FLA does both; ``[T+1, Hk, K]`` queries/keys, ``[T+1, Hv, V]`` values: FLA applies grouped values
+    itself).
 
     Returns (``[M, Hv, V]`` outputs of the bucket's M tokens, their token indices, ``[S, Hv, K, V]`` float32 final
     states)."""
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    if g.dim() == 3:
+        from fla.ops.kda import chunk_kda as chunk_delta_rule
+    else:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as chunk_delta_rule
 
     starts, lengths = layout.segment_start, layout.segment_length
     cu_seqlens = F.pad(lengths.cumsum(0), (1, 0))
     within = torch.arange(int(cu_seqlens[-1]), device=starts.device) - torch.repeat_interleave(cu_seqlens[:-1], lengths)
     index = torch.repeat_interleave(starts, lengths) + within
-    out, final = chunk_gated_delta_rule(
+    out, final = chunk_delta_rule(
         query[index][None],
         key[index][None],
         value[index][None],
@@ -152,10 +205,12 @@ def tree_chunk_gated_delta_rule(
     cu_seqlens: torch.Tensor | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """``torch_chunk_gated_delta_rule`` over a packed tree.
+    """``torch_chunk_gated_delta_rule`` (GatedDeltaNet) or ``chunk_kimi_delta_attention`` (Kimi delta attention)
+    over a packed tree.
 
     Args:
-        query, key: ``[B, N, Hk, K]``; value: ``[B, N, Hv, V]``; g (log decay, <= 0), beta: ``[B, N, Hv]``.
+        query, key: ``[B, N, Hk, K]``; value: ``[B, N, Hv, V]``; beta: ``[B, N, Hv]``; g (log decay, <= 0):
+            ``[B, N, Hv]`` (one per head, GatedDeltaNet) or ``[B, N, Hv, K]`` (one per key channel, Kimi).
         topology: the batch's ``TreeTopology`` (``[B, N]``).
         kwargs: the model's other keyword arguments, ignored, except ``kv_prefix`` (depth-first execution): the
             rows' roots start from the ancestors' cached state, and the state after each row's last token is

@@ -46,10 +46,12 @@ def _refuse_cached_step(name: str) -> Callable[..., None]:
 TREE_OPS: dict[str, Callable[..., object]] = {
     "causal_conv1d_fn": tree_causal_conv1d,
     "torch_chunk_gated_delta_rule": tree_chunk_gated_delta_rule,
+    "chunk_kimi_delta_attention": tree_chunk_gated_delta_rule,  # the same rule, a decay per key channel
     "mamba2_chunk_scan": tree_mamba2_chunk_scan,
     "mamba2_split_conv1d_scan_combined": _skip_fused,
     "causal_conv1d_update": _refuse_cached_step("causal_conv1d_update"),
     "torch_recurrent_gated_delta_rule": _refuse_cached_step("torch_recurrent_gated_delta_rule"),
+    "recurrent_kimi_delta_attention": _refuse_cached_step("recurrent_kimi_delta_attention"),
     "mamba2_selective_state_update": _refuse_cached_step("mamba2_selective_state_update"),
 }
 
