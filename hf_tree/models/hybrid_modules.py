@@ -16,6 +16,10 @@ TREE_MIXER_MODULES = (
     "zamba2",
     "olmo_hybrid",
     "lfm3",
+    "mamba",
+    "falcon_mamba",
+    "jamba",
+    "zamba",
     # no mixer of their own: their decoder layers drop kv_end before their attention (KWARG_DROPPING_CLASSES)
     "nemotron",
     "stablelm",
