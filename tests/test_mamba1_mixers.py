@@ -37,17 +37,25 @@ from tests.helpers import (
     FLOAT32_FLOOR,
     VOCAB,
     branch_loss_func,
+    check_tree_op,
     collate_branches,
     common_args,
     float32_floor_grad_error,
+    generate_and_score,
     grads_of,
     max_grad_relative_error,
     per_branch_forest_loss,
+    random_token_inputs,
     relative_error,
 )
-from tests.test_depth_first import branch_groups as deep_groups
-from tests.test_hybrid_mixers import _check_op, _generate_and_score, _random_inputs, packed_batch
-from tests.workloads import BRANCHES_PER_TREE, branch_dataset, branch_groups, tree_dataset
+from tests.workloads import (
+    BRANCHES_PER_TREE,
+    branch_dataset,
+    branch_groups,
+    deep_forest_rows,
+    packed_batch,
+    tree_dataset,
+)
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -139,7 +147,7 @@ def test_tree_selective_scan_matches_each_branch():
     batch, _ = packed_batch()
     kv_end = batch["kv_end"]
     topology = build_topology(kv_end)
-    x, dt, b, c, z = _random_inputs(kv_end, (4,), (4,), (3,), (3,), (4,))
+    x, dt, b, c, z = random_token_inputs(kv_end, (4,), (4,), (3,), (3,), (4,))
     generator = torch.Generator().manual_seed(3)
     A = -torch.rand(4, 3, dtype=torch.float32, generator=generator) - 0.1  # the models pass -exp(A_log.float())
     D, delta_bias = torch.randn(2, 4, dtype=torch.float64, generator=generator)
@@ -152,7 +160,7 @@ def test_tree_selective_scan_matches_each_branch():
     def scan(fn, **extra):
         return channels_first(lambda x, dt, b, c, z: fn(x, dt, A, b, c, z=z, **options, **extra))
 
-    _check_op(
+    check_tree_op(
         scan(tree_mamba_selective_scan, topology=topology),
         scan(original),
         lambda lone, *t: scan(tree_mamba_selective_scan, topology=lone)(*t),
@@ -175,7 +183,7 @@ def test_gradient_checkpointing_stays_on_and_recomputes_the_tree(family):
     forward inside transformers' checkpointing wrapper, so a block stays checkpointed (its mixer runs again in
     backward) and its recompute sees the tree too."""
     model = mamba1_model(family, long_memory=True)
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     mixers = [m for m in model.modules() if type(m).__name__.endswith("Mixer")]
     calls = []
@@ -209,10 +217,10 @@ def test_batches_without_kv_end_are_unchanged():
     input_ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     attention_mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
     with torch.no_grad():
-        installed = _generate_and_score(model, input_ids, attention_mask)
+        installed = generate_and_score(model, input_ids, attention_mask)
         uninstall_tree_mixers()
         try:
-            original = _generate_and_score(model, input_ids, attention_mask)
+            original = generate_and_score(model, input_ids, attention_mask)
         finally:
             install_tree_mixers()
     torch.testing.assert_close(installed[0], original[0], rtol=0, atol=0)
@@ -274,7 +282,7 @@ def test_depth_first_matches_per_branch_and_packed(family, overrides):
     convolutions read that piece's inputs. Against per-branch training at the float32 floor and the same trees packed
     (the same tree ops) at ~1e-7 (``A_log``'s gradient passes through the model's float32 exponential)."""
     model = mamba1_model(family, long_memory=True, **overrides)
-    groups = deep_groups(seed=6)
+    groups = deep_forest_rows()
     loss, grads, packed, packed_grads = depth_first_and_packed(model, groups)
     model.zero_grad(set_to_none=True)
     reference = per_branch_forest_loss(model, groups)
@@ -290,14 +298,14 @@ def test_zamba_shared_attention_is_refused_depth_first():
     its cached keys/values could not be told apart, so depth-first execution refuses it by name."""
     model = mamba1_model("zamba")
     with pytest.raises(ValueError, match="ZambaAttention has no integer layer_idx"):
-        depth_first_and_packed(model, deep_groups(seed=6))
+        depth_first_and_packed(model, deep_forest_rows())
 
 
 def test_dropping_the_carried_state_is_detected(monkeypatch):
     """The comparison can fail: with the state entering a unit treated as a constant the loss is right and the
     gradient is off; with every unit started from a zero state the first-use probe of depth-first refuses."""
     model = mamba1_model("mamba", long_memory=True)
-    groups = deep_groups(seed=6)
+    groups = deep_forest_rows()
     loss, grads, packed, packed_grads = depth_first_and_packed(model, groups)
     assert max_grad_relative_error(grads, packed_grads) <= 1e-5
     assert depth_first_module.probe_depth_first(model, model, detect_logit_head(model)) <= 1e-12
