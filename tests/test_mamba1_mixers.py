@@ -13,7 +13,12 @@ Oracles as in tests/test_hybrid_mixers.py:
 from __future__ import annotations
 
 import copy
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -33,6 +38,7 @@ from hf_tree.models.mixers import (
     uninstall_tree_mixers,
 )
 from hf_tree.trainer import TreeTrainer, TreeTrainingArguments
+from tests.context_parallel_harness import ACCELERATE_CONFIG, FLOAT64_TOLERANCE, REPO, sharded_step, single_process
 from tests.helpers import (
     FLOAT32_FLOOR,
     VOCAB,
@@ -40,7 +46,9 @@ from tests.helpers import (
     check_tree_op,
     collate_branches,
     common_args,
+    finish_launched_worker,
     float32_floor_grad_error,
+    free_port,
     generate_and_score,
     grads_of,
     max_grad_relative_error,
@@ -53,6 +61,8 @@ from tests.workloads import (
     branch_dataset,
     branch_groups,
     deep_forest_rows,
+    grpo_row,
+    make_batch,
     packed_batch,
     tree_dataset,
 )
@@ -355,3 +365,72 @@ def test_tree_trainer_matches_trainer_on_branches(tmp_path):
     ref_losses = [h["loss"] for h in ref.state.log_history if "loss" in h]
     tree_losses = [h["loss"] for h in tree.state.log_history if "loss" in h]
     assert len(tree_losses) == 3 and tree_losses == pytest.approx(ref_losses, rel=FLOAT32_FLOOR)
+
+
+# ---------------------------------------------------------------------------------------- context parallel
+# name: (rows, strategy, max_packed_tokens, query_block_size, chunks_per_rank): shards cut inside segments, at forks
+# and at sibling starts of deep trees (tests/workloads.py), as tests/test_context_parallel_models.py cuts Bamba's.
+CP_CASES = {
+    "deep_forest_zigzag": (deep_forest_rows, "zigzag", 72, 1024, 8),
+    "grpo_balanced": (grpo_row, "balanced", 128, 8, 4),
+}
+# The model takes exp(A_log.float()), D.float() and dt_proj.bias.float() inside: their gradients are float32 sums
+# over the tokens, added in another order when each rank sums its shard's.
+FLOAT32_CAST_PARAMETERS = ("A_log", ".D", "dt_proj.bias")
+
+
+def cp_worker(out_dir: str) -> None:
+    """Each ``CP_CASES`` case on this rank: its shard of a tiny float64 Mamba through the tree context parallel
+    forward and backward (``sharded_step``), against the whole batch in this process."""
+    from accelerate import Accelerator
+
+    from hf_tree.distributed import enable_fsdp2_on_cpu
+    from hf_tree.parallel import TreeContextParallel, plan_context_parallel
+
+    enable_fsdp2_on_cpu()
+    accelerator = Accelerator()
+    cp = TreeContextParallel.from_accelerator(accelerator)
+    results = {"cp_size": cp.size}
+    for name, (rows_fn, strategy, max_packed_tokens, block, chunks) in CP_CASES.items():
+        batch = make_batch(rows_fn, max_packed_tokens)
+        model = mamba1_model("mamba", long_memory=True)
+        ref_logits, ref_loss, ref_grads = single_process(model, batch)
+        plan = plan_context_parallel(batch["kv_end"], cp.size, strategy, chunks)
+        _, logits_err, total, grads = sharded_step(model, batch, plan, cp, block, ref_logits)
+        results[name] = {
+            "logits": logits_err,
+            "loss": relative_error(total, ref_loss),
+            "grad_errors": {n: max_grad_relative_error({n: grads[n]}, {n: ref_grads[n]}) for n in ref_grads},
+            "num_grads": len(grads),
+        }
+    Path(out_dir, f"rank{accelerator.process_index}.json").write_text(json.dumps(results))
+    finish_launched_worker()
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+def test_two_rank_context_parallel_equals_one_process(tmp_path):
+    """``accelerate launch`` of this file on 2 gloo ranks (accelerate's FSDP2 + CP config): every rank's logits, the
+    summed loss and every gradient equal the whole batch in one process, 1e-9 in float64 (the float32-cast
+    parameters: 1e-6)."""
+    config = tmp_path / "accelerate_cp.json"
+    config.write_text(json.dumps(ACCELERATE_CONFIG))
+    env = dict(os.environ, ACCELERATE_USE_CPU="true", PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    command = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(config)]
+    command += ["--main_process_port", str(free_port()), __file__, str(tmp_path)]
+    done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-8000:]
+    results = [json.loads((tmp_path / f"rank{rank}.json").read_text()) for rank in range(2)]
+    for rank, result in enumerate(results):
+        assert result["cp_size"] == 2
+        for name in CP_CASES:
+            case = result[name]
+            assert case["num_grads"] == len(case["grad_errors"]) > 0, (rank, name)
+            assert case["logits"] <= FLOAT64_TOLERANCE and case["loss"] <= FLOAT64_TOLERANCE, (rank, name, case)
+            for parameter, error in case["grad_errors"].items():
+                float32_cast = any(parameter.endswith(suffix) for suffix in FLOAT32_CAST_PARAMETERS)
+                assert error <= (1e-6 if float32_cast else FLOAT64_TOLERANCE), (rank, name, parameter, error)
+
+
+if __name__ == "__main__":
+    cp_worker(sys.argv[1])
