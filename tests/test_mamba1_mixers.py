@@ -205,6 +205,19 @@ def test_gradient_checkpointing_stays_on_and_recomputes_the_tree(family):
     assert_matches_per_branch(model)
 
 
+@pytest.mark.slow
+def test_bfloat16_tree_error_is_no_worse_than_per_branch():
+    """In bfloat16 (float32 states, as the fallback) the tree's gradient error against float64 per-branch training
+    is within 2x of bfloat16 per-branch training's own."""
+    model = mamba1_model("mamba", long_memory=True)
+    exact = tree_and_branch_gradients(model)[3]
+    low = copy.deepcopy(model).to(torch.bfloat16)
+    _, _, tree_grads, branch_grads = tree_and_branch_gradients(low)
+    tree_error = float32_floor_grad_error({n: g.double() for n, g in tree_grads.items()}, exact)
+    branch_error = float32_floor_grad_error({n: g.double() for n, g in branch_grads.items()}, exact)
+    assert tree_error <= 2 * branch_error
+
+
 def test_without_tree_mixers_the_same_check_fails(monkeypatch):
     """The oracle has teeth: with the models' own mixers (the row scanned as one sequence) the first-use probe
     refuses Mamba, and with the check off the gradients are visibly wrong."""
