@@ -51,6 +51,7 @@ from tests.helpers import (
     free_port,
     generate_and_score,
     grads_of,
+    hybrid_model,
     max_grad_relative_error,
     per_branch_forest_loss,
     random_token_inputs,
@@ -312,6 +313,15 @@ def test_depth_first_matches_per_branch_and_packed(family, overrides):
     reference.backward()
     assert relative_error(loss, reference) <= 1e-8
     assert float32_floor_grad_error(grads, grads_of(model)) <= FLOAT32_FLOOR
+    assert relative_error(loss, packed) <= 1e-12
+    assert max_grad_relative_error(grads, packed_grads) <= 1e-5
+
+
+def test_pure_mamba2_depth_first_matches_packed():
+    """``Mamba2ForCausalLM`` drops ``kv_prefix`` before its backbone as it drops ``kv_end`` (the same keyword table):
+    without it handed on, each unit's scan restarted from zero and the depth-first probe refused the model (6e-1)."""
+    model = hybrid_model("mamba2")
+    loss, grads, packed, packed_grads = depth_first_and_packed(model, deep_forest_rows())
     assert relative_error(loss, packed) <= 1e-12
     assert max_grad_relative_error(grads, packed_grads) <= 1e-5
 

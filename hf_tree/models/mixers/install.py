@@ -137,7 +137,7 @@ ATTENTION_KEYWORDS = (*TREE_KEYWORDS, "bidirectional_block")
 # - Mamba and Falcon-Mamba drop them at every level (causal LM, backbone, block), Jamba at its Mamba decoder layer;
 #   the Mamba-1 mixers call their scan (and Zamba's its convolution) without them.
 KWARG_DROPPING_CLASSES: dict[str, tuple[str | None, tuple[str, ...]]] = {
-    "Mamba2ForCausalLM": ("backbone", ("kv_end",)),
+    "Mamba2ForCausalLM": ("backbone", TREE_KEYWORDS),
     "NemotronDecoderLayer": ("self_attn", ATTENTION_KEYWORDS),
     "StableLmDecoderLayer": ("self_attn", ATTENTION_KEYWORDS),
     **{f"{name}ForCausalLM": ("backbone", TREE_KEYWORDS) for name in ("Mamba", "FalconMamba")},
