@@ -296,7 +296,9 @@ def depth_first_and_packed(model, groups, max_unit_tokens: int = 6):
     [
         ("mamba", {}),
         pytest.param("jamba", {}, marks=pytest.mark.slow),
-        ("zamba", {"num_hidden_layers": 2, "layers_block_type": ["mamba", "mamba"]}),
+        pytest.param(
+            "zamba", {"num_hidden_layers": 2, "layers_block_type": ["mamba", "mamba"]}, marks=pytest.mark.slow
+        ),
     ],
     ids=["mamba", "jamba", "zamba-mamba-layers"],
 )
