@@ -190,9 +190,11 @@ def _wrap_forward(cls: type, submodule: str | None, keywords: tuple[str, ...]) -
     wrapper put back around it, so a checkpointed layer stays checkpointed and its recompute hands the keywords on too.
     """
     original = cls.forward
-    if issubclass(cls, GradientCheckpointingLayer) and hasattr(original, "__wrapped__"):
+    # transformers 5.x wraps each subclass's forward in __init_subclass__ (earlier releases checkpointed __call__)
+    rewrap = GradientCheckpointingLayer.__dict__.get("__init_subclass__")
+    if rewrap is not None and issubclass(cls, GradientCheckpointingLayer) and hasattr(original, "__wrapped__"):
         cls.forward = pass_tree_keywords(original.__wrapped__, submodule, keywords)
-        GradientCheckpointingLayer.__dict__["__init_subclass__"].__func__(cls)  # re-wraps cls.forward
+        rewrap.__func__(cls)  # puts transformers' checkpointing wrapper back around it
     else:
         cls.forward = pass_tree_keywords(original, submodule, keywords)
     cls.forward.__hf_tree_original__ = original
