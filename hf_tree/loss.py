@@ -17,7 +17,7 @@ from transformers import PreTrainedModel
 from hf_tree.attention.mask import autocast_inputs, compute_dtype
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.models.check import check_model_for_trees, refuse_not_tree_aware
-from hf_tree.models.head import LogitHead, forward_then_score, gathered_head
+from hf_tree.models.head import LogitHead, forward_then_score, gathered_head, head_input
 from hf_tree.models.introspection import capture_last_hidden_state, causal_lm_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef, tree_router_loss
@@ -233,6 +233,7 @@ def weighted_cross_entropy(
     """
     logit_head = LogitHead(scale=scale, softcap=softcap)
     if _is_plain_linear(head):
+        hidden = head_input(head, hidden)  # LogitHead.logits' cast, for the fused path that reads the weight itself
         chunk_size = chunk_size or loss_chunk_rows(_vocab_size(head))
         # A bias-free linear head is linear in its input: the scale is folded into the hidden states.
         scaled = hidden if scale == 1.0 else hidden * scale

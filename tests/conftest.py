@@ -36,7 +36,8 @@ SLOW_MARKERS = ("slow", "distributed")
 #   TRL SFT                  test_sft.py::test_class_name_swap_trains_the_same_objective, test_sft_messages.py
 #   TRL GRPO                 test_grpo.py::test_one_step_matches_trl[full], test_grpo_depth_first.py (shared prompts)
 #   TRL RLOO, DPO, KTO, RM   test_rloo.py, test_dpo.py, test_kto.py, test_reward.py: test_one_step_matches_trl[full...]
-#   hybrids, MoE             test_hybrid_mixers.py, test_hybrid_trainers.py (Qwen3.5), test_moe_router_loss.py
+#   hybrids, MoE             test_hybrid_mixers.py, test_hybrid_trainers.py (Qwen3.5), test_moe_router_loss.py,
+#                            test_mamba1_mixers.py (Mamba-1: op, model, depth-first, TreeTrainer)
 #   vision                   test_vision_forward.py, test_vision_trl.py, test_vision_zoo.py
 #   quantized bases          test_quantized.py (nf4)
 #   context parallel         test_context_parallel.py (the one-rank path)

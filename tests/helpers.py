@@ -27,6 +27,7 @@ from transformers import PreTrainedTokenizerFast
 
 import hf_tree  # noqa: F401  (registers tree_flash)
 from hf_tree.attention import TreeAttentionOptions
+from hf_tree.models.mixers import build_topology
 from hf_tree.testing import (  # noqa: F401  (re-exported: the oracle, see hf_tree/testing.py)
     FLOAT32_FLOOR,
     FLOAT32_GRAD_FLOOR,
@@ -379,3 +380,81 @@ def finish_launched_worker() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+# --------------------------------------------------------------------------------------------- tree mixer ops
+# Exactness of a tree mixer op's decomposition (same op, float64 compute, the lone branch: different chunking).
+TREE_OP_EXACT = 1e-12
+
+
+def branch_paths(kv_end: torch.Tensor) -> list[list[int]]:
+    """Flat packed indices of every root-to-leaf path (walking predecessors from each token nobody continues)."""
+    pred = build_topology(kv_end).pred.tolist()
+    continued = {p for p in pred if p >= 0}
+    paths = []
+    for leaf in range(len(pred)):
+        if leaf in continued:
+            continue
+        path = [leaf]
+        while pred[path[-1]] >= 0:
+            path.append(pred[path[-1]])
+        paths.append(path[::-1])
+    return paths
+
+
+def random_token_inputs(kv_end, *shapes, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    batch, length = kv_end.shape
+    return [torch.randn(batch, length, *s, dtype=torch.float64, generator=generator) for s in shapes]
+
+
+def _on_branch(fn, tensors, kv_end, path):
+    """``fn`` on one branch: every ``[B, N, ...]`` tensor gathered along ``path`` into ``[1, L, ...]``."""
+    batch, length = kv_end.shape
+    return fn(*(t.reshape(batch * length, *t.shape[2:])[path][None] for t in tensors))
+
+
+def _at_path(tensor, kv_end, path):
+    batch, length = kv_end.shape
+    return tensor.reshape(batch * length, *tensor.shape[2:])[path][None]
+
+
+def _lone_topology(path):
+    return build_topology(torch.full((1, len(path)), len(path)))
+
+
+def check_tree_op(tree_fn, hf_fn, lone_fn, inputs, kv_end):
+    """Values at every branch vs the model's own function on the branch (float32 floor) and vs the tree op on the
+    lone branch (exact); gradients of a random projection of the outputs vs the sum of per-branch ones."""
+    inputs = [t.clone().requires_grad_() for t in inputs]
+    out = tree_fn(*inputs)
+    projection = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
+    tree_grads = torch.autograd.grad((out * projection).sum(), inputs)
+    paths = branch_paths(kv_end)
+    # Each token's output once: a branch owns the tokens of its path not owned by an earlier branch.
+    owned, seen = [], set()
+    for path in paths:
+        owned.append([k for k, i in enumerate(path) if i not in seen])
+        seen.update(path)
+    lone_total = 0.0
+    for path, mine in zip(paths, owned):
+        got = _at_path(out, kv_end, path)
+        lone_topology = _lone_topology(path)
+        lone = _on_branch(lambda *t, lone=lone_topology: lone_fn(lone, *t), inputs, kv_end, path)
+        reference = _on_branch(hf_fn, inputs, kv_end, path)
+        assert relative_error(got, lone) <= TREE_OP_EXACT
+        assert relative_error(got, reference) <= FLOAT32_FLOOR
+        lone_total = lone_total + (lone[0, mine] * _at_path(projection, kv_end, path)[0, mine]).sum()
+    lone_grads = torch.autograd.grad(lone_total, inputs)
+    for got, expected in zip(tree_grads, lone_grads):
+        assert relative_error(got, expected) <= TREE_OP_EXACT
+        assert expected.norm() > 0
+
+
+def generate_and_score(model, input_ids, attention_mask):
+    """Logits of a left-padded batch and a few greedy tokens (cached decoding): the paths without kv_end."""
+    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
+    generated = model.generate(
+        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0
+    )
+    return logits, generated

@@ -19,7 +19,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree import tree_causal_lm_loss
 from hf_tree.models.check import SELF_CHECK_ENV_VAR, probe_tree_exactness
 from hf_tree.models.mixers import (
     build_topology,
@@ -33,57 +33,19 @@ from tests.helpers import (
     FLOAT32_FLOOR,
     HYBRIDS,
     SLOW_HYBRIDS,
+    check_tree_op,
     float32_floor_grad_error,
     float64_norms,
+    generate_and_score,
     grads_of,
     hybrid_model,
     max_grad_relative_error,
     per_branch_forest_loss,
+    random_token_inputs,
     relative_error,
     tiny_model,
 )
-
-# Exactness of the tree decomposition (same op, float64 compute, different chunking).
-EXACT = 1e-12
-
-# A forest row with padding: a fork at position 1 (closer to the root than any conv width), a fork inside the
-# "prompt" and nested forks (node depth 4), a prefix branch, a duplicate branch, an untrained branch, and a second
-# tree with a single-token-longer sibling pair.
-SEQUENCES = [
-    [5, 6, 7, 8, 9, 10, 11, 12],
-    [5, 6, 7, 8, 20, 21, 22],
-    [5, 6, 7, 8, 20, 21, 30, 31, 32],
-    [5, 6, 7, 8, 20, 21, 30, 31, 40, 41, 42, 43],
-    [5, 6, 7, 8, 20, 21],  # prefix of the two above
-    [5, 6, 7, 8, 20, 21, 22],  # duplicate
-    [5, 50, 51, 52],  # fork at position 1
-    [5, 50, 60],
-]
-MASKS = [[0] + [1] * (len(s) - 1) for s in SEQUENCES]
-MASKS[7] = [0] * len(SEQUENCES[7])  # untrained branch: its tokens still feed the shared states
-SECOND_TREE = [[70, 71, 72, 73, 74], [70, 71, 72, 80], [70, 90, 91]]
-
-
-def packed_batch(max_packed_tokens: int = 64) -> tuple[dict[str, torch.Tensor], list[tuple[list, list]]]:
-    groups = [(SEQUENCES, MASKS), (SECOND_TREE, None)]
-    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=8)
-    batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in groups])
-    return batch, groups
-
-
-def branch_paths(kv_end: torch.Tensor) -> list[list[int]]:
-    """Flat packed indices of every root-to-leaf path (walking predecessors from each token nobody continues)."""
-    pred = build_topology(kv_end).pred.tolist()
-    continued = {p for p in pred if p >= 0}
-    paths = []
-    for leaf in range(len(pred)):
-        if leaf in continued:
-            continue
-        path = [leaf]
-        while pred[path[-1]] >= 0:
-            path.append(pred[path[-1]])
-        paths.append(path[::-1])
-    return paths
+from tests.workloads import packed_batch
 
 
 # ------------------------------------------------------------------------------------------------- topology
@@ -115,55 +77,6 @@ def test_topology_refuses_a_malformed_kv_end():
 
 
 # ------------------------------------------------------------------------------------------------------ ops
-def _random_inputs(kv_end, *shapes, seed=0):
-    generator = torch.Generator().manual_seed(seed)
-    batch, length = kv_end.shape
-    return [torch.randn(batch, length, *s, dtype=torch.float64, generator=generator) for s in shapes]
-
-
-def _per_branch(fn, tensors, kv_end, path):
-    """``fn`` on one branch: every ``[B, N, ...]`` tensor gathered along ``path`` into ``[1, L, ...]``."""
-    batch, length = kv_end.shape
-    return fn(*(t.reshape(batch * length, *t.shape[2:])[path][None] for t in tensors))
-
-
-def _at_path(tensor, kv_end, path):
-    batch, length = kv_end.shape
-    return tensor.reshape(batch * length, *tensor.shape[2:])[path][None]
-
-
-def _lone_topology(path):
-    return build_topology(torch.full((1, len(path)), len(path)))
-
-
-def _check_op(tree_fn, hf_fn, lone_fn, inputs, kv_end):
-    """Values at every branch vs the model's own function on the branch (float32 floor) and vs the tree op on the
-    lone branch (exact); gradients of a random projection of the outputs vs the sum of per-branch ones."""
-    inputs = [t.clone().requires_grad_() for t in inputs]
-    out = tree_fn(*inputs)
-    projection = torch.randn(out.shape, dtype=out.dtype, generator=torch.Generator().manual_seed(1))
-    tree_grads = torch.autograd.grad((out * projection).sum(), inputs)
-    paths = branch_paths(kv_end)
-    # Each token's output once: a branch owns the tokens of its path not owned by an earlier branch.
-    owned, seen = [], set()
-    for path in paths:
-        owned.append([k for k, i in enumerate(path) if i not in seen])
-        seen.update(path)
-    lone_total = 0.0
-    for path, mine in zip(paths, owned):
-        got = _at_path(out, kv_end, path)
-        lone_topology = _lone_topology(path)
-        lone = _per_branch(lambda *t, lone=lone_topology: lone_fn(lone, *t), inputs, kv_end, path)
-        reference = _per_branch(hf_fn, inputs, kv_end, path)
-        assert relative_error(got, lone) <= EXACT
-        assert relative_error(got, reference) <= FLOAT32_FLOOR
-        lone_total = lone_total + (lone[0, mine] * _at_path(projection, kv_end, path)[0, mine]).sum()
-    lone_grads = torch.autograd.grad(lone_total, inputs)
-    for got, expected in zip(tree_grads, lone_grads):
-        assert relative_error(got, expected) <= EXACT
-        assert expected.norm() > 0
-
-
 @pytest.mark.parametrize("width", [2, 4])
 def test_tree_causal_conv1d_matches_each_branch(width):
     from transformers.models.qwen3_next.modeling_qwen3_next import causal_conv1d_fn
@@ -171,7 +84,7 @@ def test_tree_causal_conv1d_matches_each_branch(width):
     batch, _ = packed_batch()
     kv_end = batch["kv_end"]
     topology = build_topology(kv_end)
-    (x,) = _random_inputs(kv_end, (6,))
+    (x,) = random_token_inputs(kv_end, (6,))
     generator = torch.Generator().manual_seed(2)
     weight = torch.randn(6, width, dtype=torch.float64, generator=generator)
     bias = torch.randn(6, dtype=torch.float64, generator=generator)
@@ -180,7 +93,7 @@ def test_tree_causal_conv1d_matches_each_branch(width):
     def channels_first(fn):
         return lambda x: fn(x.transpose(1, 2)).transpose(1, 2)
 
-    _check_op(
+    check_tree_op(
         channels_first(lambda x: tree_causal_conv1d(x, weight, bias, "silu", topology=topology)),
         channels_first(lambda x: original(x, weight, bias, "silu")),
         lambda lone, x: channels_first(lambda y: tree_causal_conv1d(y, weight, bias, "silu", topology=lone))(x),
@@ -196,7 +109,7 @@ def test_tree_gated_delta_rule_matches_each_branch(chunk_size):
     batch, _ = packed_batch()
     kv_end = batch["kv_end"]
     topology = build_topology(kv_end)
-    query, key, value, a, b = _random_inputs(kv_end, (1, 4), (1, 4), (2, 3), (2,), (2,))
+    query, key, value, a, b = random_token_inputs(kv_end, (1, 4), (1, 4), (2, 3), (2,), (2,))
     original = torch_chunk_gated_delta_rule.__hf_tree_original__
 
     def run(fn, size):
@@ -206,7 +119,7 @@ def test_tree_gated_delta_rule_matches_each_branch(chunk_size):
 
         return call
 
-    _check_op(
+    check_tree_op(
         run(lambda *t, **k: tree_chunk_gated_delta_rule(*t, topology=topology, **k), chunk_size),
         run(original, chunk_size),
         lambda lone, *t: run(lambda *u, **k: tree_chunk_gated_delta_rule(*u, topology=lone, **k), 3)(*t),
@@ -222,14 +135,14 @@ def test_tree_mamba2_scan_matches_each_branch(chunk_size):
     batch, _ = packed_batch()
     kv_end = batch["kv_end"]
     topology = build_topology(kv_end)
-    x, dt, b, c = _random_inputs(kv_end, (4, 3), (4,), (2, 5), (2, 5))
+    x, dt, b, c = random_token_inputs(kv_end, (4, 3), (4,), (2, 5), (2, 5))
     generator = torch.Generator().manual_seed(3)
     A = -torch.rand(4, dtype=torch.float64, generator=generator) - 0.1
     D, dt_bias = torch.randn(2, 4, dtype=torch.float64, generator=generator)
     options = dict(D=D, dt_bias=dt_bias, dt_softplus=True, dt_limit=(0.0, float("inf")))
     original = mamba2_chunk_scan.__hf_tree_original__
 
-    _check_op(
+    check_tree_op(
         lambda *t: tree_mamba2_chunk_scan(t[0], t[1], A, t[2], t[3], chunk_size, topology=topology, **options),
         lambda *t: original(t[0], t[1], A, t[2], t[3], chunk_size, **options),
         lambda lone, *t: tree_mamba2_chunk_scan(t[0], t[1], A, t[2], t[3], 3, topology=lone, **options),
@@ -253,7 +166,7 @@ def tree_and_branch_gradients(model, max_packed_tokens: int = 64):
 
 
 @pytest.mark.parametrize("family", list(HYBRIDS))
-def test_hybrid_model_tree_training_matches_per_branch(family):
+def test_hybrid_model_tree_training_matches_on_branch(family):
     model = hybrid_model(family)
     loss, reference, tree_grads, ref_grads, batch = tree_and_branch_gradients(model)
     assert batch["input_ids"].shape[0] == 1 and (batch["kv_end"][0, -1] == batch["kv_end"].shape[1])  # forest+pad
@@ -272,7 +185,7 @@ def test_gradient_checkpointing_recomputes_the_same_tree():
 
 
 @pytest.mark.parametrize("family", [pytest.param("qwen3_5_text", marks=pytest.mark.slow), "bamba"])
-def test_bfloat16_tree_error_is_no_worse_than_per_branch(family):
+def test_bfloat16_tree_error_is_no_worse_than_on_branch(family):
     """In bfloat16 (float32 states) the tree's gradient error against float64 per-branch training is within 2x of
     bfloat16 per-branch training's own error (measured ratios 0.7-1.4)."""
     model = hybrid_model(family)
@@ -287,12 +200,12 @@ def test_bfloat16_tree_error_is_no_worse_than_per_branch(family):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("family", [f for f in SLOW_HYBRIDS if f != "mamba2"])
-def test_more_hybrid_models_match_per_branch(family):
-    test_hybrid_model_tree_training_matches_per_branch(family)
+def test_more_hybrid_models_match_on_branch(family):
+    test_hybrid_model_tree_training_matches_on_branch(family)
 
 
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_pure_mamba2_model_matches_per_branch(checkpointing):
+def test_pure_mamba2_model_matches_on_branch(checkpointing):
     """Mamba2ForCausalLM.forward drops the model's keyword arguments; hf_tree hands kv_end on to its backbone
     (hf_tree.models.mixers.install.KWARG_DROPPING_CLASSES), whose blocks pass it to the tree-aware scan and conv. A
     block's checkpoint keeps the keyword arguments it was called with, so a recompute sees kv_end too."""
@@ -309,7 +222,7 @@ def test_pure_mamba2_model_matches_per_branch(checkpointing):
 
 @pytest.mark.parametrize("family", ["nemotron", "stablelm"])
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_layers_that_drop_kv_end_match_per_branch(family, checkpointing):
+def test_layers_that_drop_kv_end_match_on_branch(family, checkpointing):
     """Nemotron's and StableLM's decoder layers call their attention without the model's keyword arguments, so
     kv_end never reached tree_flash and the packed row ran as one causal sequence (the first-use probe refused them
     at 1.08 and 0.64); hf_tree hands the tree keywords on to the attention (KWARG_DROPPING_CLASSES). Partial rotary
@@ -377,15 +290,6 @@ def test_without_tree_mixers_the_same_check_fails(monkeypatch):
     assert float32_floor_grad_error(tree_grads, ref_grads) > 1e-2
 
 
-def _generate_and_score(model, input_ids, attention_mask):
-    """Logits of a left-padded batch and a few greedy tokens (cached decoding): the paths without kv_end."""
-    logits = model(input_ids=input_ids, attention_mask=attention_mask).logits
-    generated = model.generate(
-        input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0
-    )
-    return logits, generated
-
-
 @pytest.mark.parametrize("family", ["qwen3_5_text", "bamba"])
 def test_install_is_idempotent_and_leaves_batches_without_kv_end_unchanged(family):
     from transformers.models.qwen3_5 import modeling_qwen3_5
@@ -397,11 +301,11 @@ def test_install_is_idempotent_and_leaves_batches_without_kv_end_unchanged(famil
     input_ids = torch.tensor([[0, 0, 5, 6, 7, 8], [9, 10, 11, 12, 13, 14]])
     attention_mask = (torch.arange(6) >= torch.tensor([[2], [0]])).long()
     with torch.no_grad():
-        installed = _generate_and_score(model, input_ids, attention_mask)
+        installed = generate_and_score(model, input_ids, attention_mask)
         uninstall_tree_mixers()
         try:
             assert modeling_qwen3_5.torch_chunk_gated_delta_rule is patched.__hf_tree_original__
-            original = _generate_and_score(model, input_ids, attention_mask)
+            original = generate_and_score(model, input_ids, attention_mask)
         finally:
             install_tree_mixers()
     torch.testing.assert_close(installed[0], original[0], rtol=0, atol=0)

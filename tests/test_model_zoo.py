@@ -42,6 +42,7 @@ FAST_SUBSET = {
     "granite": "exact",  # logits_scaling (and residual/attention multipliers)
     "qwen3_next": "exact",  # GatedDeltaNet linear attention + conv (hybrid; hf_tree.models.mixers)
     "bamba": "exact",  # Mamba2 mixers + attention (hybrid; hf_tree.models.mixers)
+    "mamba": "exact",  # Mamba-1 selective scan + conv, no attention (hf_tree.models.mixers)
     "bloom": "refused",  # ALiBi: the model builds its bias outside the attention function
     "bert": "refused",  # a transform before the vocabulary projection
     "opt": "exact",  # learned positions; its forward runs the inner decoder, not base_model

@@ -85,11 +85,11 @@ def test_tree_sft_trainer_init_names_bloom_and_alibi(tmp_path, by_path):
 
 
 def test_tree_trainer_init_names_a_recurrent_mixer(tmp_path):
-    """Mamba (no attention to switch) is refused at init for its mixer, not at the first batch for its attention."""
-    with pytest.raises(ValueError, match="MambaMixer: Mamba \\(selective scan\\) mixer"):
+    """RWKV (no attention to switch) is refused at init for its mixer, not at the first batch for its attention."""
+    with pytest.raises(ValueError, match="RwkvSelfAttention: RWKV time mixing"):
         TreeTrainer(
-            model=tiny_model("mamba", dtype=torch.float32, attn="eager", vocab_size=VOCAB),
-            args=TreeTrainingArguments(**common_args(tmp_path, "mamba", 2, 1)),
+            model=tiny_model("rwkv", dtype=torch.float32, attn="eager", vocab_size=VOCAB),
+            args=TreeTrainingArguments(**common_args(tmp_path, "rwkv", 2, 1)),
             train_dataset=tree_dataset(branch_groups(num_trees=2)),
         )
 

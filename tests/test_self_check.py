@@ -120,12 +120,10 @@ def test_peft_wrapped_leak_is_refused():
 
 
 def test_known_non_tree_aware_mixer_is_refused_by_name():
-    config = transformers.AutoConfig.for_model(
-        "mamba", vocab_size=64, hidden_size=32, num_hidden_layers=2, state_size=8, expand=2
-    )
+    config = transformers.AutoConfig.for_model("rwkv", vocab_size=64, hidden_size=32, num_hidden_layers=2)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="tree_flash")
-    assert "MambaMixer" in NOT_TREE_AWARE_MODULES
-    with pytest.raises(ValueError, match="MambaMixer: Mamba \\(selective scan\\) mixer"):
+    assert "RwkvSelfAttention" in NOT_TREE_AWARE_MODULES
+    with pytest.raises(ValueError, match="RwkvSelfAttention: RWKV time mixing"):
         tree_causal_lm_loss(model, tree_batch())
 
 

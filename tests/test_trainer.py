@@ -373,14 +373,14 @@ def test_depth_first_trees_count_in_num_input_tokens_seen(tmp_path, mode):
 
 
 def test_no_attention_switch_message_for_a_model_without_attention(caplog):
-    """Mamba has no attention layer: switching it to tree_flash says nothing about attention, only why it is refused
+    """RWKV has no attention layer: switching it to tree_flash says nothing about attention, only why it is refused
     (its mixer); a Llama on sdpa gets the one line."""
-    for family, expected in (("mamba", 0), ("llama", 1)):
+    for family, expected in (("rwkv", 0), ("llama", 1)):
         caplog.clear()
-        model = tiny_model(family, dtype=torch.float32, attn="eager") if family == "mamba" else tiny_model(attn="sdpa")
+        model = tiny_model(family, dtype=torch.float32, attn="eager") if family == "rwkv" else tiny_model(attn="sdpa")
         with caplog.at_level("WARNING", logger="hf_tree"):
-            if family == "mamba":
-                with pytest.raises(ValueError, match="MambaMixer"):
+            if family == "rwkv":
+                with pytest.raises(ValueError, match="RwkvSelfAttention"):
                     use_tree_attention(model)
             else:
                 use_tree_attention(model)

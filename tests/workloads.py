@@ -278,3 +278,31 @@ def forest(seed: int, num_trees: int = 4, max_packed_tokens: int = 64, pad_to_mu
     collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=pad_to_multiple_of)
     batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in groups])
     return groups, batch
+
+
+# ------------------------------------------------------------------------------------- tree mixer workloads
+# A forest row with padding: a fork at position 1 (closer to the root than any conv width), a fork inside the
+# "prompt" and nested forks (node depth 4), a prefix branch, a duplicate branch, an untrained branch, and a second
+# tree with a single-token-longer sibling pair.
+FOREST_SEQUENCES = [
+    [5, 6, 7, 8, 9, 10, 11, 12],
+    [5, 6, 7, 8, 20, 21, 22],
+    [5, 6, 7, 8, 20, 21, 30, 31, 32],
+    [5, 6, 7, 8, 20, 21, 30, 31, 40, 41, 42, 43],
+    [5, 6, 7, 8, 20, 21],  # prefix of the two above
+    [5, 6, 7, 8, 20, 21, 22],  # duplicate
+    [5, 50, 51, 52],  # fork at position 1
+    [5, 50, 60],
+]
+FOREST_MASKS = [[0] + [1] * (len(s) - 1) for s in FOREST_SEQUENCES]
+FOREST_MASKS[7] = [0] * len(FOREST_SEQUENCES[7])  # untrained branch: its tokens still feed the shared states
+FOREST_SECOND_TREE = [[70, 71, 72, 73, 74], [70, 71, 72, 80], [70, 90, 91]]
+
+
+def packed_batch(max_packed_tokens: int = 64) -> tuple[dict[str, torch.Tensor], list[tuple[list, list]]]:
+    """The collator's batch of that forest (one row of 64 with padding, or several rows) and its ``(sequences,
+    masks)`` groups (tests/test_hybrid_mixers.py, tests/test_mamba1_mixers.py)."""
+    groups = [(FOREST_SEQUENCES, FOREST_MASKS), (FOREST_SECOND_TREE, None)]
+    collator = TreeDataCollator(max_packed_tokens=max_packed_tokens, pad_to_multiple_of=8)
+    batch = collator([Tree.from_sequences(s, m).to_dict() for s, m in groups])
+    return batch, groups

@@ -57,10 +57,6 @@ SELF_CHECK_ENV_VAR = "HF_TREE_SELF_CHECK"
 # Module classes known to mix the tokens of a packed row regardless of kv_end, with why. The fast first line of
 # refusal (the probe would catch them too, with a less specific message). Drop a class once it is made tree-aware.
 NOT_TREE_AWARE_MODULES: dict[str, str] = {
-    **dict.fromkeys(
-        ("MambaMixer", "FalconMambaMixer", "JambaMambaMixer", "ZambaMambaMixer"),
-        "Mamba (selective scan) mixer: a causal conv and a scan run over the packed row",
-    ),
     **dict.fromkeys(("RwkvSelfAttention", "RwkvFeedForward"), "RWKV time mixing: a recurrent state over the row"),
     **dict.fromkeys(("RecurrentGemmaRecurrentBlock",), "RG-LRU recurrence and conv over the packed row"),
     **dict.fromkeys(("MiniMaxLightningAttention",), "lightning (linear) attention: a running state over the row"),

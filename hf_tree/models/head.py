@@ -60,7 +60,7 @@ class LogitHead:
         kept unsharded by the model forward until backward; running its hooks a second time segfaulted in backward.
         ``forward()`` keeps PEFT/accelerate wrappers (they replace ``forward`` itself).
         """
-        return self.scored(output_embedding.forward(hidden))
+        return self.scored(output_embedding.forward(head_input(output_embedding, hidden)))
 
     def scored(self, logits: torch.Tensor) -> torch.Tensor:
         """The output embedding's ``[M, vocab]`` output -> the model's logits (half precision promoted)."""
@@ -70,6 +70,17 @@ class LogitHead:
         if self.softcap is not None:
             logits = self.softcap * torch.tanh(logits / self.softcap)
         return logits
+
+
+def head_input(output_embedding: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+    """``hidden`` in the output embedding's floating weight dtype where they differ: Mamba and Falcon-Mamba keep their
+    residual stream in float32 in a half-precision model (``residual_in_fp32``) and cast it so before their LM head (a
+    Linear refuses mixed dtypes, and under autocast it casts both anyway: the same logits). Quantized weights
+    (integer storage) are left to their layer."""
+    weight = getattr(output_embedding, "weight", None)
+    if isinstance(weight, torch.Tensor) and weight.is_floating_point() and hidden.dtype != weight.dtype:
+        return hidden.to(weight.dtype)
+    return hidden
 
 
 def _relative_max_error(got: torch.Tensor, expected: torch.Tensor) -> float:
@@ -186,7 +197,8 @@ def detect_logit_head(model: torch.nn.Module, forward=None) -> LogitHead:
     def head_hook(module, args, output):
         if "hidden" in captured and "raw" not in captured:
             try:
-                captured["raw"] = module.forward(captured["hidden"].reshape(-1, captured["hidden"].shape[-1]))
+                hidden = captured["hidden"].reshape(-1, captured["hidden"].shape[-1])
+                captured["raw"] = module.forward(head_input(module, hidden))
             except RuntimeError as error:  # e.g. a projection to a smaller embedding size before the vocabulary one
                 captured["error"] = error
 

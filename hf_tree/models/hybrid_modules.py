@@ -17,6 +17,10 @@ TREE_MIXER_MODULES = (
     "olmo_hybrid",
     "lfm3",
     "kimi_linear",
+    "mamba",
+    "falcon_mamba",
+    "jamba",
+    "zamba",
     # no mixer of their own: their decoder layers drop kv_end before their attention (KWARG_DROPPING_CLASSES)
     "nemotron",
     "stablelm",

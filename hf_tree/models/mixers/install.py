@@ -9,27 +9,31 @@ the tree-aware op, without it the original function, so generation and ordinary 
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import importlib
 import inspect
-from collections.abc import Callable
-from types import ModuleType
+from collections.abc import Callable, Mapping
+from types import MappingProxyType, ModuleType
 from typing import Protocol, runtime_checkable
 
 import torch
 from torch.utils.checkpoint import checkpoint
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 from hf_tree.attention import scoped_attention_engine
 from hf_tree.models.hybrid_modules import TREE_MIXER_MODULES, modeling_module
 from hf_tree.models.mixers.conv import tree_causal_conv1d
 from hf_tree.models.mixers.delta_rule import tree_chunk_gated_delta_rule
+from hf_tree.models.mixers.selective_scan import tree_mamba_selective_scan
 from hf_tree.models.mixers.ssd import tree_mamba2_chunk_scan
 from hf_tree.models.mixers.topology import tree_topology
 
 
 def _skip_fused(*args, **kwargs) -> None:
-    """Tree mode of ``mamba2_split_conv1d_scan_combined``: ``None`` makes the mixer take its unfused path, whose
-    convolution and scan are tree-aware."""
+    """Tree mode of ``mamba2_split_conv1d_scan_combined`` and ``mamba_inner_fn``: ``None`` makes the mixer take its
+    unfused path, whose convolution and scan are tree-aware."""
     return None
 
 
@@ -48,11 +52,14 @@ TREE_OPS: dict[str, Callable[..., object]] = {
     "torch_chunk_gated_delta_rule": tree_chunk_gated_delta_rule,
     "chunk_kimi_delta_attention": tree_chunk_gated_delta_rule,  # the same rule, a decay per key channel
     "mamba2_chunk_scan": tree_mamba2_chunk_scan,
+    "mamba_selective_scan": tree_mamba_selective_scan,
     "mamba2_split_conv1d_scan_combined": _skip_fused,
+    "mamba_inner_fn": _skip_fused,
     "causal_conv1d_update": _refuse_cached_step("causal_conv1d_update"),
     "torch_recurrent_gated_delta_rule": _refuse_cached_step("torch_recurrent_gated_delta_rule"),
     "recurrent_kimi_delta_attention": _refuse_cached_step("recurrent_kimi_delta_attention"),
     "mamba2_selective_state_update": _refuse_cached_step("mamba2_selective_state_update"),
+    "mamba_selective_state_update": _refuse_cached_step("mamba_selective_state_update"),
 }
 
 
@@ -62,6 +69,7 @@ SEQUENCE_DIMS: dict[Callable[..., object], tuple[dict[str, int], int, bool]] = {
     tree_causal_conv1d: ({"hidden_states": 2}, 2, False),
     tree_chunk_gated_delta_rule: ({name: 1 for name in ("query", "key", "value", "g", "beta")}, 1, True),
     tree_mamba2_chunk_scan: ({name: 1 for name in ("hidden_states", "dt", "B", "C")}, 1, False),
+    tree_mamba_selective_scan: ({name: 2 for name in ("hidden_states", "dt", "B", "C", "z")}, 2, False),
 }
 
 
@@ -121,7 +129,9 @@ def tree_dispatch(original: Callable[..., object], tree_op: Callable[..., object
     under hf_tree's context parallel, ``context_parallel_tree_op``)."""
 
     @functools.wraps(original)
-    def dispatch(*args, kv_end: torch.Tensor | None = None, **kwargs):
+    def dispatch(*args, **kwargs):
+        kwargs = {**_scoped_keywords.get(), **kwargs}
+        kv_end = kwargs.pop("kv_end", None)
         if kv_end is None:
             return original(*args, **kwargs)
         if tree_op not in SEQUENCE_DIMS:  # the fused kernel's switch, the cached steps' refusals: no topology
@@ -140,39 +150,81 @@ def is_tree_dispatch(function: object) -> bool:
     return hasattr(function, "__hf_tree_original__")
 
 
-# Classes whose forward drops the model's keyword arguments instead of passing them to a submodule (attribute named
-# here), so kv_end would never reach the mixers or tree_flash: class name -> (submodule attribute, keywords handed
-# on). Mamba2ForCausalLM drops them before its backbone; Nemotron's and StableLM's decoder layers (transformers 5.24)
-# call their attention with named arguments only, so the packed row ran as one causal sequence (siblings leaked:
-# the first-use probe refused both at a difference of 1.08 and 0.64).
-KWARG_DROPPING_CLASSES = {
-    "Mamba2ForCausalLM": ("backbone", ("kv_end",)),
-    "NemotronDecoderLayer": ("self_attn", ("kv_end", "kv_prefix", "bidirectional_block")),
-    "StableLmDecoderLayer": ("self_attn", ("kv_end", "kv_prefix", "bidirectional_block")),
+# The keywords a depth-first or packed tree batch hands its layers (``kv_end`` the trie, ``kv_prefix`` the cached
+# ancestors of a depth-first unit).
+TREE_KEYWORDS = ("kv_end", "kv_prefix")
+ATTENTION_KEYWORDS = (*TREE_KEYWORDS, "bidirectional_block")
+
+# Classes whose forward drops the model's keyword arguments instead of passing them on, so kv_end would never reach
+# the mixers or tree_flash: class name -> (where they go, keywords handed on). Where: a submodule attribute (each
+# module of a ModuleList), or None for the mixer ops the forward calls (``_scoped_keywords``).
+# - Mamba2ForCausalLM drops them before its backbone; Nemotron's and StableLM's decoder layers (transformers 5.24)
+#   call their attention with named arguments only, so the packed row ran as one causal sequence (siblings leaked:
+#   the first-use probe refused both at a difference of 1.08 and 0.64).
+# - Mamba and Falcon-Mamba drop them at every level (causal LM, backbone, block), Jamba at its Mamba decoder layer;
+#   the Mamba-1 mixers call their scan (and Zamba's its convolution) without them.
+KWARG_DROPPING_CLASSES: dict[str, tuple[str | None, tuple[str, ...]]] = {
+    "Mamba2ForCausalLM": ("backbone", TREE_KEYWORDS),
+    "NemotronDecoderLayer": ("self_attn", ATTENTION_KEYWORDS),
+    "StableLmDecoderLayer": ("self_attn", ATTENTION_KEYWORDS),
+    **{f"{name}ForCausalLM": ("backbone", TREE_KEYWORDS) for name in ("Mamba", "FalconMamba")},
+    **{f"{name}Model": ("layers", TREE_KEYWORDS) for name in ("Mamba", "FalconMamba")},
+    **{f"{name}Block": ("mixer", TREE_KEYWORDS) for name in ("Mamba", "FalconMamba")},
+    "JambaMambaDecoderLayer": ("mamba", TREE_KEYWORDS),
+    **{f"{name}Mixer": (None, TREE_KEYWORDS) for name in ("Mamba", "FalconMamba", "JambaMamba", "ZambaMamba")},
 }
 
+# The tree keywords of the mixer forward running now, for the ops it calls without them (a context variable: set for
+# that forward's duration only, so a checkpointed layer's recompute, which runs the forward again, sets it again).
+_scoped_keywords: contextvars.ContextVar[Mapping[str, object]] = contextvars.ContextVar(
+    "hf_tree_mixer_keywords", default=MappingProxyType({})
+)
 
-def pass_tree_keywords(forward: Callable[..., object], submodule: str, keywords: tuple[str, ...]) -> Callable:
-    """``forward`` of a module that hands ``keywords`` (``kv_end``, ...) on to its ``submodule`` attribute's forward;
-    unchanged when none is given."""
+
+def pass_tree_keywords(forward: Callable[..., object], submodule: str | None, keywords: tuple[str, ...]) -> Callable:
+    """``forward`` of a module that hands ``keywords`` (``kv_end``, ...) on to its ``submodule`` attribute's forward
+    (each module's of a ``ModuleList``), or with ``submodule=None`` to the mixer ops it calls; unchanged when none is
+    given."""
 
     @functools.wraps(forward)
     def tree_forward(self, *args, **kwargs):
         given = {name: kwargs.pop(name) for name in keywords if kwargs.get(name) is not None}
         if not given:
             return forward(self, *args, **kwargs)
+        if submodule is None:
+            token = _scoped_keywords.set(given)
+            try:
+                return forward(self, *args, **kwargs)
+            finally:
+                _scoped_keywords.reset(token)
 
         def add_keywords(_module, module_args, module_kwargs):
             return module_args, module_kwargs | given
 
-        handle = getattr(self, submodule).register_forward_pre_hook(add_keywords, with_kwargs=True)
-        try:
+        target = getattr(self, submodule)
+        targets = list(target) if isinstance(target, torch.nn.ModuleList) else [target]
+        with contextlib.ExitStack() as stack:
+            for module in targets:
+                stack.callback(module.register_forward_pre_hook(add_keywords, with_kwargs=True).remove)
             return forward(self, *args, **kwargs)
-        finally:
-            handle.remove()
 
-    tree_forward.__hf_tree_original__ = forward
     return tree_forward
+
+
+def _wrap_forward(cls: type, submodule: str | None, keywords: tuple[str, ...]) -> None:
+    """``cls.forward = pass_tree_keywords(cls.forward, ...)``. A ``GradientCheckpointingLayer`` checkpoints its forward
+    only while that wrapper of transformers is ``cls.forward`` itself: its inner forward is wrapped instead, and the
+    wrapper put back around it, so a checkpointed layer stays checkpointed and its recompute hands the keywords on too.
+    """
+    original = cls.forward
+    # transformers 5.x wraps each subclass's forward in __init_subclass__ (earlier releases checkpointed __call__)
+    rewrap = GradientCheckpointingLayer.__dict__.get("__init_subclass__")
+    if rewrap is not None and issubclass(cls, GradientCheckpointingLayer) and hasattr(original, "__wrapped__"):
+        cls.forward = pass_tree_keywords(original.__wrapped__, submodule, keywords)
+        rewrap.__func__(cls)  # puts transformers' checkpointing wrapper back around it
+    else:
+        cls.forward = pass_tree_keywords(original, submodule, keywords)
+    cls.forward.__hf_tree_original__ = original
 
 
 def install_module_mixers(module: ModuleType) -> None:
@@ -186,7 +238,7 @@ def install_module_mixers(module: ModuleType) -> None:
     for class_name, (submodule, keywords) in KWARG_DROPPING_CLASSES.items():
         cls = getattr(module, class_name, None)
         if cls is not None and not hasattr(cls.forward, "__hf_tree_original__"):
-            cls.forward = pass_tree_keywords(cls.forward, submodule, keywords)
+            _wrap_forward(cls, submodule, keywords)
 
 
 def install_tree_mixers(modules: tuple[str, ...] = TREE_MIXER_MODULES) -> list[str]:
