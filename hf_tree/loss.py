@@ -57,13 +57,15 @@ def _logit_grad(log_probs: torch.Tensor, targets: torch.Tensor, scaled: torch.Te
 
 class _WeightedCrossEntropy(torch.autograd.Function):
     """``-sum_i weights[i] * log_softmax(logits[i])[targets[i]]`` with a one-pass backward; the chunk's statistics
-    reported to ``metrics`` (a ``TokenMetrics`` or ``None``) from the same log-softmax."""
+    go to ``reports`` (``ChunkReports`` or ``None``) from the same log-softmax."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, metrics) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, reports: ChunkReports | None
+    ) -> torch.Tensor:
         log_probs = torch.log_softmax(logits, dim=-1)
-        if metrics is not None:
-            metrics.add_log_probs(logits, log_probs, targets, weights)
+        if reports is not None:
+            reports.add_log_probs(logits, log_probs, targets, weights)
         ctx.save_for_backward(log_probs, targets, weights)
         return -(log_probs.gather(1, targets[:, None]).squeeze(1) * weights).sum()
 
@@ -206,15 +208,16 @@ def _weighted_ce_chunk(
     targets: torch.Tensor,
     weights: torch.Tensor,
     logit_head: LogitHead,
-    metrics: TokenMetrics | None = None,
+    reports: ChunkReports | None = None,
 ) -> torch.Tensor:
     logits = logit_head.logits(head, hidden)  # the model's own hidden -> logits step (hf_tree.models.head)
-    return _WeightedCrossEntropy.apply(logits, targets, weights.to(logits.dtype), metrics)
+    return _WeightedCrossEntropy.apply(logits, targets, weights.to(logits.dtype), reports)
 
 
-class _ForwardReports:
-    """``metrics`` for the chunks of one ``chunked_token_loss`` call until its forward is done (``close``): a chunk
-    that ``checkpoint`` recomputes in backward finds it closed and does not report a second time."""
+class ChunkReports:
+    """Where the chunks of one ``chunked_token_loss`` call report their logits (``add_log_probs``): to ``metrics``
+    until the call's forward is done (``close``), so a chunk that ``checkpoint`` recomputes in backward reports
+    nothing a second time."""
 
     def __init__(self, metrics: TokenMetrics) -> None:
         self.metrics: TokenMetrics | None = metrics
@@ -240,17 +243,17 @@ def chunked_token_loss(
     """``sum`` over row chunks of ``chunk_loss(head, hidden[c], targets[c], weights[c], *args)``, each chunk's
     ``[chunk, vocab]`` logits recomputed in backward (checkpointed), so ``[M, vocab]`` never exists. Returns a 0-dim
     float32 tensor (float64 for float64 hidden states). ``chunk_size``: rows per chunk (None: ``loss_chunk_rows``).
-    ``metrics``: a ``TokenMetrics``; each chunk then gets a ``metrics=`` argument whose ``add_log_probs`` it calls
-    with its logits, once (not again when recomputed in backward)."""
+    ``metrics``: a ``TokenMetrics``; each chunk then gets a ``reports=`` argument (``ChunkReports``) whose
+    ``add_log_probs`` it calls with its logits and their log-softmax."""
     chunk_size = chunk_size or loss_chunk_rows(_vocab_size(head))
     total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
-    reports = {} if metrics is None else {"metrics": _ForwardReports(metrics)}
+    reports = {} if metrics is None else {"reports": ChunkReports(metrics)}
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
         chunk = (hidden[start:end], targets[start:end], weights[start:end])
         total = total + checkpoint(chunk_loss, head, *chunk, *args, use_reentrant=False, **reports)
     if reports:
-        reports["metrics"].close()
+        reports["reports"].close()
     return total
 
 

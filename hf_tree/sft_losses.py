@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hf_tree.loss import chunked_token_loss
+from hf_tree.loss import ChunkReports, chunked_token_loss
 from hf_tree.models.head import LogitHead
 
 if TYPE_CHECKING:
@@ -38,14 +38,14 @@ def _smoothed_dft_chunk(
     logit_head: LogitHead,
     dft: bool,
     label_smoothing: float,
-    metrics: TokenMetrics | None = None,
+    reports: ChunkReports | None = None,
 ) -> torch.Tensor:
     """The weighted sum of one chunk's per-token losses. ``hidden [m, D]``, ``targets``/``weights [m]``; the chunk's
-    statistics reported to ``metrics`` (``chunked_token_loss``)."""
+    logits go to ``reports`` (``chunked_token_loss``)."""
     logits = logit_head.logits(head, hidden)
     log_probs = torch.log_softmax(logits, dim=-1)  # [m, vocab]
-    if metrics is not None:
-        metrics.add_log_probs(logits, log_probs, targets, weights)
+    if reports is not None:
+        reports.add_log_probs(logits, log_probs, targets, weights)
     target_log_probs = log_probs.gather(1, targets[:, None]).squeeze(1)  # [m]
     weights = weights.to(log_probs.dtype)
     if dft:

@@ -21,6 +21,8 @@ LOSSES = {
     "dft": lambda: sft_token_loss("dft", 0.0),
     "label_smoothing": lambda: sft_token_loss("nll", 0.1),
 }
+# The fused path's first maximum and its bit-for-bit loss are kernels' properties: checked on CUDA too.
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)]
 SEQUENCES = [[5, 6, 7, 8, 9], [5, 6, 7, 10], [5, 6, 11, 12, 13, 14], [5, 6, 7, 8, 9]]
 
 
@@ -34,7 +36,7 @@ def own_loss(token_loss):
     return loss
 
 
-def _problem(dtype: torch.dtype, vocab: int = 40, rows: int = 23, width: int = 8):
+def _problem(dtype: torch.dtype, device: str, vocab: int = 40, rows: int = 23, width: int = 8):
     """A head whose tokens 2 and 5 have the same row, so every row's top two logits tie (2 first) and each target
     is one of them (or another token): the first maximum decides TRL's ``is_top1``."""
     generator = torch.Generator().manual_seed(0)
@@ -45,7 +47,7 @@ def _problem(dtype: torch.dtype, vocab: int = 40, rows: int = 23, width: int = 8
     hidden = torch.rand(rows, width, dtype=dtype, generator=generator) + 0.5  # positive: tokens 2 and 5 lead
     targets = torch.tensor([2, 5, 9] * (rows // 3) + [2] * (rows % 3))
     weights = torch.randint(1, 4, (rows,), generator=generator).to(dtype)
-    return head, hidden, targets, weights
+    return head.to(device), hidden.to(device), targets.to(device), weights.to(device)
 
 
 def _oracle(head, hidden, targets, weights, softcap, scale) -> torch.Tensor:
@@ -72,16 +74,17 @@ def _metered(module, token_loss, hidden, targets, weights, grad: bool, **options
     return loss.detach(), hidden.grad, head.weight.grad, sums
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("options", [{}, dict(softcap=3.0, scale=0.5)], ids=["plain", "softcap_scale"])
 @pytest.mark.parametrize("grad", [True, False], ids=["train", "eval"])
 @pytest.mark.parametrize("head_kind", ["linear", "wrapped"])
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_reported_metrics_equal_a_second_pass_in_float64(loss, head_kind, grad, options):
+def test_reported_metrics_equal_a_second_pass_in_float64(loss, head_kind, grad, options, device):
     """Reported by the loss's chunks (the fused linear path, the checkpointed one for other heads, DFT and label
     smoothing; with gradients and in evaluation) = the second no-grad pass (what a user's own token loss gets, and
     what every loss got before) = TRL's formulas on the whole logits, to float64 rounding; first maxima decide
     ties; and the loss is the unmetered loss's."""
-    head, hidden, targets, weights = _problem(torch.float64)
+    head, hidden, targets, weights = _problem(torch.float64, device)
     module = head if head_kind == "linear" else torch.nn.Sequential(head)
     token_loss = LOSSES[loss]()
     plain = _metered(module, token_loss or weighted_cross_entropy, hidden, targets, weights, grad, **options)
@@ -95,13 +98,14 @@ def test_reported_metrics_equal_a_second_pass_in_float64(loss, head_kind, grad, 
     assert torch.equal(reported[0], plain[0])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("softcap", [None, 3.0])
 @pytest.mark.parametrize("head_kind", ["linear", "wrapped"])
 @pytest.mark.parametrize("loss", list(LOSSES))
-def test_metrics_leave_the_loss_and_gradients_bit_identical(loss, head_kind, softcap, dtype):
+def test_metrics_leave_the_loss_and_gradients_bit_identical(loss, head_kind, softcap, dtype, device):
     """Reporting changes no bit of the loss or of the hidden-state and head gradients (low precision included)."""
-    head, hidden, targets, weights = _problem(dtype)
+    head, hidden, targets, weights = _problem(dtype, device)
     module = head if head_kind == "linear" else torch.nn.Sequential(head)
     token_loss = LOSSES[loss]()
     options = dict(softcap=softcap, scale=0.5)
