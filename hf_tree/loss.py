@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from accelerate.utils import extract_model_from_parallel
@@ -23,9 +22,7 @@ from hf_tree.models.introspection import capture_last_hidden_state, causal_lm_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef, tree_router_loss
 from hf_tree.packing import DEPTH_FIRST_KEY
-
-if TYPE_CHECKING:  # hf_tree.sft_metrics imports this module
-    from hf_tree.sft_metrics import TokenMetrics
+from hf_tree.token_metrics import TokenMetrics
 
 # Bytes of one float32 [rows, vocab] logits tile: sets the rows per loss chunk (``loss_chunk_rows``). The fused
 # cross-entropy over SmolLM2's 49k vocabulary took 4% less time with 512-row chunks (this size) than 256, the
@@ -277,7 +274,7 @@ def weighted_cross_entropy(
         weights: ``[M]`` per-edge weights (any float dtype; cast to the logits' dtype).
         softcap, scale: the model's final logit softcapping and logit multiplier (``detect_logit_head``).
         chunk_size: rows of logits computed at once (None: ``loss_chunk_rows`` of the vocabulary).
-        metrics: a ``hf_tree.sft_metrics.TokenMetrics`` that gets TRL's entropy and top-1 statistics of the scored
+        metrics: a ``hf_tree.token_metrics.TokenMetrics`` that gets TRL's entropy and top-1 statistics of the scored
             edges, from the logits the loss computes (no further head pass); gradients and loss are unchanged.
     """
     logit_head = LogitHead(scale=scale, softcap=softcap)

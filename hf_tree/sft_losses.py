@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
 
 from hf_tree.loss import ChunkReports, chunked_token_loss
 from hf_tree.models.head import LogitHead
-
-if TYPE_CHECKING:
-    from hf_tree.sft_metrics import TokenMetrics
+from hf_tree.token_metrics import TokenMetrics
 
 SFT_LOSS_TYPES = ("nll", "dft")
 

@@ -6,9 +6,10 @@ gathered over the processes. A tree scores a shared trained token once with the 
 (``normalization="token"``: the weight *is* that count), so the same means are weighted sums over the scored edges.
 
 ``MeteredTokenLoss`` wraps the token loss that both the packed rows and depth-first units call
-(``hf_tree.loss.score_hidden_states``): it returns the wrapped loss unchanged and hands it a ``TokenMetrics``, to
-which the loss reports each chunk of logits it computes anyway (``weighted_cross_entropy``'s and the SFT losses'
-``metrics`` argument), so the statistics cost no head pass of their own.
+(``hf_tree.loss.score_hidden_states``): it returns the wrapped loss unchanged and hands it a ``TokenMetrics``
+(``hf_tree.token_metrics``), to which the loss reports each chunk of logits it computes anyway
+(``weighted_cross_entropy``'s and the SFT losses' ``metrics`` argument), so the statistics cost no head pass of their
+own.
 """
 
 from __future__ import annotations
@@ -20,38 +21,7 @@ import torch
 
 from hf_tree.loss import _vocab_size, loss_chunk_rows, weighted_cross_entropy
 from hf_tree.models.head import LogitHead
-
-
-class TokenMetrics:
-    """Sums over scored edges ``i`` with weight ``w_i`` of TRL's per-token statistics: ``sums`` ``[3]`` float64 =
-    (``sum w_i * entropy_i``, ``sum w_i * [target_i is the top-1 token]``, ``sum w_i``), added chunk by chunk by the
-    token losses (their ``metrics`` argument) and read and reset per micro-batch (``take``)."""
-
-    def __init__(self) -> None:
-        self.sums = torch.zeros(3, dtype=torch.float64)
-
-    @torch.no_grad()
-    def add(self, entropy: torch.Tensor, top1: torch.Tensor, weights: torch.Tensor) -> None:
-        """One chunk: ``entropy [m]`` (float32 as TRL's, float64 for a float64 model), ``top1 [m]`` bool (the target
-        is the *first* maximum of its logits, TRL's ``is_top1``), ``weights [m]``."""
-        w = weights.detach().to(torch.float64)
-        chunk = torch.stack([(w * entropy.double()).sum(), (w * top1.double()).sum(), w.sum()])
-        self.sums = self.sums.to(chunk.device) + chunk
-
-    @torch.no_grad()
-    def add_log_probs(
-        self, logits: torch.Tensor, log_probs: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor
-    ) -> None:
-        """One chunk from its ``logits [m, vocab]`` (float32, or float64) and their ``log_softmax``: TRL's
-        ``entropy_from_logits`` and ``argmax`` (the first maximum). ``targets [m]`` int64, ``weights [m]``."""
-        log_probs = log_probs.detach()
-        entropy = -(log_probs.exp() * log_probs).sum(-1)
-        self.add(entropy, logits.detach().argmax(-1) == targets, weights)
-
-    def take(self) -> torch.Tensor:
-        """The sums since the last call (``[3]`` float64: entropy, correct, count), then zeroed."""
-        sums, self.sums = self.sums, torch.zeros_like(self.sums)
-        return sums
+from hf_tree.token_metrics import TokenMetrics
 
 
 def reports_metrics(token_loss: Callable[..., torch.Tensor]) -> bool:
