@@ -22,6 +22,7 @@ from hf_tree.models.introspection import capture_last_hidden_state, causal_lm_of
 from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import router_aux_loss_coef, tree_router_loss
 from hf_tree.packing import DEPTH_FIRST_KEY
+from hf_tree.token_metrics import TokenMetrics
 
 # Bytes of one float32 [rows, vocab] logits tile: sets the rows per loss chunk (``loss_chunk_rows``). The fused
 # cross-entropy over SmolLM2's 49k vocabulary took 4% less time with 512-row chunks (this size) than 256, the
@@ -52,18 +53,23 @@ def _logit_grad(log_probs: torch.Tensor, targets: torch.Tensor, scaled: torch.Te
 
 
 class _WeightedCrossEntropy(torch.autograd.Function):
-    """``-sum_i weights[i] * log_softmax(logits[i])[targets[i]]`` with a one-pass backward."""
+    """``-sum_i weights[i] * log_softmax(logits[i])[targets[i]]`` with a one-pass backward; the chunk's statistics
+    go to ``reports`` (``ChunkReports`` or ``None``) from the same log-softmax."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        ctx, logits: torch.Tensor, targets: torch.Tensor, weights: torch.Tensor, reports: ChunkReports | None
+    ) -> torch.Tensor:
         log_probs = torch.log_softmax(logits, dim=-1)
+        if reports is not None:
+            reports.add_log_probs(logits, log_probs, targets, weights)
         ctx.save_for_backward(log_probs, targets, weights)
         return -(log_probs.gather(1, targets[:, None]).squeeze(1) * weights).sum()
 
     @staticmethod
     def backward(ctx, grad_total: torch.Tensor):
         log_probs, targets, weights = ctx.saved_tensors
-        return _logit_grad(log_probs, targets, weights * grad_total), None, None
+        return _logit_grad(log_probs, targets, weights * grad_total), None, None, None
 
 
 def _linear_cross_entropy(
@@ -75,12 +81,14 @@ def _linear_cross_entropy(
     chunk_size: int,
     need_hidden: bool = False,
     need_weight: bool = False,
+    metrics: TokenMetrics | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Weighted CE of ``hidden [M, D] @ weight.T [D, V]``, chunk by chunk, and only the gradients asked for.
 
     Returns the 0-dim float32/64 total, ``d total / d hidden`` ``[M, D]`` (if ``need_hidden``) and
     ``d total / d weight`` ``[V, D]`` in the weight's own dtype (if ``need_weight``). With neither, each chunk
-    costs one matmul and no gradient buffer exists (evaluation).
+    costs one matmul and no gradient buffer exists (evaluation). ``metrics``: a ``TokenMetrics`` that each chunk
+    reports its entropy and top-1 hits to, from the same scores.
     """
     # The head gradient sums its chunks in the parameter's dtype, as per-branch training sums its branches into
     # ``.grad``: bfloat16 weights in place (no float32 [vocab, D] copy), float32 weights under autocast in float32.
@@ -102,6 +110,8 @@ def _linear_cross_entropy(
         scores_buffer = (
             logits_buffer if in_place else torch.empty_like(logits_buffer, dtype=compute_dtype(weight.dtype))
         )
+        # With metrics the exponentials get a buffer of their own: the entropy needs them beside the shifted scores.
+        exp_buffer = torch.empty_like(scores_buffer) if metrics is not None else None
         for start in range(0, hidden.shape[0], chunk_size):
             chunk = hidden[start : start + chunk_size]
             chunk_targets = targets[start : start + chunk_size, None]
@@ -112,15 +122,25 @@ def _linear_cross_entropy(
             if softcap is not None:
                 capped_tanh = scores.div_(softcap).tanh_().clone()
                 scores.mul_(softcap)
-            # log-sum-exp in place (torch.logsumexp would allocate a shifted copy), scores -> exp(scores - max)
+            # log-sum-exp in place (torch.logsumexp would allocate a shifted copy): exps = exp(scores - max)
             target_scores = scores.gather(1, chunk_targets)
-            row_max = scores.amax(dim=-1, keepdim=True)
-            sum_exp = scores.sub_(row_max).exp_().sum(dim=-1, keepdim=True)
+            if metrics is None:
+                row_max = scores.amax(dim=-1, keepdim=True)
+                exps = scores.sub_(row_max).exp_()
+            else:
+                row_max, top1 = scores.max(dim=-1, keepdim=True)  # top1: the first maximum, TRL's is_top1
+                exps = torch.exp(scores.sub_(row_max), out=exp_buffer[: chunk.shape[0]])
+            sum_exp = exps.sum(dim=-1, keepdim=True)
             total += ((row_max + sum_exp.log() - target_scores) * chunk_weights).sum()
+            if metrics is not None:
+                # TRL's entropy, log Z - sum_v e_v z_v / Z (trl/kernels/chunked_logprob.py), with z - max for z: the
+                # terms are all >= 0 (no cancellation). The shifted scores are not needed after this.
+                entropy = sum_exp.log() - scores.mul_(exps).sum(dim=-1, keepdim=True) / sum_exp
+                metrics.add(entropy[:, 0], top1[:, 0] == chunk_targets[:, 0], weights[start : start + chunk_size])
             if not (need_hidden or need_weight):
                 continue
-            # d/d scores of the weighted CE: softmax * w - onehot * w, in place over the scores.
-            grad = scores.mul_(chunk_weights.to(scores.dtype) / sum_exp)
+            # d/d scores of the weighted CE: softmax * w - onehot * w, in place over the exponentials.
+            grad = exps.mul_(chunk_weights.to(exps.dtype) / sum_exp)
             grad.scatter_add_(1, chunk_targets, -chunk_weights.to(grad.dtype))
             if capped_tanh is not None:
                 grad.mul_(capped_tanh.square_().neg_().add_(1))
@@ -149,10 +169,10 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden, weight, targets, weights, softcap, chunk_size):
+    def forward(ctx, hidden, weight, targets, weights, softcap, chunk_size, metrics):
         need_hidden, need_weight = ctx.needs_input_grad[:2]
         total, grad_hidden, grad_weight = _linear_cross_entropy(
-            hidden, weight, targets, weights, softcap, chunk_size, need_hidden, need_weight
+            hidden, weight, targets, weights, softcap, chunk_size, need_hidden, need_weight, metrics
         )
         ctx.save_for_backward(grad_hidden, grad_weight)
         return total
@@ -165,7 +185,7 @@ class _FusedLinearCrossEntropy(torch.autograd.Function):
             grad_hidden = grad_hidden * grad_total
         if grad_weight is not None:
             grad_weight = grad_weight * grad_total
-        return grad_hidden, grad_weight, None, None, None, None
+        return grad_hidden, grad_weight, None, None, None, None, None
 
 
 def _is_plain_linear(head: torch.nn.Module) -> bool:
@@ -185,9 +205,26 @@ def _weighted_ce_chunk(
     targets: torch.Tensor,
     weights: torch.Tensor,
     logit_head: LogitHead,
+    reports: ChunkReports | None = None,
 ) -> torch.Tensor:
     logits = logit_head.logits(head, hidden)  # the model's own hidden -> logits step (hf_tree.models.head)
-    return _WeightedCrossEntropy.apply(logits, targets, weights.to(logits.dtype))
+    return _WeightedCrossEntropy.apply(logits, targets, weights.to(logits.dtype), reports)
+
+
+class ChunkReports:
+    """Where the chunks of one ``chunked_token_loss`` call report their logits (``add_log_probs``): to ``metrics``
+    until the call's forward is done (``close``), so a chunk that ``checkpoint`` recomputes in backward reports
+    nothing a second time."""
+
+    def __init__(self, metrics: TokenMetrics) -> None:
+        self.metrics: TokenMetrics | None = metrics
+
+    def add_log_probs(self, *chunk: torch.Tensor) -> None:
+        if self.metrics is not None:
+            self.metrics.add_log_probs(*chunk)
+
+    def close(self) -> None:
+        self.metrics = None
 
 
 def chunked_token_loss(
@@ -198,16 +235,22 @@ def chunked_token_loss(
     weights: torch.Tensor,
     chunk_size: int | None,
     *args: object,
+    metrics: TokenMetrics | None = None,
 ) -> torch.Tensor:
     """``sum`` over row chunks of ``chunk_loss(head, hidden[c], targets[c], weights[c], *args)``, each chunk's
     ``[chunk, vocab]`` logits recomputed in backward (checkpointed), so ``[M, vocab]`` never exists. Returns a 0-dim
-    float32 tensor (float64 for float64 hidden states). ``chunk_size``: rows per chunk (None: ``loss_chunk_rows``)."""
+    float32 tensor (float64 for float64 hidden states). ``chunk_size``: rows per chunk (None: ``loss_chunk_rows``).
+    ``metrics``: a ``TokenMetrics``; each chunk then gets a ``reports=`` argument (``ChunkReports``) whose
+    ``add_log_probs`` it calls with its logits and their log-softmax."""
     chunk_size = chunk_size or loss_chunk_rows(_vocab_size(head))
     total = hidden.new_zeros((), dtype=torch.float64 if hidden.dtype == torch.float64 else torch.float32)
+    reports = {} if metrics is None else {"reports": ChunkReports(metrics)}
     for start in range(0, hidden.shape[0], chunk_size):
         end = start + chunk_size
         chunk = (hidden[start:end], targets[start:end], weights[start:end])
-        total = total + checkpoint(chunk_loss, head, *chunk, *args, use_reentrant=False)
+        total = total + checkpoint(chunk_loss, head, *chunk, *args, use_reentrant=False, **reports)
+    if reports:
+        reports["reports"].close()
     return total
 
 
@@ -219,6 +262,7 @@ def weighted_cross_entropy(
     softcap: float | None = None,
     chunk_size: int | None = None,
     scale: float = 1.0,
+    metrics: TokenMetrics | None = None,
 ) -> torch.Tensor:
     """``sum_i weights[i] * CE(logits_i, targets[i])`` without materialising ``[M, vocab]`` logits, where
     ``logits_i = LogitHead(scale, softcap).logits(head, hidden[i])`` (``softcap * tanh(scale * head(h) / softcap)``).
@@ -230,6 +274,8 @@ def weighted_cross_entropy(
         weights: ``[M]`` per-edge weights (any float dtype; cast to the logits' dtype).
         softcap, scale: the model's final logit softcapping and logit multiplier (``detect_logit_head``).
         chunk_size: rows of logits computed at once (None: ``loss_chunk_rows`` of the vocabulary).
+        metrics: a ``hf_tree.token_metrics.TokenMetrics`` that gets TRL's entropy and top-1 statistics of the scored
+            edges, from the logits the loss computes (no further head pass); gradients and loss are unchanged.
     """
     logit_head = LogitHead(scale=scale, softcap=softcap)
     if _is_plain_linear(head):
@@ -241,10 +287,14 @@ def weighted_cross_entropy(
         # finishes its gradients inside, so its backward needs no gathered weight.
         with gathered_head(head):
             if torch.is_grad_enabled() and (scaled.requires_grad or head.weight.requires_grad):
-                return _FusedLinearCrossEntropy.apply(scaled, head.weight, targets, weights, softcap, chunk_size)
+                return _FusedLinearCrossEntropy.apply(
+                    scaled, head.weight, targets, weights, softcap, chunk_size, metrics
+                )
             # Evaluation: needs_input_grad ignores no_grad, so the Function would still build both gradients.
-            return _linear_cross_entropy(scaled, head.weight, targets, weights, softcap, chunk_size)[0]
-    return chunked_token_loss(_weighted_ce_chunk, head, hidden, targets, weights, chunk_size, logit_head)
+            return _linear_cross_entropy(scaled, head.weight, targets, weights, softcap, chunk_size, metrics=metrics)[0]
+    return chunked_token_loss(
+        _weighted_ce_chunk, head, hidden, targets, weights, chunk_size, logit_head, metrics=metrics
+    )
 
 
 @dataclass

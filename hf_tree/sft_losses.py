@@ -20,8 +20,9 @@ from collections.abc import Callable
 
 import torch
 
-from hf_tree.loss import chunked_token_loss
+from hf_tree.loss import ChunkReports, chunked_token_loss
 from hf_tree.models.head import LogitHead
+from hf_tree.token_metrics import TokenMetrics
 
 SFT_LOSS_TYPES = ("nll", "dft")
 
@@ -34,9 +35,14 @@ def _smoothed_dft_chunk(
     logit_head: LogitHead,
     dft: bool,
     label_smoothing: float,
+    reports: ChunkReports | None = None,
 ) -> torch.Tensor:
-    """The weighted sum of one chunk's per-token losses. ``hidden [m, D]``, ``targets``/``weights [m]``."""
-    log_probs = torch.log_softmax(logit_head.logits(head, hidden), dim=-1)  # [m, vocab]
+    """The weighted sum of one chunk's per-token losses. ``hidden [m, D]``, ``targets``/``weights [m]``; the chunk's
+    logits go to ``reports`` (``chunked_token_loss``)."""
+    logits = logit_head.logits(head, hidden)
+    log_probs = torch.log_softmax(logits, dim=-1)  # [m, vocab]
+    if reports is not None:
+        reports.add_log_probs(logits, log_probs, targets, weights)
     target_log_probs = log_probs.gather(1, targets[:, None]).squeeze(1)  # [m]
     weights = weights.to(log_probs.dtype)
     if dft:
@@ -58,15 +64,26 @@ def smoothed_dft_cross_entropy(
     *,
     dft: bool = False,
     label_smoothing: float = 0.0,
+    metrics: TokenMetrics | None = None,
 ) -> torch.Tensor:
     """``sum_i weights[i] * loss_i`` with DFT and/or label-smoothed per-token losses (see the module docstring).
 
     Same arguments as ``hf_tree.loss.weighted_cross_entropy`` (``hidden [M, D]``, ``targets``/``weights [M]``)
-    plus ``dft`` and ``label_smoothing``; returns a 0-dim float32 (float64 for float64 hidden states) tensor.
+    plus ``dft`` and ``label_smoothing`` (and ``metrics``, as there); returns a 0-dim float32 (float64 for float64
+    hidden states) tensor.
     """
     logit_head = LogitHead(scale=scale, softcap=softcap)
     return chunked_token_loss(
-        _smoothed_dft_chunk, head, hidden, targets, weights, chunk_size, logit_head, dft, label_smoothing
+        _smoothed_dft_chunk,
+        head,
+        hidden,
+        targets,
+        weights,
+        chunk_size,
+        logit_head,
+        dft,
+        label_smoothing,
+        metrics=metrics,
     )
 
 
