@@ -7,15 +7,18 @@
 - **GPU.** A ``gpu``-marked test without a CUDA device is skipped, never failed.
 - **CI.** Under ``CI=true`` a test skipped because an offline asset or a package that CI installs is missing fails
   instead: a broken install must not stay green (``missing_install``).
+- **Garbage collection.** Once collected, the imported libraries' objects are frozen out of the collector
+  (``pytest_collection_finish``); torch is imported only where used, so a pytest run in a subprocess without tensors
+  (tests/test_test_tiers.py) starts fast.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 
 import pytest
-import torch
 
 # What .ci/run installs besides the core: its extras (dev, assets, plots, quant, deepspeed) and the --no-deps asset
 # packages (SmolLM2's checkpoint, CHAMP, BFCL), by import name. Pillow comes with matplotlib.
@@ -88,9 +91,20 @@ def pytest_make_collect_report(collector: pytest.Collector):
     _failed_in_ci(outcome.get_result())
 
 
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Every test module and what it imports (torch, transformers, TRL: ~10^6 objects) is loaded now; freeze them out
+    of later garbage collections. ``Trainer.train()`` runs a full ``gc.collect()`` (accelerate's ``free_memory``)
+    that would otherwise scan them all, ~0.3 s each, once per training run of the suite. Only objects alive now are
+    frozen (collected first); what the tests create is collected as usual."""
+    gc.collect()
+    gc.freeze()
+
+
 @pytest.fixture
 def one_torch_thread():
     """Tiny tensors: intra-op threads only add synchronisation, which costs seconds on a shared 2-core box."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -120,6 +134,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if any(slow):
             config.hook.pytest_deselected(items=[item for item, is_slow in zip(items, slow) if is_slow])
             items[:] = [item for item, is_slow in zip(items, slow) if not is_slow]
+    if not any("gpu" in item.keywords for item in items):
+        return
+    import torch  # here: a run without tensors (tests/test_test_tiers.py's subprocesses) never imports it
+
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu test: no CUDA device")
