@@ -7,9 +7,9 @@
 - **GPU.** A ``gpu``-marked test without a CUDA device is skipped, never failed.
 - **CI.** Under ``CI=true`` a test skipped because an offline asset or a package that CI installs is missing fails
   instead: a broken install must not stay green (``missing_install``).
-- **Garbage collection.** Once collected, the imported libraries' objects are frozen out of the collector
-  (``pytest_collection_finish``); torch is imported only where used, so a pytest run in a subprocess without tensors
-  (tests/test_test_tiers.py) starts fast.
+- **Speed.** After collection and after each test module, the objects still alive (the imported libraries) are
+  frozen out of the garbage collector (``_freeze_survivors``). torch is imported only where used, so a pytest run in
+  a subprocess without tensors (tests/test_test_tiers.py) starts fast.
 """
 
 from __future__ import annotations
@@ -30,7 +30,8 @@ SLOW_MARKERS = ("slow", "distributed")
 
 # FAST TIER COVERAGE: where the fast tier tests each part's exactness against the per-branch oracle
 # (hf_tree.testing). A slow test repeats one of these paths with other settings (a second dtype, LoRA, other loss
-# types, hypothesis sweeps, benchmark runs) or launches processes (distributed).
+# types, other model families, hypothesis sweeps, benchmark runs, fresh interpreters) or launches processes
+# (distributed).
 #   attention engines        test_attention_engines.py (blocked, flex, segments), test_attention_models.py
 #   packing, collator, tree  test_packing.py, test_tree.py, test_validation.py
 #   loss                     test_loss_equivalence.py
@@ -91,13 +92,24 @@ def pytest_make_collect_report(collector: pytest.Collector):
     _failed_in_ci(outcome.get_result())
 
 
-def pytest_collection_finish(session: pytest.Session) -> None:
-    """Every test module and what it imports (torch, transformers, TRL: ~10^6 objects) is loaded now; freeze them out
-    of later garbage collections. ``Trainer.train()`` runs a full ``gc.collect()`` (accelerate's ``free_memory``)
-    that would otherwise scan them all, ~0.3 s each, once per training run of the suite. Only objects alive now are
-    frozen (collected first); what the tests create is collected as usual."""
+def _freeze_survivors() -> None:
+    """Collect, then freeze what is left out of later garbage collections: ``Trainer.train()`` runs a full
+    ``gc.collect()`` (accelerate's ``free_memory``), which would otherwise scan every object of the imported libraries
+    (torch, transformers, TRL: ~10^6) and of the modeling code loaded since, ~0.2-0.3 s a run, hundreds of runs a
+    session. Only objects alive now are frozen; what the tests create later is collected as usual."""
     gc.collect()
     gc.freeze()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _freeze_survivors()  # every test module and what it imports is loaded now
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        _freeze_survivors()  # a module's tests and fixtures are done: keep what they loaded (modeling code) frozen
 
 
 @pytest.fixture
