@@ -301,7 +301,7 @@ def image_rollout(prompts: list, trainer) -> dict:
         ("rloo", False, "llava", 1),
         ("grpo", False, "gemma3", 1),
         ("grpo", False, "llava", 2),
-        # (two images per prompt: the GRPO run above covers them for these trainers' shared rollout path)
+        # two images per prompt again (RLOO, Gemma 3): grpo-2-images covers the path, gemma3's blocks run above
         pytest.param("rloo", False, "llava", 2, marks=pytest.mark.slow),
         pytest.param("grpo", False, "gemma3", 2, marks=pytest.mark.slow),
     ],
