@@ -102,7 +102,7 @@ class Row:
     name: str
     script: str
     flags: tuple[str, ...] = ()
-    fast: bool = False  # part of the unmarked test subset
+    fast: bool = False  # part of the fast test tier: one row per script
     dropout: bool = False  # LoRA dropout stays on: "warned" when the tree run said so (hf_tree.models.dropout)
     steps_only: bool = False  # batches cannot hold TRL's rows (random row order, groups larger than a batch): only
     # the optimizer step counts are compared ("same steps", or "rounded" when whole groups make fewer steps)
@@ -187,7 +187,7 @@ ROWS: tuple[Row, ...] = (
     ),
     _sft("--packing true", "--packing", "true"),
     _sft("--padding_free true --max_length None", "--padding_free", "true", "--max_length", "None"),
-    Row("sft messages (defaults: every token of TRL's rendering)", "sft", dataset="sft_messages", fast=True),
+    Row("sft messages (defaults: every token of TRL's rendering)", "sft", dataset="sft_messages"),
     Row(
         "sft messages --assistant_only_loss true (Qwen3 template)",
         "sft",
@@ -227,17 +227,17 @@ ROWS: tuple[Row, ...] = (
         "0.5",
     ),
     _grpo("--top_entropy_quantile 0.8", "--top_entropy_quantile", "0.8"),
-    _grpo("--top_entropy_quantile 0.5", "--top_entropy_quantile", "0.5", fast=True),
+    _grpo("--top_entropy_quantile 0.5", "--top_entropy_quantile", "0.5"),
     _grpo(
         "--top_entropy_quantile 0.5 --use_peft --lora_dropout 0",
         *("--top_entropy_quantile", "0.5", "--use_peft", "true", "--lora_dropout", "0"),
     ),
-    _grpo("--mask_truncated_completions true", "--mask_truncated_completions", "true", fast=True),
+    _grpo("--mask_truncated_completions true", "--mask_truncated_completions", "true"),
     _grpo("--use_peft --lora_dropout 0", "--use_peft", "true", "--lora_dropout", "0"),
     Row("grpo --use_peft (lora_dropout 0.05, TRL's default)", "grpo", ("--use_peft", "true"), dropout=True),
     _grpo("--use_peft --disable_dropout true", "--use_peft", "true", "--disable_dropout", "true"),
     # MoE: TRL's defaults turn the router load-balancing loss on with the architecture's coefficient (0.001)
-    Row("sft Qwen3-MoE (router loss, TRL's default coefficient)", "sft", model="moe_model", fast=True),
+    Row("sft Qwen3-MoE (router loss, TRL's default coefficient)", "sft", model="moe_model"),
     Row("sft Qwen3-MoE --router_aux_loss_coef 0.5", "sft", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
     Row("dpo Qwen3-MoE --router_aux_loss_coef 0.5", "dpo", ("--router_aux_loss_coef", "0.5"), model="moe_model"),
     Row("grpo Qwen3-MoE --router_aux_loss_coef 0.5", "grpo", ("--router_aux_loss_coef", "0.5"), model="moe_model"),

@@ -7,15 +7,18 @@
 - **GPU.** A ``gpu``-marked test without a CUDA device is skipped, never failed.
 - **CI.** Under ``CI=true`` a test skipped because an offline asset or a package that CI installs is missing fails
   instead: a broken install must not stay green (``missing_install``).
+- **Speed.** After collection and after each test module, the objects still alive (the imported libraries) are
+  frozen out of the garbage collector (``_freeze_survivors``). torch is imported only where used, so a pytest run in
+  a subprocess without tensors (tests/test_test_tiers.py) starts fast.
 """
 
 from __future__ import annotations
 
+import gc
 import os
 import re
 
 import pytest
-import torch
 
 # What .ci/run installs besides the core: its extras (dev, assets, plots, quant, deepspeed) and the --no-deps asset
 # packages (SmolLM2's checkpoint, CHAMP, BFCL), by import name. Pillow comes with matplotlib.
@@ -27,7 +30,8 @@ SLOW_MARKERS = ("slow", "distributed")
 
 # FAST TIER COVERAGE: where the fast tier tests each part's exactness against the per-branch oracle
 # (hf_tree.testing). A slow test repeats one of these paths with other settings (a second dtype, LoRA, other loss
-# types, hypothesis sweeps, benchmark runs) or launches processes (distributed).
+# types, other model families, hypothesis sweeps, benchmark runs, fresh interpreters) or launches processes
+# (distributed).
 #   attention engines        test_attention_engines.py (blocked, flex, segments), test_attention_models.py
 #   packing, collator, tree  test_packing.py, test_tree.py, test_validation.py
 #   loss                     test_loss_equivalence.py
@@ -89,9 +93,31 @@ def pytest_make_collect_report(collector: pytest.Collector):
     _failed_in_ci(outcome.get_result())
 
 
+def _freeze_survivors() -> None:
+    """Collect, then freeze what is left out of later garbage collections: ``Trainer.train()`` runs a full
+    ``gc.collect()`` (accelerate's ``free_memory``), which would otherwise scan every object of the imported libraries
+    (torch, transformers, TRL: ~10^6) and of the modeling code loaded since, ~0.2-0.3 s a run, hundreds of runs a
+    session. Only objects alive now are frozen; what the tests create later is collected as usual."""
+    gc.collect()
+    gc.freeze()
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    _freeze_survivors()  # every test module and what it imports is loaded now
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None):
+    yield
+    if nextitem is None or getattr(nextitem, "module", None) is not getattr(item, "module", None):
+        _freeze_survivors()  # a module's tests and fixtures are done: keep what they loaded (modeling code) frozen
+
+
 @pytest.fixture
 def one_torch_thread():
     """Tiny tensors: intra-op threads only add synchronisation, which costs seconds on a shared 2-core box."""
+    import torch
+
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -121,6 +147,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if any(slow):
             config.hook.pytest_deselected(items=[item for item, is_slow in zip(items, slow) if is_slow])
             items[:] = [item for item, is_slow in zip(items, slow) if not is_slow]
+    if not any("gpu" in item.keywords for item in items):
+        return
+    import torch  # here: a run without tensors (tests/test_test_tiers.py's subprocesses) never imports it
+
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="gpu test: no CUDA device")

@@ -218,6 +218,27 @@ def assert_same_step_as_trl(trl, trl_updates: dict, tree, tree_updates: dict) ->
     assert any(u.norm() > 0 for u in trl_updates.values())
 
 
+def sft_step(cls, config_cls, path: str, rows: dict[str, list[str]], **settings):
+    """``(trainer, its updates)`` after one SGD step of an SFT trainer (``cls``/``config_cls``: TRL's or the tree
+    one) on the tiny model saved at ``path``, in float64: 2 micro-batches of 2 rows of ``rows`` (``prompt`` and
+    ``completion`` columns) in order, so two rows with one prompt form one tree. ``settings`` add to or override the
+    config's; ``peft_config`` goes to the trainer."""
+    from datasets import Dataset  # imported here: most users of this module never need it
+
+    peft_config = settings.pop("peft_config", None)
+    step = dict(max_steps=1, learning_rate=1.0, per_device_train_batch_size=2, gradient_accumulation_steps=2)
+    step.update(train_sampling_strategy="sequential")
+    args = tiny_trl_config(config_cls, path, torch.float64, **{**step, **settings})
+    trainer = cls(
+        model=path,
+        args=args,
+        train_dataset=Dataset.from_dict(rows),
+        processing_class=word_tokenizer(),
+        peft_config=peft_config,
+    )
+    return trainer, train_and_measure_updates(trainer)
+
+
 # --------------------------------------------------------------------------------------------- TRL GRPO
 def trainer_args(cls, path: str, dtype: torch.dtype, **overrides):
     """A GRPO config (``cls``: TRL's or the tree one) from ``tiny_trl_config``: 4 generations of at most 8 tokens,

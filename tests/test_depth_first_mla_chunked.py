@@ -118,8 +118,16 @@ def test_llama4_temperature_tuning_is_refused_by_the_depth_of_a_unit():
     depth_first_backward(model, trees, DepthFirstConfig(5), self_check=False)  # every depth below floor_scale - 1
 
 
-@pytest.mark.parametrize("execution", ["auto", "depth_first"])
-@pytest.mark.parametrize("family", ["llama4_text", "deepseek_v3"])
+@pytest.mark.parametrize(
+    "family, execution",
+    [
+        ("llama4_text", "auto"),
+        ("deepseek_v3", "depth_first"),
+        # every tree is larger than a row: "auto" runs each depth-first, so the other pairs repeat the path
+        pytest.param("llama4_text", "depth_first", marks=pytest.mark.slow),
+        pytest.param("deepseek_v3", "auto", marks=pytest.mark.slow),
+    ],
+)
 def test_sft_steps_over_units_equal_trl(tmp_path, family, execution):
     """Two SGD steps (two micro-batches of 2 rows, clipping at TRL's default 1.0) of TreeSFTTrainer with rows of 8
     tokens, every tree larger (``"auto"``: those run depth-first, ``"depth_first"``: all), float64, = TRL's

@@ -7,19 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import SFTConfig, SFTTrainer
 
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 from hf_tree.zoo import tiny_config
-from tests.helpers import (
-    assert_same_step_as_trl,
-    own_attention,
-    tiny_trl_config,
-    train_and_measure_updates,
-    word_tokenizer,
-)
+from tests.helpers import assert_same_step_as_trl, own_attention, sft_step
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -29,21 +22,6 @@ ROWS = {
 }
 
 
-def sft_step(cls, config_cls, path: str):
-    args = tiny_trl_config(
-        config_cls,
-        path,
-        torch.float64,
-        max_steps=1,
-        learning_rate=1.0,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        train_sampling_strategy="sequential",
-    )
-    trainer = cls(model=path, args=args, train_dataset=Dataset.from_dict(ROWS), processing_class=word_tokenizer())
-    return trainer, train_and_measure_updates(trainer)
-
-
 @pytest.mark.parametrize("model_type", ["gemma4_text", "gemma3n_text"])
 def test_sft_step_equals_trl(tmp_path, model_type):
     torch.manual_seed(0)
@@ -51,7 +29,7 @@ def test_sft_step_equals_trl(tmp_path, model_type):
     model.set_attn_implementation(own_attention(model))
     path = str(tmp_path / "model")
     model.save_pretrained(path)
-    trl, trl_updates = sft_step(SFTTrainer, SFTConfig, path)
-    tree, tree_updates = sft_step(TreeSFTTrainer, TreeSFTConfig, path)
+    trl, trl_updates = sft_step(SFTTrainer, SFTConfig, path, ROWS)
+    tree, tree_updates = sft_step(TreeSFTTrainer, TreeSFTConfig, path, ROWS)
     assert tree.state.log_history[0]["dedup_ratio"] > 1
     assert_same_step_as_trl(trl, trl_updates, tree, tree_updates)

@@ -13,6 +13,7 @@ import torch
 from tests.helpers import run_benchmark
 
 
+@pytest.mark.slow  # a benchmark script in a subprocess (~5 s), as the other benchmark smoke tests
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device runs the real check, not its no-CUDA mode")
 def test_no_cuda_mode_skips_every_row_with_its_reason_and_exits_0():
     result = run_benchmark("gpu_check.py", timeout=120)  # fails unless the exit status is 0

@@ -291,7 +291,8 @@ assert error <= FLOAT32_FLOOR, error
     "first",
     [
         "import hf_tree",  # the usual order: set up as transformers' modeling code loads
-        "import hf_tree.attention.registration",  # hf_tree's attention package first
+        # hf_tree's attention package first: the usual order's set-up again (it imports hf_tree first)
+        pytest.param("import hf_tree.attention.registration", marks=pytest.mark.slow),
         "import transformers.models.bamba.modeling_bamba\nimport hf_tree",  # already loaded: set up at once
     ],
 )

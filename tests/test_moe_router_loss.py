@@ -52,6 +52,7 @@ from tests.helpers import (
     own_attention,
     relative_error,
     saved_tiny_model,
+    sft_step,
     tiny_model,
     tiny_trl_config,
     train_and_measure_updates,
@@ -164,26 +165,9 @@ SFT_ROWS = {
 }
 
 
-def sft_step(cls, config_cls, path: str, peft_config: LoraConfig | None = None, **settings):
-    """One SGD step: 2 micro-batches of 2 rows (each a tree of one prompt and its 2 completions), in order."""
-    args = tiny_trl_config(
-        config_cls,
-        path,
-        torch.float64,
-        max_steps=1,
-        learning_rate=1.0,
-        per_device_train_batch_size=2,
-        gradient_accumulation_steps=2,
-        train_sampling_strategy="sequential",
-        gradient_checkpointing=False,
-        **LOAD_MOE,
-        **settings,
-    )
-    dataset = Dataset.from_dict(SFT_ROWS)
-    trainer = cls(
-        model=path, args=args, train_dataset=dataset, processing_class=word_tokenizer(), peft_config=peft_config
-    )
-    return trainer, train_and_measure_updates(trainer)
+def moe_sft_step(cls, config_cls, path: str, **settings):
+    """``sft_step`` on ``SFT_ROWS`` with the MoE loaded in float64 (eager experts), without checkpointing."""
+    return sft_step(cls, config_cls, path, SFT_ROWS, gradient_checkpointing=False, **LOAD_MOE, **settings)
 
 
 def assert_same_moe_step(trl, trl_updates, tree, tree_updates) -> None:
@@ -199,8 +183,8 @@ def assert_same_moe_step(trl, trl_updates, tree, tree_updates) -> None:
 @pytest.mark.parametrize("coef", [None, 0.5], ids=["trl_default", "coef_by_hand"])
 def test_sft_trains_trls_router_loss(tmp_path, family, coef):
     path = saved_tiny_model(tmp_path, torch.float64, family)
-    trl, trl_updates = sft_step(SFTTrainer, SFTConfig, path, router_aux_loss_coef=coef)
-    tree, tree_updates = sft_step(TreeSFTTrainer, TreeSFTConfig, path, router_aux_loss_coef=coef)
+    trl, trl_updates = moe_sft_step(SFTTrainer, SFTConfig, path, router_aux_loss_coef=coef)
+    tree, tree_updates = moe_sft_step(TreeSFTTrainer, TreeSFTConfig, path, router_aux_loss_coef=coef)
     assert trl.aux_loss_enabled and trl.state.log_history[0]["aux_loss"] > 0
     assert tree.state.log_history[0]["dedup_ratio"] > 1
     assert_same_moe_step(trl, trl_updates, tree, tree_updates)
@@ -271,6 +255,6 @@ def test_lora_sft_trains_trls_router_loss(tmp_path):
     """LoRA on attention of gpt-oss (sinks, a sliding window), TRL's default coefficient."""
     path = saved_tiny_model(tmp_path, torch.float64, "gpt_oss")
     peft = LoraConfig(r=4, target_modules=["q_proj", "v_proj"])
-    trl, trl_updates = sft_step(SFTTrainer, SFTConfig, path, peft_config=peft)
-    tree, tree_updates = sft_step(TreeSFTTrainer, TreeSFTConfig, path, peft_config=peft)
+    trl, trl_updates = moe_sft_step(SFTTrainer, SFTConfig, path, peft_config=peft)
+    tree, tree_updates = moe_sft_step(TreeSFTTrainer, TreeSFTConfig, path, peft_config=peft)
     assert_same_moe_step(trl, trl_updates, tree, tree_updates)

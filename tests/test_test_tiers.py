@@ -50,7 +50,9 @@ def outcomes(tmp_path, *args: str, ci: bool) -> dict[str, str]:
     tests were deselected."""
     (tmp_path / "test_sample.py").write_text(SAMPLE)
     env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "CI": "true" if ci else ""}
-    command = [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-p", "no:cacheprovider", "-v", *args]
+    # (hypothesis' plugin is left out: the sample has no property tests, and importing it costs seconds a run)
+    plugins = ["-p", "tests.conftest", "-p", "no:cacheprovider", "-p", "no:hypothesispytest"]
+    command = [sys.executable, "-m", "pytest", *plugins, "-v", *args]
     result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120, check=False)
     found = {}
     for line in result.stdout.splitlines():

@@ -1,6 +1,9 @@
 """TRL's own example scripts, unmodified vs with the class swap (``benchmarks/trl_parity.py``): every option row
 trains exactly like TRL's (same optimizer steps, same weight updates in float32) or is refused with a ``ValueError``
-before training. One row per script and the two GRPO findings run by default; the whole table under ``slow``.
+before training. One row per script runs in the fast tier, the whole table under ``slow``: the other rows repeat a
+script with an option whose exactness a fast test covers without the script (e.g. GRPO's ``top_entropy_quantile`` and
+``mask_truncated_completions`` in tests/test_grpo.py, MoE router losses in tests/test_moe_router_loss.py, messages
+in tests/test_sft_messages.py).
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ def test_a_trl_outside_the_tested_range_is_refused_with_the_fix(monkeypatch, ver
         require_tested_trl()
 
 
+@pytest.mark.slow  # a fresh interpreter importing every TRL stack (~5 s); the check itself is tested above
 def test_every_trl_based_module_refuses_to_import_with_an_untested_trl():
     """In a fresh interpreter (the modules are already imported here) with TRL reporting a newer version."""
     script = (

@@ -1,6 +1,8 @@
 """Vision paths end to end that tests/test_vision_trl.py leaves out: SFT and DPO on the Qwen VL families and
 LLaVA-Next through their real processors, KTO on Qwen2-VL, GRPO on Qwen2-VL, Qwen3.5 and LLaVA-Next, and the launcher
-fully fine-tuning a saved VLM.
+fully fine-tuning a saved VLM. The fast tier runs each trainer on Qwen2-VL (``FAST_FAMILY``); the other families
+(and KTO, whose image path tests/test_vision_trl.py covers) run under ``slow``: their packed forward is exact in the
+fast tier (tests/test_vision_forward.py), and these repeat the trainer's path on it.
 
 Oracle: TRL's own trainer (SFTTrainer, DPOTrainer, KTOTrainer, GRPOTrainer) on the same saved tiny model, dataset and
 processor; one SGD step in float64 with clipping on and biting (``max_grad_norm=1.0``, TRL's default; GRPO: 0.5, its
@@ -36,6 +38,17 @@ from tests.vision_models import (
 Image = pytest.importorskip("PIL.Image")  # hf_tree[vision]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 QWEN_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_5")
+FAST_FAMILY = "qwen2_vl"
+
+
+def fast_on_one_family(cases: list) -> list:
+    """``cases`` (families, or (trainer, family) pairs) with every one but ``FAST_FAMILY``'s (DPO's, for pairs)
+    marked slow."""
+    fast = (FAST_FAMILY, ("dpo", FAST_FAMILY))
+    values = [case if isinstance(case, tuple) else (case,) for case in cases]
+    return [pytest.param(*value, marks=() if case in fast else pytest.mark.slow) for case, value in zip(cases, values)]
+
+
 CLIPPED = dict(max_grad_norm=1.0)  # TRL's default: the exactness below holds with clipping on
 RED, BLUE = Image.new("RGB", (8, 8), (200, 30, 30)), Image.new("RGB", (8, 8), (30, 30, 200))
 WIDE = Image.new("RGB", (16, 10), (30, 200, 30))  # another grid (Qwen: 4x8 patches; LLaVA-Next: 5 tiles)
@@ -75,7 +88,7 @@ def chat(question: str, answer: str) -> list[dict]:
     return [{"role": "user", "content": question}, {"role": "assistant", "content": answer}]
 
 
-@pytest.mark.parametrize("family", [*QWEN_FAMILIES, "llava_next"])
+@pytest.mark.parametrize("family", fast_on_one_family([*QWEN_FAMILIES, "llava_next"]))
 def test_vision_sft_step_on_qwen_and_llava_next_matches_trl(tmp_path, family):
     """TreeSFTTrainer on ``messages`` + ``images`` rows grouped into one tree (the same question about two images
     forks at the image; a row with two images of two grid sizes, LLaVA-Next: of 3 and 5 tiles) = TRL's SFTTrainer:
@@ -129,7 +142,9 @@ def preference_rows(trainer: str) -> Dataset:
 
 
 @pytest.mark.parametrize(
-    "trainer, family", [("dpo", f) for f in (*QWEN_FAMILIES, "llava_next")] + [("kto", "qwen2_vl")], ids=lambda x: x
+    "trainer, family",
+    fast_on_one_family([("dpo", f) for f in (*QWEN_FAMILIES, "llava_next")] + [("kto", "qwen2_vl")]),
+    ids=lambda x: x,
 )
 def test_preference_step_on_qwen_and_llava_next_matches_trl(tmp_path, trainer, family):
     """TreeDPOTrainer (TreeKTOTrainer, its KL pass included) on image prompts = TRL's DPOTrainer (KTOTrainer): one
@@ -199,7 +214,7 @@ def test_launcher_fully_fine_tunes_a_saved_vision_language_model(tmp_path):
         assert any(part in name for name in moved), part
 
 
-@pytest.mark.parametrize("family", ["qwen2_vl", "qwen3_5", "llava_next"])
+@pytest.mark.parametrize("family", fast_on_one_family(["qwen2_vl", "qwen3_5", "llava_next"]))
 def test_grpo_step_on_image_prompts_matches_trl(tmp_path, monkeypatch, family):
     """TreeGRPOTrainer = TRL's GRPOTrainer through the family's real processor: two prompts with the same text and
     images of two sizes, completions sampled by both from the same seed and weights (no ``rollout_func``), old-policy,
