@@ -479,3 +479,25 @@ def generate_and_score(model, input_ids, attention_mask):
         input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=4, do_sample=False, pad_token_id=0
     )
     return logits, generated
+
+
+def one_rank_context_parallel_errors(model: torch.nn.Module, batch: dict) -> tuple[float, float]:
+    """(loss, largest gradient) relative errors of ``model`` on the packed ``batch`` under hf_tree's context parallel
+    on one rank against the same batch packed: the mixers run on the row gathered from the ranks (asserted: they take
+    that path), which on one rank is the whole row. The model's gradients are left zeroed."""
+    from hf_tree import tree_causal_lm_loss
+    from hf_tree.models.mixers.install import sharded_rows
+    from hf_tree.parallel import plan_context_parallel, shard_batch_for_context_parallel, tree_context_parallel
+
+    loss = tree_causal_lm_loss(model, batch)
+    loss.backward()
+    grads = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    plan = plan_context_parallel(batch["kv_end"], 1)
+    with tree_context_parallel(batch, plan, 0) as context:
+        assert sharded_rows() is context
+        cp_loss = tree_causal_lm_loss(model, shard_batch_for_context_parallel(batch, plan, 0))
+        cp_loss.backward()
+    errors = relative_error(cp_loss, loss), max_grad_relative_error(grads_of(model), grads)
+    model.zero_grad(set_to_none=True)
+    return errors

@@ -40,6 +40,7 @@ from tests.helpers import (
     grads_of,
     hybrid_model,
     max_grad_relative_error,
+    one_rank_context_parallel_errors,
     per_branch_forest_loss,
     random_token_inputs,
     relative_error,
@@ -325,19 +326,7 @@ def test_tree_batches_refuse_a_cache(family):
 def test_one_rank_context_parallel_equals_packed(family):
     """Under hf_tree's context parallel the mixers run on the whole row gathered from the ranks and keep their own
     slots (tests/test_context_parallel_windowed.py checks 2 ranks); on one rank this is the packed run."""
-    from hf_tree.models.mixers.install import sharded_rows
-    from hf_tree.parallel import plan_context_parallel, shard_batch_for_context_parallel, tree_context_parallel
-
     batch, _ = packed_batch()
-    model = hybrid_model(family)
-    loss = tree_causal_lm_loss(model, batch)
-    loss.backward()
-    grads = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    plan = plan_context_parallel(batch["kv_end"], 1)
-    with tree_context_parallel(batch, plan, 0) as context:
-        assert sharded_rows() is context  # the mixers take the gathered-row path
-        cp_loss = tree_causal_lm_loss(model, shard_batch_for_context_parallel(batch, plan, 0))
-        cp_loss.backward()
-    assert relative_error(cp_loss, loss) <= 1e-12
-    assert max_grad_relative_error(grads_of(model), grads) <= 1e-12
+    loss_error, grad_error = one_rank_context_parallel_errors(hybrid_model(family), batch)
+    assert loss_error <= 1e-12
+    assert grad_error <= 1e-12

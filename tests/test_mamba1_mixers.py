@@ -53,6 +53,7 @@ from tests.helpers import (
     grads_of,
     hybrid_model,
     max_grad_relative_error,
+    one_rank_context_parallel_errors,
     per_branch_forest_loss,
     random_token_inputs,
     relative_error,
@@ -261,20 +262,10 @@ def test_tree_batches_refuse_a_cache():
 def test_one_rank_context_parallel_equals_packed():
     """Under hf_tree's context parallel the scan runs on the whole row gathered from the ranks (``SEQUENCE_DIMS``);
     on one rank this is the packed run."""
-    from hf_tree.parallel import plan_context_parallel, shard_batch_for_context_parallel, tree_context_parallel
-
     batch, _ = packed_batch()
-    model = mamba1_model("mamba", long_memory=True)
-    loss = tree_causal_lm_loss(model, batch)
-    loss.backward()
-    grads = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    plan = plan_context_parallel(batch["kv_end"], 1)
-    with tree_context_parallel(batch, plan, 0):
-        cp_loss = tree_causal_lm_loss(model, shard_batch_for_context_parallel(batch, plan, 0))
-        cp_loss.backward()
-    assert relative_error(cp_loss, loss) <= 1e-12
-    assert max_grad_relative_error(grads_of(model), grads) <= 1e-12
+    loss_error, grad_error = one_rank_context_parallel_errors(mamba1_model("mamba", long_memory=True), batch)
+    assert loss_error <= 1e-12
+    assert grad_error <= 1e-12
 
 
 # ----------------------------------------------------------------------------------------------- depth-first
