@@ -140,6 +140,21 @@ def _fast_tier_only(config: pytest.Config) -> bool:
     return not (config.getoption("--all") or config.option.markexpr or (named and len(named) == len(config.args)))
 
 
+# Property sweeps that leave max_examples to the profile: a short sweep in the fast tier, the whole one in every tier
+SWEEP_EXAMPLES = {"fast": 10, "all": 40}
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Load the hypothesis profile of the tier (``SWEEP_EXAMPLES``); nothing when hypothesis' plugin is left out."""
+    if not config.pluginmanager.has_plugin("hypothesispytest"):
+        return
+    from hypothesis import settings
+
+    for tier, examples in SWEEP_EXAMPLES.items():
+        settings.register_profile(f"hf_tree_{tier}", max_examples=examples)
+    settings.load_profile("hf_tree_fast" if _fast_tier_only(config) else "hf_tree_all")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The fast tier by default (see the module docstring); ``gpu`` tests skipped without CUDA."""
     if _fast_tier_only(config):

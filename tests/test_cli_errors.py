@@ -42,13 +42,14 @@ def last_line(result: subprocess.CompletedProcess, short: bool = True) -> str:
     return lines[-1]
 
 
+@pytest.mark.slow  # a CLI subprocess (~8 s); the fast tier keeps the in-process test_closest_flag_and_plain_help
 def test_trl_command_flag_typo_names_the_closest_flag(tmp_path):
     """A typo of a tree flag would reach accelerate launch, which prints its 110-line usage blaming itself."""
     result = run_cli(["sft", "--output_dir", str(tmp_path), "--bf16", "False", "--max_packd_tokens", "64"], tmp_path)
     assert last_line(result) == "hf-tree sft: unknown flag --max_packd_tokens: did you mean --max_packed_tokens?"
 
 
-@pytest.mark.slow  # a CLI subprocess (~10 s); the fast tier keeps the flag-typo one
+@pytest.mark.slow  # a CLI subprocess (~10 s); the fast tier keeps the in-process test_closest_flag_and_plain_help
 def test_trl_command_unknown_config_key_names_file_and_key(tmp_path):
     config = tmp_path / "run.yaml"
     config.write_text(f"output_dir: {tmp_path}\nbf16: false\nnum_processes: 1\nlearning_rat: 0.001\n")
@@ -59,7 +60,7 @@ def test_trl_command_unknown_config_key_names_file_and_key(tmp_path):
     )
 
 
-@pytest.mark.slow  # a CLI subprocess (~10 s); the fast tier keeps the flag-typo one
+@pytest.mark.slow  # a CLI subprocess (~10 s); the fast tier keeps the in-process test_closest_flag_and_plain_help
 def test_hf_tree_train_flag_typo_and_config_key(tmp_path):
     result = run_cli(["train", "--lora_rr", "8"], tmp_path)
     assert last_line(result) == "hf-tree train: unknown flag --lora_rr: did you mean --lora_r?"

@@ -293,7 +293,9 @@ assert error <= FLOAT32_FLOOR, error
         "import hf_tree",  # the usual order: set up as transformers' modeling code loads
         # hf_tree's attention package first: the usual order's set-up again (it imports hf_tree first)
         pytest.param("import hf_tree.attention.registration", marks=pytest.mark.slow),
-        "import transformers.models.bamba.modeling_bamba\nimport hf_tree",  # already loaded: set up at once
+        pytest.param(  # already loaded: set up at once (a fresh interpreter, ~8 s: the fast tier keeps the usual order)
+            "import transformers.models.bamba.modeling_bamba\nimport hf_tree", marks=pytest.mark.slow
+        ),
     ],
 )
 def test_tree_flash_and_mixers_work_right_after_import(first):

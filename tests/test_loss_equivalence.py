@@ -89,7 +89,8 @@ def test_split_trees_match_per_branch(normalization):
     family=st.sampled_from(["llama", "qwen3"]),
     max_packed_tokens=st.sampled_from([40, 64, 256]),
 )
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+# max_examples: the tier's hypothesis profile (tests/conftest.py SWEEP_EXAMPLES: 10 in the fast tier, 40 in all)
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
 def test_random_forests_match_per_branch(seed, num_trees, normalization, family, max_packed_tokens):
     rng = random.Random(seed)
     groups = []

@@ -327,6 +327,7 @@ def test_zamba_shared_attention_is_refused_depth_first():
         depth_first_and_packed(model, deep_forest_rows())
 
 
+@pytest.mark.slow  # the probe path is tested fast in test_depth_first.py; Mamba-1 depth-first exactness stays fast
 def test_dropping_the_carried_state_is_detected(monkeypatch):
     """The comparison can fail: with the state entering a unit treated as a constant the loss is right and the
     gradient is off; with every unit started from a zero state the first-use probe of depth-first refuses."""
