@@ -21,9 +21,10 @@ from collections.abc import Iterator
 import torch
 
 from hf_tree.attention.blocked import blocked_tree_attention
+from hf_tree.attention.cuda import cuda_tree_attention
 from hf_tree.attention.dual import DeferredMask, model_attention_forward
 from hf_tree.attention.engine import TreeAttentionEngine, TreeAttentionOptions
-from hf_tree.attention.flash import cuda_tree_attention, flash_tree_attention
+from hf_tree.attention.flash import flash_tree_attention
 from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.head_dims import equal_head_dims
 from hf_tree.attention.mask import (
@@ -37,15 +38,17 @@ from hf_tree.attention.prefix import PrefixCache, attention_layer, prefix_tree_a
 from hf_tree.attention.reference import reference_tree_attention
 from hf_tree.attention.segments import cpu_tree_attention, segment_tree_attention
 from hf_tree.attention.torch_cp import refuse_torch_context_parallel
+from hf_tree.attention.varlen import torch_varlen_tree_attention
 
 ENGINES: dict[str, TreeAttentionEngine] = {
     "cpu": cpu_tree_attention,  # automatic off CUDA: "segments" where the row suits it, else "blocked"
-    "cuda": cuda_tree_attention,  # automatic on CUDA: "flash_attn" where installed and exact, else "flex"
+    "cuda": cuda_tree_attention,  # automatic on CUDA: "varlen", "flash_attn" or "flex" by hf_tree.attention.cuda
     "blocked": blocked_tree_attention,  # any device: block-skipping PyTorch, custom autograd
     "flash_attn": flash_tree_attention,  # CUDA: flash-attn varlen over each segment's gathered root-to-segment path
     "flex": flex_tree_attention,  # CUDA: compiled FlexAttention with a cached BlockMask
     "reference": reference_tree_attention,  # dense mask, for tests
     "segments": segment_tree_attention,  # CPU: PyTorch's fused attention kernel on the mask's rectangles
+    "varlen": torch_varlen_tree_attention,  # CUDA: PyTorch's flash varlen kernel, two calls merged (CPU: for tests)
 }
 BACKEND_ENV_VAR = "HF_TREE_ATTENTION_BACKEND"
 _forced_backend: str | None = None
@@ -92,8 +95,8 @@ def set_attention_backend(name: str | None) -> None:
 
 
 def select_backend(device: torch.device) -> str:
-    """The engine name for tensors on ``device``: forced > environment > automatic ("cuda" on CUDA: flash-attn where
-    installed, else flex; "cpu" elsewhere)."""
+    """The engine name for tensors on ``device``: forced > environment > automatic ("cuda" on CUDA: varlen, flash-attn
+    or flex by ``hf_tree.attention.cuda``'s rule; "cpu" elsewhere)."""
     name = _forced_backend or os.environ.get(BACKEND_ENV_VAR) or "auto"
     if name == "auto":
         return "cuda" if device.type == "cuda" else "cpu"
@@ -193,6 +196,7 @@ __all__ = [
     "render_mask",
     "segment_tree_attention",
     "select_backend",
+    "torch_varlen_tree_attention",
     "set_attention_backend",
     "tree_attention_forward",
     "tree_mask_mod",

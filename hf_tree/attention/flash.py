@@ -14,7 +14,7 @@ whose backward sums each shared key's gradient over the paths through it). The i
 CPU (one host sync per forward, as the segments plan) and shared by all layers.
 
 What the kernel cannot compute exactly is refused with the reason (``flash_attn_refusal``); the automatic CUDA engine
-(``cuda_tree_attention``) sends such calls to FlexAttention.
+(``hf_tree.attention.cuda``) sends such calls to another engine.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ import torch
 
 from hf_tree.attention.batch_cache import BatchCache
 from hf_tree.attention.engine import TreeAttentionOptions
-from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.mask import autocast_inputs, check_sinks, has_bidirectional_blocks
 from hf_tree.attention.segments import row_segments, segment_ancestors
 
@@ -210,7 +209,7 @@ def flash_tree_attention(
     if reason is not None:
         raise FlashAttnRefused(
             f"attention backend 'flash_attn' cannot run this call: {reason}. Use 'flex' on CUDA (or the automatic "
-            "choice, 'cuda', which sends such calls there)."
+            "choice, 'cuda', which sends such calls to an engine that computes them)."
         )
     query, key, value = autocast_inputs(query, key, value)
     with torch.autocast(query.device.type, enabled=False):
@@ -224,17 +223,3 @@ def flash_tree_attention(
             sliding_window=options.sliding_window,
             softcap=options.softcap,
         )
-
-
-def cuda_tree_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    kv_end: torch.Tensor,
-    options: TreeAttentionOptions,
-) -> torch.Tensor:
-    """The automatic engine on CUDA: ``flash_tree_attention`` where flash-attn can compute the call exactly (installed,
-    half-precision inputs, no sinks, bidirectional blocks or attention chunks), else ``flex_tree_attention``. A
-    ``TreeAttentionEngine`` honouring every option."""
-    reason = flash_attn_refusal(query, value, options.sinks, options.bidirectional_block, options.attention_chunk)
-    return (flash_tree_attention if reason is None else flex_tree_attention)(query, key, value, kv_end, options)

@@ -117,28 +117,42 @@ def segment_ancestors(
             open_segments.append((end, joined))
 
 
+def alone_segments(
+    kv_end: torch.Tensor, starts: torch.Tensor, stops: torch.Tensor, subtree_ends: torch.Tensor
+) -> torch.Tensor:
+    """``[S]`` bool: which segments of ``kv_end [N]`` (CPU; ``row_segments``) are one token that sees only itself and
+    is seen by no other (padding, one-token trees)."""
+    has_ancestors = visible_keys_per_query(kv_end)[starts] > 1
+    return (stops - starts == 1) & ~has_ancestors & (subtree_ends == stops)
+
+
+def ancestor_groups(starts: list[int], stops: list[int], subtree_ends: list[int]) -> Iterator[tuple[int, int, KeyRuns]]:
+    """The queries ``[q0, q1)`` that see the same ancestors, with those ancestors' key runs, in packed order: runs of
+    consecutive sibling segments with the same ancestors (a GRPO group's completions), one rectangle each. Segments
+    without ancestors are left out."""
+    group: list | None = None  # [q0, q1, runs] of the group being grown
+    for s, e, runs in segment_ancestors(starts, stops, subtree_ends):
+        if not runs:
+            continue
+        if group is not None and group[1] == s and group[2] == runs:
+            group[1] = e
+            continue
+        if group is not None:
+            yield tuple(group)
+        group = [s, e, runs]
+    if group is not None:
+        yield tuple(group)
+
+
 def _plan_row(kv_end: torch.Tensor, row: int, device: torch.device) -> tuple[list[_Part], list[_Part], list[int], int]:
     """Causal parts, full parts, one-token segment starts and non-padding tokens of ``kv_end [N]`` (CPU)."""
     starts, stops, subtree_ends = row_segments(kv_end)
-    has_ancestors = visible_keys_per_query(kv_end)[starts] > 1
     # Padding (and one-token trees): one token that sees only itself and has no descendant; no loop over them.
-    alone = (stops - starts == 1) & ~has_ancestors & (subtree_ends == stops)
+    alone = alone_segments(kv_end, starts, stops, subtree_ends)
     singles = starts[stops - starts == 1].tolist()
-    causal, full = [], []
-    group: list | None = None  # [q0, q1, runs] of the full part being grown
-    segments = (x[~alone].tolist() for x in (starts, stops, subtree_ends))
-    for s, e, runs in segment_ancestors(*segments):
-        if e - s > 1:
-            causal.append(_Part(row, s, e, slice(s, e), True))
-        if runs:  # siblings with the same ancestors, one after the other, share one call
-            if group is not None and group[1] == s and group[2] == runs:
-                group[1] = e
-            else:
-                if group is not None:
-                    full.append(_Part(row, group[0], group[1], _key_index(group[2], device), False))
-                group = [s, e, runs]
-    if group is not None:
-        full.append(_Part(row, group[0], group[1], _key_index(group[2], device), False))
+    segments = [x[~alone].tolist() for x in (starts, stops, subtree_ends)]
+    causal = [_Part(row, s, e, slice(s, e), True) for s, e in zip(segments[0], segments[1], strict=True) if e - s > 1]
+    full = [_Part(row, q0, q1, _key_index(runs, device), False) for q0, q1, runs in ancestor_groups(*segments)]
     return causal, full, singles, kv_end.shape[0] - int(alone.sum())
 
 
@@ -205,7 +219,7 @@ def _token_buffer(
     return (torch.zeros if zeroed else torch.empty)(batch, n, heads, *tail, dtype=dtype, device=device)
 
 
-def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
+def merge_softmax_part(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_lse: torch.Tensor) -> None:
     """``out [..., L, D]``, ``lse [..., L]`` (in place) := the softmax over their keys and a part's other keys.
 
     ``lse`` is in the softmax statistics' dtype (float32 for half outputs, as the kernel returns it); a half
@@ -217,6 +231,22 @@ def _merge(out: torch.Tensor, lse: torch.Tensor, part_out: torch.Tensor, part_ls
     else:
         out.copy_(out * keep + part_out * take)
     lse.copy_(merged)
+
+
+def merge_sinks(out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> None:
+    """``out [..., H, L, D]``, ``lse [..., H, L]`` (in place) := with one more softmax column per head, the sink logit
+    ``sinks [H]``, whose value is zero."""
+    merge_softmax_part(out, lse, torch.zeros_like(out), sinks.detach().to(lse.dtype).view(-1, 1).expand_as(lse))
+
+
+def sink_gradient(grad_out: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, sinks: torch.Tensor) -> torch.Tensor:
+    """The gradient of the sink logits ``sinks [H]``: ``-sum over queries of P_sink * rowsum(dO * O)``, from
+    ``grad_out``/``out [..., H, L, D]`` and the merged ``lse [..., H, L]`` (sink included)."""
+    # A sum over every query of the batch: accumulated in float64 (cheap, [..., H, L]).
+    row_dot = (grad_out.double() * out.double()).sum(-1)
+    sink_probs = (sinks.double().view(-1, 1) - lse.double()).exp()
+    heads, length = lse.shape[-2:]
+    return -(sink_probs * row_dot).reshape(-1, heads, length).sum((0, 2)).to(sinks.dtype)
 
 
 class _SegmentTreeAttention(torch.autograd.Function):
@@ -251,9 +281,9 @@ class _SegmentTreeAttention(torch.autograd.Function):
                 target.copy_(part_out[0])
                 target_lse.copy_(part_lse[0])
             else:
-                _merge(target, target_lse, part_out[0], part_lse[0])
+                merge_softmax_part(target, target_lse, part_out[0], part_lse[0])
         if sinks is not None:  # one more softmax column per head, with a zero value
-            _merge(out, lse, torch.zeros_like(out), sinks.detach().to(stats_dtype).view(1, heads, 1).expand_as(lse))
+            merge_sinks(out, lse, sinks)
         ctx.save_for_backward(query, key, value, sinks, out_tokens, lse_tokens)
         ctx.plan, ctx.scaling = plan, scaling
         return out_tokens
@@ -301,12 +331,7 @@ class _SegmentTreeAttention(torch.autograd.Function):
             )
             for total, part_grad in zip(grad_tokens, part_grads, strict=True):
                 total.view(batch * n, *total.shape[2:]).index_add_(0, flat, part_grad.squeeze(2))
-        grad_sinks = None
-        if sinks is not None:  # d(sink) = -sum over queries of P_sink * rowsum(dO * O)
-            # A sum over every query of the batch: accumulated in float64 (cheap, [B, H, N]).
-            row_dot = (grad_out.double() * out.double()).sum(-1)
-            sink_probs = (sinks.double().view(1, heads, 1) - lse.double()).exp()
-            grad_sinks = -(sink_probs * row_dot).sum((0, 2)).to(sinks.dtype)
+        grad_sinks = None if sinks is None else sink_gradient(grad_out, out, lse, sinks)
         return (*grads, grad_sinks, None, None)
 
 
