@@ -13,8 +13,8 @@ import torch
 
 from hf_tree.attention import ENGINES, TreeAttentionOptions, dense_tree_mask, reference_tree_attention, select_backend
 from hf_tree.attention import flash as flash_module
+from hf_tree.attention.cuda import cuda_tree_attention
 from hf_tree.attention.flash import (
-    cuda_tree_attention,
     flash_attn_refusal,
     flash_attn_varlen_func,
     flash_tree_attention,

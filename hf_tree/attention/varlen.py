@@ -32,7 +32,7 @@ import torch
 
 from hf_tree.attention.batch_cache import BatchCache
 from hf_tree.attention.engine import TreeAttentionOptions
-from hf_tree.attention.mask import autocast_inputs, check_sinks, has_bidirectional_blocks
+from hf_tree.attention.mask import autocast_inputs, check_sinks, compute_dtype, has_bidirectional_blocks
 from hf_tree.attention.segments import (
     alone_segments,
     ancestor_groups,
@@ -161,10 +161,11 @@ def _expand_heads(x: torch.Tensor, groups: int, kernel: VarlenKernel) -> torch.T
 
 
 def _fold_heads(grad: torch.Tensor, groups: int, kernel: VarlenKernel) -> torch.Tensor:
-    """The gradient of ``_expand_heads``' result -> ``[T, Hkv, D]`` (each group's heads summed in float32)."""
+    """The gradient of ``_expand_heads``' result -> ``[T, Hkv, D]`` (each group's heads summed in float32 for half
+    types, as a native GQA kernel accumulates them)."""
     if kernel.native_gqa or groups == 1:
         return grad
-    return grad.unflatten(1, (-1, groups)).float().sum(2).to(grad.dtype)
+    return grad.unflatten(1, (-1, groups)).sum(2, dtype=compute_dtype(grad.dtype)).to(grad.dtype)
 
 
 class _VarlenTreeAttention(torch.autograd.Function):

@@ -1,0 +1,317 @@
+"""The ``varlen`` engine (``hf_tree.attention.varlen``: two varlen kernel calls merged by log-sum-exp) and the automatic
+CUDA rule (``hf_tree.attention.cuda``).
+
+Oracles: the dense mask for the plan (every visible pair computed exactly once); the dense reference engine for the
+engine's output and gradients, through the CPU kernel (a loop of PyTorch's fused CPU kernel with the varlen contract)
+in float64 to 1e-9, and in float32/bfloat16 within twice the same-dtype eager error; real tiny HF models with the
+engine forced against each branch run alone. On a GPU (``gpu``-marked): PyTorch's flash varlen kernel in bfloat16 and
+float16 within twice eager attention's error in that dtype, forward and backward.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_tree import Tree, TreeDataCollator
+from hf_tree.attention import ENGINES, TreeAttentionOptions, dense_tree_mask, reference_tree_attention, select_backend
+from hf_tree.attention import cuda as cuda_module
+from hf_tree.attention import flash as flash_module
+from hf_tree.attention import varlen as varlen_module
+from hf_tree.attention.cuda import VARLEN_MIN_TOKENS_PER_SEQUENCE, cuda_engine_choice, cuda_tree_attention
+from hf_tree.attention.varlen import VarlenRefused, cached_varlen_plan, plan_varlen, torch_varlen_tree_attention
+from hf_tree.attention.varlen_kernels import CpuVarlen, cuda_kernel_refusal, torch_declares_varlen_gqa
+from tests.helpers import detached64, relative_error, run
+from tests.varlen_attention import varlen_attention
+from tests.workloads import HEAD_DIM, long_segment_rows, packed_rows, qkv
+
+TOLERANCE = 1e-9
+HEADS = [pytest.param((4, 4), id="mha"), pytest.param((4, 2), id="gqa"), pytest.param((6, 1), id="mqa")]
+pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
+
+
+def grpo_row() -> tuple[torch.Tensor, torch.Tensor]:
+    """One GRPO group alone in its row (prompt 40, completions 30/50/20, no padding): both calls read views."""
+    prompt = list(range(1, 41))
+    group = [prompt + [100 + i] * 3 + list(range(200 + 60 * i, 200 + 60 * i + n)) for i, n in enumerate((27, 47, 17))]
+    tree = Tree.from_sequences(group)
+    batch = TreeDataCollator(max_packed_tokens=tree.num_tokens)([tree.to_dict()])
+    return batch["kv_end"], batch["position_ids"]
+
+
+def distinct_rows() -> tuple[torch.Tensor, torch.Tensor]:
+    """Two rows of unrelated sequences (no sharing: no ancestors call) with padding."""
+    trees = [Tree.from_sequences([list(range(s, s + n))]) for s, n in ((1, 50), (60, 30), (100, 70))]
+    batch = TreeDataCollator(max_packed_tokens=96, pad_to_multiple_of=32)([t.to_dict() for t in trees])
+    return batch["kv_end"], batch["position_ids"]
+
+
+ROWS = {
+    "long-segments": long_segment_rows,  # GRPO group, agent chain (gathered ancestors), short prompt, padding
+    "random-forests": lambda: packed_rows(seed=3),  # many short segments, several forests per row, padding
+    "grpo-views": grpo_row,
+    "distinct": distinct_rows,
+}
+
+
+def computed_pairs(kv_end: torch.Tensor) -> torch.Tensor:
+    """``[B, N, N]`` int64: how often the plan's two calls compute each (query, key) pair."""
+    batch, n = kv_end.shape
+    plan = plan_varlen(kv_end)
+    counts = torch.zeros(batch * n, batch * n, dtype=torch.int64)
+    for q0, q1, k0, k1 in plan.self_call.bounds:
+        assert (q0, q1) == (k0, k1)
+        counts[q0:q1, k0:k1] += torch.ones(q1 - q0, q1 - q0, dtype=torch.int64).tril()
+    if plan.ancestors is not None:
+        flat = torch.arange(batch * n)
+        queries, keys = flat[plan.ancestors.queries], flat[plan.ancestors.keys]
+        for q0, q1, k0, k1 in plan.ancestors.call.bounds:
+            counts[queries[q0:q1, None], keys[None, k0:k1]] += 1
+    rows = torch.arange(batch)
+    return counts.view(batch, n, batch, n)[rows, :, rows]
+
+
+@pytest.mark.parametrize("rows", ROWS)
+def test_plan_computes_every_visible_pair_exactly_once(rows):
+    kv_end, _ = ROWS[rows]()
+    plan = plan_varlen(kv_end)
+    assert int(plan.self_call.cu_q[-1]) == kv_end.numel()  # the self call reads every token in place
+    assert plan.self_call.cu_q.dtype == plan.self_call.cu_k.dtype == torch.int32
+    assert torch.equal(computed_pairs(kv_end), dense_tree_mask(kv_end).to(torch.int64))
+    if rows == "grpo-views":  # completions and prompt are one range each: no gather
+        assert isinstance(plan.ancestors.queries, slice) and isinstance(plan.ancestors.keys, slice)
+        assert plan.ancestors.call.bounds == ((0, 100, 0, 40),)  # one sibling group against the prompt
+    if rows == "long-segments":  # the agent chain's ancestors are not one range: gathered
+        assert not isinstance(plan.ancestors.keys, slice)
+    if rows == "distinct":
+        assert plan.ancestors is None and plan.num_sequences == 3 and plan.tokens_per_sequence == 50
+
+
+def test_plan_is_built_once_per_batch():
+    kv_end, _ = long_segment_rows()
+    first = cached_varlen_plan(kv_end)
+    assert cached_varlen_plan(kv_end) is first and cached_varlen_plan(kv_end.clone()) is not first
+
+
+@pytest.mark.parametrize("heads", HEADS)
+@pytest.mark.parametrize("case", [pytest.param({}, id="plain"), pytest.param({"sinks": True}, id="sinks")])
+@pytest.mark.parametrize("rows", ROWS)
+def test_engine_matches_reference_in_float64(heads, case, rows):
+    kv_end, position_ids = ROWS[rows]()
+    q, k, v = qkv(kv_end, heads, torch.float64)
+    options = dict(scaling=0.37)
+    if case:
+        sinks = 2 * torch.randn(heads[0], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        options["sinks"] = sinks.requires_grad_()
+    out, grads = run(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, **options)
+    ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
+    assert out.shape == ref_out.shape and out.dtype == torch.float64
+    assert relative_error(out, ref_out) <= TOLERANCE
+    assert len(grads) == len(ref_grads)
+    for grad, ref_grad in zip(grads, ref_grads, strict=True):
+        assert relative_error(grad, ref_grad) <= TOLERANCE
+
+
+class _RepeatingKernel(CpuVarlen):
+    """The CPU kernel declaring no native GQA (torch 2.11's varlen kernel path): records the K/V heads it gets."""
+
+    native_gqa = False
+
+    def __init__(self) -> None:
+        self.key_heads: set[int] = set()
+
+    def forward(self, q, k, v, call, causal, scale):
+        self.key_heads.add(k.shape[1])
+        return super().forward(q, k, v, call, causal, scale)
+
+
+@pytest.mark.parametrize("heads", HEADS[1:])
+def test_kernel_without_native_gqa_gets_repeated_heads_and_the_same_gradients(heads, monkeypatch):
+    kernel = _RepeatingKernel()
+    monkeypatch.setattr(varlen_module, "varlen_kernel", lambda device: kernel)
+    kv_end, position_ids = long_segment_rows()
+    q, k, v = qkv(kv_end, heads, torch.float64)
+    out, grads = run(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, scaling=0.37)
+    ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.37)
+    assert kernel.key_heads == {heads[0]}
+    assert relative_error(out, ref_out) <= TOLERANCE
+    assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads, strict=True))
+
+
+def test_installed_torch_declares_native_gqa():
+    """torch 2.13's ``varlen_attn`` takes ``enable_gqa`` (K/V are then never repeated); 2.11's does not."""
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    assert torch_declares_varlen_gqa() == ((major, minor) >= (2, 13))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", [pytest.param({}, id="plain"), pytest.param({"sinks": True}, id="sinks")])
+def test_low_precision_error_within_twice_eager(dtype, case):
+    kv_end, position_ids = long_segment_rows(seed=1)
+    q, k, v = qkv(kv_end, (4, 2), dtype)
+    options = dict(scaling=HEAD_DIM**-0.5)
+    exact_options = dict(options)
+    if case:
+        sinks = 2 * torch.randn(4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+        options["sinks"] = sinks.to(dtype).requires_grad_()
+        exact_options["sinks"] = sinks.requires_grad_()
+    exact_out, exact_grads = run(
+        reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **exact_options
+    )
+    out, grads = run(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, **options)
+    eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
+    assert out.dtype == dtype
+    assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
+    for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads, strict=True):
+        assert grad.dtype == dtype
+        assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
+
+
+def test_autocast_runs_the_kernel_in_the_autocast_dtype():
+    kv_end, position_ids = grpo_row()
+    q, k, v = qkv(kv_end, (4, 2), torch.float32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch_varlen_tree_attention(q, k, v, kv_end, TreeAttentionOptions(scaling=0.3))
+    low = [x.detach().to(torch.bfloat16) for x in (q, k, v)]
+    expected = torch_varlen_tree_attention(*low, kv_end, TreeAttentionOptions(scaling=0.3))
+    assert out.dtype == torch.bfloat16 and torch.equal(out, expected)
+    out.float().sum().backward()
+    assert q.grad.dtype == torch.float32 and torch.isfinite(q.grad).all()
+
+
+def test_rows_that_see_only_themselves_give_no_nan():
+    """Padding keys (kv_end = j + 1) and a row of one-token trees: each query sees itself only, output = v."""
+    kv_end = torch.arange(1, 41, dtype=torch.int32)[None]
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    out, grads = run(torch_varlen_tree_attention, q, k, v, kv_end, None, scaling=0.5)
+    assert relative_error(out, v.detach().repeat_interleave(2, dim=1).transpose(1, 2)) <= TOLERANCE
+    assert all(torch.isfinite(g).all() for g in grads) and grads[0].abs().max() <= 1e-12
+
+
+@pytest.mark.parametrize(
+    "option, reason",
+    [
+        (dict(softcap=2.0), "no soft-capping"),
+        (dict(sliding_window=8), "one window_size per call cannot express"),
+        (dict(attention_chunk=8), "no chunked attention"),
+    ],
+)
+def test_refusals_name_the_option_and_reason(option, reason):
+    kv_end, position_ids = long_segment_rows()
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    options = TreeAttentionOptions(scaling=1.0, position_ids=position_ids, **option)
+    with pytest.raises(VarlenRefused, match=f"backend 'varlen' cannot run this call: {next(iter(option))}=.*{reason}"):
+        torch_varlen_tree_attention(q, k, v, kv_end, options)
+    blocks = torch.full_like(kv_end, -1)
+    assert varlen_module.varlen_refusal(q, TreeAttentionOptions(scaling=1.0, bidirectional_block=blocks)) is None
+    blocks[0, 1:4] = 0
+    assert "bidirectional blocks" in varlen_module.varlen_refusal(
+        q, TreeAttentionOptions(1.0, bidirectional_block=blocks)
+    )
+
+
+def test_cuda_kernel_refusals_name_the_reason():
+    cuda = torch.device("cuda")
+    assert "float16/bfloat16 only" in cuda_kernel_refusal(torch.float32, 64, cuda)
+    assert "head dim 260" in cuda_kernel_refusal(torch.bfloat16, 260, cuda)
+    assert "head dim 36" in cuda_kernel_refusal(torch.bfloat16, 36, cuda)
+
+
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+def test_cuda_rule_picks_varlen_for_long_segments_else_flash_attn_or_flex(monkeypatch):
+    """The automatic CUDA engine's rule, on CPU tensors (the varlen engine's CPU kernel runs them): long segments ->
+    varlen (forward and backward equal the reference); short segments, soft-capping or windows -> flash-attn where
+    it computes the call, else flex."""
+    long_rows, short_rows = long_segment_rows(), packed_rows(seed=3)
+    assert cached_varlen_plan(long_rows[0]).tokens_per_sequence >= VARLEN_MIN_TOKENS_PER_SEQUENCE
+    assert cached_varlen_plan(short_rows[0]).tokens_per_sequence < VARLEN_MIN_TOKENS_PER_SEQUENCE
+
+    def choice(rows, **extra) -> str:
+        kv_end, position_ids = rows
+        q, _, v = qkv(kv_end, (4, 2), torch.float64)
+        return cuda_engine_choice(q, v, kv_end, TreeAttentionOptions(scaling=0.3, position_ids=position_ids, **extra))
+
+    assert choice(long_rows) == "varlen" and choice(long_rows, sinks=torch.zeros(4)) == "varlen"
+    assert choice(short_rows) == "flex" and choice(long_rows, softcap=2.0) == "flex"
+    monkeypatch.setattr(flash_module, "flash_attn_refusal", lambda *args: None)  # as if flash-attn computed it
+    assert choice(long_rows, softcap=2.0) == "flash_attn" and choice(long_rows, sliding_window=4) == "flash_attn"
+    assert choice(short_rows) == "flash_attn" and choice(long_rows) == "varlen"
+    monkeypatch.setattr(cuda_module, "VARLEN_MIN_TOKENS_PER_SEQUENCE", 10**6)
+    assert choice(long_rows) == "flash_attn"
+    monkeypatch.undo()
+    kv_end, position_ids = long_rows
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    out, grads = run(cuda_tree_attention, q, k, v, kv_end, position_ids, scaling=0.37)
+    ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.37)
+    assert relative_error(out, ref_out) <= TOLERANCE
+    assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads, strict=True))
+
+
+def test_varlen_is_a_forceable_backend(monkeypatch):
+    monkeypatch.setenv("HF_TREE_ATTENTION_BACKEND", "varlen")
+    assert select_backend(torch.device("cuda")) == "varlen" and ENGINES["varlen"] is torch_varlen_tree_attention
+    monkeypatch.delenv("HF_TREE_ATTENTION_BACKEND")
+    assert ENGINES[select_backend(torch.device("cuda"))] is cuda_tree_attention
+
+
+def test_varlen_and_flash_attn_stand_in_agree():
+    """The two CUDA varlen designs on one row: ``varlen`` (two calls, merged) and ``flash_attn``'s gathered paths
+    through the torch stand-in of ``flash_attn_varlen_func``."""
+    kv_end, _ = long_segment_rows()
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    with torch.no_grad():
+        ours = torch_varlen_tree_attention(q, k, v, kv_end, TreeAttentionOptions(scaling=0.37))
+        theirs = flash_module.varlen_tree_attention(q, k, v, kv_end, scaling=0.37, attend=varlen_attention)
+    assert relative_error(ours, theirs) <= TOLERANCE
+
+
+GPU_HEAD_DIM = 64
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("heads", HEADS[1:])
+@pytest.mark.parametrize("case", [pytest.param({}, id="plain"), pytest.param({"sinks": True}, id="sinks")])
+@pytest.mark.parametrize("rows", ROWS)
+def test_varlen_on_cuda_within_twice_eager(dtype, heads, case, rows):
+    """PyTorch's flash varlen kernel: output and q/k/v (and sink) gradients within twice eager's error in the same
+    dtype, against the float64 reference."""
+    reason = cuda_kernel_refusal(dtype, GPU_HEAD_DIM, torch.device("cuda"))
+    if reason is not None:
+        pytest.skip(reason)
+    kv_end, position_ids = (x.cuda() for x in ROWS[rows]())
+    q, k, v = qkv(kv_end, heads, dtype, device="cuda", head_dim=GPU_HEAD_DIM)
+    options, exact_options = dict(scaling=GPU_HEAD_DIM**-0.5), dict(scaling=GPU_HEAD_DIM**-0.5)
+    if case:
+        sinks = 2 * torch.randn(heads[0], generator=torch.Generator().manual_seed(5), dtype=torch.float64).cuda()
+        options["sinks"], exact_options["sinks"] = sinks.to(dtype).requires_grad_(), sinks.requires_grad_()
+    exact_out, exact_grads = run(
+        reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **exact_options
+    )
+    out, grads = run(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, **options)
+    eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
+    assert out.dtype == dtype
+    assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
+    for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads, strict=True):
+        assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_automatic_cuda_engine_within_twice_eager(dtype):
+    """The automatic engine on a GRPO-like row: varlen in bfloat16, flex in float32 (the flash kernel takes half
+    types only); forward and backward within twice eager's error in the same dtype."""
+    kv_end, position_ids = (x.cuda() for x in long_segment_rows())
+    q, k, v = qkv(kv_end, (4, 2), dtype, device="cuda", head_dim=GPU_HEAD_DIM)
+    options = TreeAttentionOptions(scaling=GPU_HEAD_DIM**-0.5, position_ids=position_ids)
+    expected = ("varlen",) if cuda_kernel_refusal(dtype, GPU_HEAD_DIM, q.device) is None else ("flash_attn", "flex")
+    assert cuda_engine_choice(q, v, kv_end, options) in expected
+    exact_out, exact_grads = run(
+        reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, scaling=options.scaling
+    )
+    out, grads = run(cuda_tree_attention, q, k, v, kv_end, position_ids, scaling=options.scaling)
+    eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=options.scaling)
+    assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
+    for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads, strict=True):
+        assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
