@@ -13,17 +13,33 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_tree import Tree, TreeDataCollator
-from hf_tree.attention import ENGINES, TreeAttentionOptions, dense_tree_mask, reference_tree_attention, select_backend
+from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
+from hf_tree.attention import (
+    ENGINES,
+    TreeAttentionOptions,
+    dense_tree_mask,
+    reference_tree_attention,
+    select_backend,
+    set_attention_backend,
+)
 from hf_tree.attention import cuda as cuda_module
 from hf_tree.attention import flash as flash_module
 from hf_tree.attention import varlen as varlen_module
 from hf_tree.attention.cuda import VARLEN_MIN_TOKENS_PER_SEQUENCE, cuda_engine_choice, cuda_tree_attention
 from hf_tree.attention.varlen import VarlenRefused, cached_varlen_plan, plan_varlen, torch_varlen_tree_attention
 from hf_tree.attention.varlen_kernels import CpuVarlen, cuda_kernel_refusal, torch_declares_varlen_gqa
-from tests.helpers import detached64, relative_error, run
+from tests.helpers import (
+    detached64,
+    float64_norms,
+    grads_of,
+    max_grad_relative_error,
+    per_branch_forest_loss,
+    relative_error,
+    run,
+    tiny_model,
+)
 from tests.varlen_attention import varlen_attention
-from tests.workloads import HEAD_DIM, long_segment_rows, packed_rows, qkv
+from tests.workloads import HEAD_DIM, forest, long_segment_rows, packed_rows, qkv
 
 TOLERANCE = 1e-9
 HEADS = [pytest.param((4, 4), id="mha"), pytest.param((4, 2), id="gqa"), pytest.param((6, 1), id="mqa")]
@@ -263,6 +279,48 @@ def test_varlen_and_flash_attn_stand_in_agree():
         ours = torch_varlen_tree_attention(q, k, v, kv_end, TreeAttentionOptions(scaling=0.37))
         theirs = flash_module.varlen_tree_attention(q, k, v, kv_end, scaling=0.37, attend=varlen_attention)
     assert relative_error(ours, theirs) <= TOLERANCE
+
+
+def loss_and_grads(model, loss_fn):
+    model.zero_grad()
+    loss = loss_fn()
+    loss.backward()
+    return loss.detach(), grads_of(model)
+
+
+@pytest.mark.parametrize(
+    "family, overrides",
+    [
+        pytest.param("llama", {}, id="llama"),
+        pytest.param("qwen3", {}, id="qwen3"),
+        pytest.param("gpt_oss", {"layer_types": ["full_attention"] * 2}, id="gpt_oss-sinks"),
+    ],
+)
+def test_tiny_models_through_varlen_match_per_branch_in_float64(family, overrides):
+    """Loss and every parameter gradient of a tree batch (several forests per row, rows, padding) with the engine
+    forced, against each branch run alone through the model's own attention."""
+    groups, batch = forest(seed=1)
+    set_attention_backend("varlen")
+    try:
+        with float64_norms():
+            model = tiny_model(family, vocab_size=97, **overrides)
+            loss, grads = loss_and_grads(model, lambda: tree_causal_lm_loss(model, batch))
+            ref_loss, ref_grads = loss_and_grads(model, lambda: per_branch_forest_loss(model, groups))
+    finally:
+        set_attention_backend(None)
+    assert relative_error(loss, ref_loss) <= TOLERANCE
+    assert max_grad_relative_error(grads, ref_grads) <= TOLERANCE
+
+
+def test_a_model_with_sliding_windows_is_refused_by_name():
+    _, batch = forest(seed=1)
+    set_attention_backend("varlen")
+    try:
+        model = tiny_model("mistral", vocab_size=97, sliding_window=4)
+        with pytest.raises(VarlenRefused, match="sliding_window=4"):
+            tree_causal_lm_loss(model, batch)
+    finally:
+        set_attention_backend(None)
 
 
 GPU_HEAD_DIM = 64
