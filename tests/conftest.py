@@ -33,6 +33,7 @@ SLOW_MARKERS = ("slow", "distributed")
 # types, other model families, hypothesis sweeps, benchmark runs, fresh interpreters) or launches processes
 # (distributed).
 #   attention engines        test_attention_engines.py (blocked, flex, segments), test_attention_models.py
+#                            test_attention_varlen.py (varlen on its CPU kernel, the CUDA engine rule)
 #   packing, collator, tree  test_packing.py, test_tree.py, test_validation.py
 #   loss                     test_loss_equivalence.py
 #   depth-first              test_depth_first.py::test_depth_first_matches_per_branch (+ hybrid, LoRA, softcap tests)
