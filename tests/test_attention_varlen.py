@@ -109,16 +109,40 @@ def test_plan_is_built_once_per_batch():
     assert cached_varlen_plan(kv_end) is first and cached_varlen_plan(kv_end.clone()) is not first
 
 
-@pytest.mark.parametrize("heads", HEADS)
+def sink_logits(num_heads: int, device: str = "cpu") -> torch.Tensor:
+    """Random float64 per-head sink logits ``[H]`` on the scale of the scores."""
+    return (2 * torch.randn(num_heads, generator=torch.Generator().manual_seed(5), dtype=torch.float64)).to(device)
+
+
+def assert_within_twice_eager(engine, q, k, v, kv_end, position_ids, scaling: float, sinks: torch.Tensor | None = None):
+    """``engine``'s output and gradients (query, key, value, sinks) in ``q``'s dtype against the float64 reference:
+    each error at most twice the reference engine's own error in that dtype (eager math). ``sinks``: float64 ``[H]``
+    sink logits, or ``None``."""
+    options, exact_options = dict(scaling=scaling), dict(scaling=scaling)
+    if sinks is not None:
+        options["sinks"], exact_options["sinks"] = sinks.to(q.dtype).requires_grad_(), sinks.clone().requires_grad_()
+    exact_out, exact_grads = run(
+        reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **exact_options
+    )
+    out, grads = run(engine, q, k, v, kv_end, position_ids, **options)
+    eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
+    assert out.dtype == q.dtype
+    assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
+    for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads, strict=True):
+        assert grad.dtype == q.dtype
+        assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
+
+
+@pytest.mark.parametrize(
+    "heads",  # one query head per key head is the trivial grouping: gqa and mqa cover the mapping in the fast tier
+    [pytest.param((4, 4), id="mha", marks=pytest.mark.slow), *HEADS[1:]],
+)
 @pytest.mark.parametrize("case", [pytest.param({}, id="plain"), pytest.param({"sinks": True}, id="sinks")])
 @pytest.mark.parametrize("rows", ROWS)
 def test_engine_matches_reference_in_float64(heads, case, rows):
     kv_end, position_ids = ROWS[rows]()
     q, k, v = qkv(kv_end, heads, torch.float64)
-    options = dict(scaling=0.37)
-    if case:
-        sinks = 2 * torch.randn(heads[0], generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-        options["sinks"] = sinks.requires_grad_()
+    options = dict(scaling=0.37, sinks=sink_logits(heads[0]).requires_grad_() if case else None)
     out, grads = run(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, **options)
     ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
     assert out.shape == ref_out.shape and out.dtype == torch.float64
@@ -165,22 +189,8 @@ def test_installed_torch_declares_native_gqa():
 def test_low_precision_error_within_twice_eager(dtype, case):
     kv_end, position_ids = long_segment_rows(seed=1)
     q, k, v = qkv(kv_end, (4, 2), dtype)
-    options = dict(scaling=HEAD_DIM**-0.5)
-    exact_options = dict(options)
-    if case:
-        sinks = 2 * torch.randn(4, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-        options["sinks"] = sinks.to(dtype).requires_grad_()
-        exact_options["sinks"] = sinks.requires_grad_()
-    exact_out, exact_grads = run(
-        reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **exact_options
-    )
-    out, grads = run(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, **options)
-    eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
-    assert out.dtype == dtype
-    assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
-    for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads, strict=True):
-        assert grad.dtype == dtype
-        assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
+    sinks = sink_logits(4) if case else None
+    assert_within_twice_eager(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, HEAD_DIM**-0.5, sinks)
 
 
 def test_autocast_runs_the_kernel_in_the_autocast_dtype():
@@ -339,19 +349,8 @@ def test_varlen_on_cuda_within_twice_eager(dtype, heads, case, rows):
         pytest.skip(reason)
     kv_end, position_ids = (x.cuda() for x in ROWS[rows]())
     q, k, v = qkv(kv_end, heads, dtype, device="cuda", head_dim=GPU_HEAD_DIM)
-    options, exact_options = dict(scaling=GPU_HEAD_DIM**-0.5), dict(scaling=GPU_HEAD_DIM**-0.5)
-    if case:
-        sinks = 2 * torch.randn(heads[0], generator=torch.Generator().manual_seed(5), dtype=torch.float64).cuda()
-        options["sinks"], exact_options["sinks"] = sinks.to(dtype).requires_grad_(), sinks.requires_grad_()
-    exact_out, exact_grads = run(
-        reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, **exact_options
-    )
-    out, grads = run(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, **options)
-    eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
-    assert out.dtype == dtype
-    assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
-    for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads, strict=True):
-        assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
+    sinks = sink_logits(heads[0], device="cuda") if case else None
+    assert_within_twice_eager(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, GPU_HEAD_DIM**-0.5, sinks)
 
 
 @pytest.mark.gpu
@@ -365,11 +364,4 @@ def test_automatic_cuda_engine_within_twice_eager(dtype):
     options = TreeAttentionOptions(scaling=GPU_HEAD_DIM**-0.5, position_ids=position_ids)
     expected = ("varlen",) if cuda_kernel_refusal(dtype, GPU_HEAD_DIM, q.device) is None else ("flash_attn", "flex")
     assert cuda_engine_choice(q, v, kv_end, options) in expected
-    exact_out, exact_grads = run(
-        reference_tree_attention, *detached64((q, k, v)), kv_end, position_ids, scaling=options.scaling
-    )
-    out, grads = run(cuda_tree_attention, q, k, v, kv_end, position_ids, scaling=options.scaling)
-    eager_out, eager_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=options.scaling)
-    assert relative_error(out, exact_out) <= 2 * relative_error(eager_out, exact_out)
-    for grad, eager_grad, exact in zip(grads, eager_grads, exact_grads, strict=True):
-        assert relative_error(grad, exact) <= 2 * relative_error(eager_grad, exact)
+    assert_within_twice_eager(cuda_tree_attention, q, k, v, kv_end, position_ids, options.scaling)
