@@ -27,7 +27,12 @@ from hf_tree.attention import flash as flash_module
 from hf_tree.attention import varlen as varlen_module
 from hf_tree.attention.cuda import VARLEN_MIN_TOKENS_PER_SEQUENCE, cuda_engine_choice, cuda_tree_attention
 from hf_tree.attention.varlen import VarlenRefused, cached_varlen_plan, plan_varlen, torch_varlen_tree_attention
-from hf_tree.attention.varlen_kernels import CpuVarlen, cuda_kernel_refusal, torch_declares_varlen_gqa
+from hf_tree.attention.varlen_kernels import (
+    CpuVarlen,
+    CudaFlashVarlen,
+    cuda_kernel_refusal,
+    torch_declares_varlen_gqa,
+)
 from tests.helpers import (
     detached64,
     float64_norms,
@@ -153,29 +158,48 @@ def test_engine_matches_reference_in_float64(heads, case, rows):
 
 
 class _RepeatingKernel(CpuVarlen):
-    """The CPU kernel declaring no native GQA (torch 2.11's varlen kernel path): records the K/V heads it gets."""
+    """The CPU kernel taking grouped K/V only for the calls ``grouped`` accepts (torch 2.11's flash kernel takes none,
+    torch 2.13's none of one-query calls): records the K/V heads of each call."""
 
-    native_gqa = False
+    def __init__(self, grouped) -> None:
+        self.grouped = grouped
+        self.key_heads: list[int] = []
 
-    def __init__(self) -> None:
-        self.key_heads: set[int] = set()
+    def takes_grouped_kv(self, call) -> bool:
+        return self.grouped(call)
 
     def forward(self, q, k, v, call, causal, scale):
-        self.key_heads.add(k.shape[1])
+        self.key_heads.append(k.shape[1])
         return super().forward(q, k, v, call, causal, scale)
 
 
+@pytest.mark.parametrize("grouped", ["none", "self-call-only", "ancestors-only"])
 @pytest.mark.parametrize("heads", HEADS[1:])
-def test_kernel_without_native_gqa_gets_repeated_heads_and_the_same_gradients(heads, monkeypatch):
-    kernel = _RepeatingKernel()
-    monkeypatch.setattr(varlen_module, "varlen_kernel", lambda device: kernel)
+def test_kernel_without_grouped_kv_gets_repeated_heads_and_the_same_gradients(heads, grouped, monkeypatch):
     kv_end, position_ids = long_segment_rows()
+    self_call = cached_varlen_plan(kv_end).self_call
+    accepts = {"none": lambda c: False, "self-call-only": lambda c: c is self_call}
+    kernel = _RepeatingKernel(accepts.get(grouped, lambda c: c is not self_call))
+    monkeypatch.setattr(varlen_module, "varlen_kernel", lambda device: kernel)
     q, k, v = qkv(kv_end, heads, torch.float64)
     out, grads = run(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, scaling=0.37)
     ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.37)
-    assert kernel.key_heads == {heads[0]}
+    full, grouped_heads = heads
+    expected = {"none": [full, full], "self-call-only": [grouped_heads, full], "ancestors-only": [full, grouped_heads]}[
+        grouped
+    ]
+    assert kernel.key_heads == expected  # the self call, then the ancestors call
     assert relative_error(out, ref_out) <= TOLERANCE
     assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads, strict=True))
+
+
+def test_cuda_kernel_repeats_kv_for_one_query_calls_and_before_torch_2_13():
+    """FlashAttention-2's decoding path (one query per sequence, GQA) returns its log-sum-exp in another layout: such
+    calls get repeated K/V, as every call does where torch's varlen_attn declares no enable_gqa."""
+    one_query, longer = (varlen_module._call([n, n], [5, 7], torch.device("cpu")) for n in (1, 3))
+    assert CudaFlashVarlen(native_gqa=True).takes_grouped_kv(longer)
+    assert not CudaFlashVarlen(native_gqa=True).takes_grouped_kv(one_query)
+    assert not CudaFlashVarlen(native_gqa=False).takes_grouped_kv(longer)
 
 
 def test_installed_torch_declares_native_gqa():

@@ -155,15 +155,16 @@ def _add_at(total: torch.Tensor, tokens: Tokens, part: torch.Tensor) -> None:
         total.index_add_(0, tokens, part)
 
 
-def _expand_heads(x: torch.Tensor, groups: int, kernel: VarlenKernel) -> torch.Tensor:
-    """K/V ``[T, Hkv, D]`` with each head repeated ``groups`` times for a kernel without native GQA."""
-    return x if kernel.native_gqa or groups == 1 else x.repeat_interleave(groups, dim=1)
+def _kv_heads(x: torch.Tensor, groups: int, kernel: VarlenKernel, call: VarlenCall) -> torch.Tensor:
+    """K/V ``[T, Hkv, D]`` for ``call``: as they are, or each head repeated ``groups`` times where the kernel takes
+    no grouped K/V for it."""
+    return x if groups == 1 or kernel.takes_grouped_kv(call) else x.repeat_interleave(groups, dim=1)
 
 
-def _fold_heads(grad: torch.Tensor, groups: int, kernel: VarlenKernel) -> torch.Tensor:
-    """The gradient of ``_expand_heads``' result -> ``[T, Hkv, D]`` (each group's heads summed in float32 for half
-    types, as a native GQA kernel accumulates them)."""
-    if kernel.native_gqa or groups == 1:
+def _kv_heads_grad(grad: torch.Tensor, groups: int, kernel: VarlenKernel, call: VarlenCall) -> torch.Tensor:
+    """The gradient of ``_kv_heads``' result -> ``[T, Hkv, D]`` (each group's heads summed in float32 for half types,
+    as a kernel with grouped K/V accumulates them)."""
+    if groups == 1 or kernel.takes_grouped_kv(call):
         return grad
     return grad.unflatten(1, (-1, groups)).sum(2, dtype=compute_dtype(grad.dtype)).to(grad.dtype)
 
@@ -173,23 +174,19 @@ class _VarlenTreeAttention(torch.autograd.Function):
     def forward(ctx, query, key, value, sinks, plan: VarlenPlan, scale: float, kernel: VarlenKernel):
         # query [T, H, D], key/value [T, Hkv, D]: the batch's tokens, row after row
         groups = query.shape[1] // key.shape[1]
-        key_in, value_in = _expand_heads(key, groups, kernel), _expand_heads(value, groups, kernel)
-        out, lse, self_state = kernel.forward(query, key_in, value_in, plan.self_call, True, scale)
+        self_call = plan.self_call
+        key_in, value_in = (_kv_heads(x, groups, kernel, self_call) for x in (key, value))
+        out, lse, self_state = kernel.forward(query, key_in, value_in, self_call, True, scale)
         ancestor_state = None
         if plan.ancestors is not None:
-            call = plan.ancestors
+            call, part = plan.ancestors, plan.ancestors.call
+            key_in, value_in = (_kv_heads(_take(x, call.keys), groups, kernel, part) for x in (key, value))
             part_out, part_lse, ancestor_state = kernel.forward(
-                _take(query, call.queries),
-                _take(key_in, call.keys),
-                _take(value_in, call.keys),
-                call.call,
-                False,
-                scale,
+                _take(query, call.queries), key_in, value_in, part, False, scale
             )
             if isinstance(call.queries, slice):  # merged in place, on views
-                merge_softmax_part(
-                    out[call.queries].transpose(0, 1), lse[:, call.queries], part_out.transpose(0, 1), part_lse
-                )
+                target, target_lse = out[call.queries].transpose(0, 1), lse[:, call.queries]
+                merge_softmax_part(target, target_lse, part_out.transpose(0, 1), part_lse)
             else:
                 target, target_lse = out.index_select(0, call.queries), lse.index_select(1, call.queries)
                 merge_softmax_part(target.transpose(0, 1), target_lse, part_out.transpose(0, 1), part_lse)
@@ -207,29 +204,29 @@ class _VarlenTreeAttention(torch.autograd.Function):
         plan, scale, kernel = ctx.plan, ctx.scale, ctx.kernel
         groups = query.shape[1] // key.shape[1]
         grad_out = grad_out.contiguous()
-        key_in, value_in = _expand_heads(key, groups, kernel), _expand_heads(value, groups, kernel)
+        self_call = plan.self_call
+        key_in, value_in = (_kv_heads(x, groups, kernel, self_call) for x in (key, value))
         grad_query, grad_key, grad_value = kernel.backward(
-            grad_out, query, key_in, value_in, out, lse, plan.self_call, True, scale, ctx.states[0]
+            grad_out, query, key_in, value_in, out, lse, self_call, True, scale, ctx.states[0]
         )
+        grad_key, grad_value = (_kv_heads_grad(g, groups, kernel, self_call) for g in (grad_key, grad_value))
         if plan.ancestors is not None:
-            call = plan.ancestors
+            call, part = plan.ancestors, plan.ancestors.call
             part_lse = lse[:, call.queries] if isinstance(call.queries, slice) else lse.index_select(1, call.queries)
             part_grads = kernel.backward(
                 _take(grad_out, call.queries),
                 _take(query, call.queries),
-                _take(key_in, call.keys),
-                _take(value_in, call.keys),
+                *(_kv_heads(_take(x, call.keys), groups, kernel, part) for x in (key, value)),
                 _take(out, call.queries),
                 part_lse.contiguous(),
-                call.call,
+                part,
                 False,
                 scale,
                 ctx.states[1],
             )
             _add_at(grad_query, call.queries, part_grads[0])
-            _add_at(grad_key, call.keys, part_grads[1])
-            _add_at(grad_value, call.keys, part_grads[2])
-        grad_key, grad_value = _fold_heads(grad_key, groups, kernel), _fold_heads(grad_value, groups, kernel)
+            _add_at(grad_key, call.keys, _kv_heads_grad(part_grads[1], groups, kernel, part))
+            _add_at(grad_value, call.keys, _kv_heads_grad(part_grads[2], groups, kernel, part))
         grad_sinks = None
         if sinks is not None:
             grad_sinks = sink_gradient(grad_out.transpose(0, 1), out.transpose(0, 1), lse, sinks)

@@ -10,7 +10,10 @@ of several parts, as ring attention does) besides the output gradient. Two imple
   ``varlen_attn``: its backward drops the log-sum-exp's gradient and cannot take a merged output, and a forward
   taken from another backend (``varlen_attn`` may pick cuDNN in some releases) would not match this backward.
   GQA is native from torch 2.13 (where ``varlen_attn`` declares ``enable_gqa``); before, K/V are repeated per group
-  and their gradients summed back.
+  and their gradients summed back. Calls whose sequences all have one query are given repeated K/V too:
+  FlashAttention-2's varlen forward takes a decoding path for them with GQA (``seqlenq_ngroups_swapped``: query
+  heads moved into the sequence dimension) and reshapes its log-sum-exp back by a bare ``reshape``, a layout its
+  backward was not written to read back.
 - CPU: the same contract as a loop of PyTorch's fused CPU kernel
   (``aten::_scaled_dot_product_flash_attention_for_cpu``: float64 and GQA, returns the log-sum-exp) over the
   sequences, so that the engine's plan, calls and merge run on CPU in float64 in the tests.
@@ -51,8 +54,9 @@ class VarlenCall:
 class VarlenKernel(Protocol):
     """A varlen attention kernel with the log-sum-exp (module docstring)."""
 
-    native_gqa: bool
-    """Whether ``k/v`` may have fewer heads than ``q`` (else the caller repeats them)."""
+    def takes_grouped_kv(self, call: VarlenCall) -> bool:
+        """Whether ``call``'s ``k/v`` may have fewer heads than ``q`` (GQA/MQA); else the caller repeats them."""
+        ...
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: VarlenCall, causal: bool, scale: float
@@ -84,6 +88,9 @@ class CudaFlashVarlen:
 
     def __init__(self, native_gqa: bool) -> None:
         self.native_gqa = native_gqa
+
+    def takes_grouped_kv(self, call: VarlenCall) -> bool:
+        return self.native_gqa and call.max_q > 1  # one-query calls: the decoding path (module docstring)
 
     def forward(self, q, k, v, call: VarlenCall, causal: bool, scale: float):
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
@@ -117,7 +124,8 @@ class CpuVarlen:
     """The varlen contract on CPU: PyTorch's fused CPU flash-attention kernel, one call per sequence. Its causal mask
     is top-left aligned, which is the contract's for the square causal sequences it is given."""
 
-    native_gqa = True
+    def takes_grouped_kv(self, call: VarlenCall) -> bool:
+        return True
 
     def forward(self, q, k, v, call: VarlenCall, causal: bool, scale: float):
         outs, lses = [], []
