@@ -202,6 +202,25 @@ def test_cuda_kernel_repeats_kv_for_one_query_calls_and_before_torch_2_13():
     assert not CudaFlashVarlen(native_gqa=False).takes_grouped_kv(longer)
 
 
+@pytest.mark.parametrize("native_gqa", [True, False], ids=["grouped-kv", "repeated-kv"])
+def test_cuda_kernel_path_runs_on_this_torchs_flash_ops_on_meta_tensors(native_gqa):
+    """The CUDA kernel's calls bind to this torch's ``aten::_flash_attention_forward``/``_backward`` schemas, and
+    their meta kernels return the layouts the engine merges (``lse [H, T]`` float32, checked in ``forward``): the whole
+    autograd function runs through them on meta tensors, forward and backward (shapes and dtypes only; the values
+    are the ``gpu`` tests')."""
+    kv_end, _ = long_segment_rows()
+    meta = torch.device("meta")
+    plan = plan_varlen(kv_end, device=meta)
+    tokens = kv_end.numel()
+    q, k, v = (torch.empty(tokens, h, 64, dtype=torch.bfloat16, device=meta, requires_grad=True) for h in (4, 2, 2))
+    sinks = torch.empty(4, dtype=torch.bfloat16, device=meta, requires_grad=True)
+    kernel = CudaFlashVarlen(native_gqa=native_gqa)
+    out = varlen_module._VarlenTreeAttention.apply(q, k, v, sinks, plan, 0.125, kernel)
+    grads = torch.autograd.grad(out.float().sum(), (q, k, v, sinks))
+    assert out.shape == q.shape and out.dtype == torch.bfloat16
+    assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, v, sinks)]
+
+
 def test_installed_torch_declares_native_gqa():
     """torch 2.13's ``varlen_attn`` takes ``enable_gqa`` (K/V are then never repeated); 2.11's does not."""
     major, minor = (int(x) for x in torch.__version__.split(".")[:2])
