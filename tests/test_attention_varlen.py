@@ -16,6 +16,7 @@ import torch
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss
 from hf_tree.attention import (
     ENGINES,
+    EngineRefused,
     TreeAttentionOptions,
     dense_tree_mask,
     reference_tree_attention,
@@ -269,7 +270,7 @@ def test_refusals_name_the_option_and_reason(option, reason):
     kv_end, position_ids = long_segment_rows()
     q, k, v = qkv(kv_end, (4, 2), torch.float64)
     options = TreeAttentionOptions(scaling=1.0, position_ids=position_ids, **option)
-    with pytest.raises(VarlenRefused, match=f"backend 'varlen' cannot run this call: {next(iter(option))}=.*{reason}"):
+    with pytest.raises(EngineRefused, match=f"backend 'varlen' cannot run this call: {next(iter(option))}=.*{reason}"):
         torch_varlen_tree_attention(q, k, v, kv_end, options)
     blocks = torch.full_like(kv_end, -1)
     assert varlen_module.varlen_refusal(q, TreeAttentionOptions(scaling=1.0, bidirectional_block=blocks)) is None

@@ -23,7 +23,7 @@ import torch
 from hf_tree.attention.blocked import blocked_tree_attention
 from hf_tree.attention.cuda import cuda_tree_attention
 from hf_tree.attention.dual import DeferredMask, model_attention_forward
-from hf_tree.attention.engine import TreeAttentionEngine, TreeAttentionOptions
+from hf_tree.attention.engine import EngineRefused, TreeAttentionEngine, TreeAttentionOptions
 from hf_tree.attention.flash import flash_tree_attention
 from hf_tree.attention.flex import flex_tree_attention
 from hf_tree.attention.head_dims import equal_head_dims
@@ -178,6 +178,7 @@ def tree_attention_forward(
 
 __all__ = [
     "ENGINES",
+    "EngineRefused",
     "PrefixCache",
     "TreeAttentionEngine",
     "TreeAttentionOptions",

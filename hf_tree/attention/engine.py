@@ -40,6 +40,11 @@ class TreeAttentionOptions:
     image tokens; ``hf_tree.attention.mask.tree_mask_mod``); or ``None``."""
 
 
+class EngineRefused(ValueError):
+    """A forced engine was asked for what its kernel cannot compute exactly (the message names the option and the
+    reason); the automatic engines route such calls elsewhere instead. Each kernel engine raises its own subclass."""
+
+
 class TreeAttentionEngine(Protocol):
     """A tree attention engine (``hf_tree.attention.ENGINES``' values, ``attention_engine_scope``'s argument)."""
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_tree.attention.batch_cache import BatchCache
-from hf_tree.attention.engine import TreeAttentionOptions
+from hf_tree.attention.engine import EngineRefused, TreeAttentionOptions
 from hf_tree.attention.mask import autocast_inputs, check_sinks, has_bidirectional_blocks
 from hf_tree.attention.segments import row_segments, segment_ancestors
 
@@ -42,7 +42,7 @@ MAX_HEAD_DIM = 256
 INSTALL_HINT = "pip install 'hf-tree[gpu]' (flash-attn >= 2.6.3, built for this torch and CUDA)"
 
 
-class FlashAttnRefused(ValueError):
+class FlashAttnRefused(EngineRefused):
     """The ``flash_attn`` engine was asked for what its kernel cannot compute exactly (the message says what)."""
 
 

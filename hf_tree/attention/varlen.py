@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from hf_tree.attention.batch_cache import BatchCache
-from hf_tree.attention.engine import TreeAttentionOptions
+from hf_tree.attention.engine import EngineRefused, TreeAttentionOptions
 from hf_tree.attention.mask import autocast_inputs, check_sinks, compute_dtype, has_bidirectional_blocks
 from hf_tree.attention.segments import (
     alone_segments,
@@ -47,7 +47,7 @@ Tokens = slice | torch.Tensor
 """Flat token indices ``row * N + j`` of a call's queries or keys: a slice when they form one range, else int64."""
 
 
-class VarlenRefused(ValueError):
+class VarlenRefused(EngineRefused):
     """The ``varlen`` engine was asked for what its kernel cannot compute exactly (the message says what)."""
 
 
