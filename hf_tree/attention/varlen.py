@@ -148,7 +148,8 @@ def _take(x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
 
 
 def _add_at(total: torch.Tensor, tokens: Tokens, part: torch.Tensor) -> None:
-    """``total[tokens] += part`` on a token-major ``total [T, ...]`` (indices are distinct)."""
+    """``total[tokens] += part`` on a token-major ``total [T, ...]``; repeated indices add up (the ancestors of two
+    sibling groups that are not consecutive, such as children before and after an earlier child's subtree)."""
     if isinstance(tokens, slice):
         total[tokens] += part
     else:
