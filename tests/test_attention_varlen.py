@@ -27,7 +27,14 @@ from hf_tree.attention import cuda as cuda_module
 from hf_tree.attention import flash as flash_module
 from hf_tree.attention import varlen as varlen_module
 from hf_tree.attention.cuda import VARLEN_MIN_TOKENS_PER_SEQUENCE, cuda_engine_choice, cuda_tree_attention
-from hf_tree.attention.varlen import VarlenRefused, cached_varlen_plan, plan_varlen, torch_varlen_tree_attention
+from hf_tree.attention.varlen import (
+    VarlenPlan,
+    VarlenRefused,
+    cached_varlen_plan,
+    plan_varlen,
+    plan_varlen_paths,
+    torch_varlen_tree_attention,
+)
 from hf_tree.attention.varlen_kernels import (
     CpuVarlen,
     CudaFlashVarlen,
@@ -76,43 +83,50 @@ ROWS = {
 }
 
 
-def computed_pairs(kv_end: torch.Tensor) -> torch.Tensor:
-    """``[B, N, N]`` int64: how often the plan's two calls compute each (query, key) pair."""
+def computed_pairs(kv_end: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+    """``[B, N, N]`` int64: how often the plan's calls compute each (query, key) pair (causal parts aligned
+    bottom-right)."""
     batch, n = kv_end.shape
-    plan = plan_varlen(kv_end)
     counts = torch.zeros(batch * n, batch * n, dtype=torch.int64)
-    for q0, q1, k0, k1 in plan.self_call.bounds:
-        assert (q0, q1) == (k0, k1)
-        counts[q0:q1, k0:k1] += torch.ones(q1 - q0, q1 - q0, dtype=torch.int64).tril()
-    if plan.ancestors is not None:
-        flat = torch.arange(batch * n)
-        queries, keys = flat[plan.ancestors.queries], flat[plan.ancestors.keys]
-        for q0, q1, k0, k1 in plan.ancestors.call.bounds:
-            counts[queries[q0:q1, None], keys[None, k0:k1]] += 1
+    flat = torch.arange(batch * n)
+    for part in plan.parts:
+        queries, keys = flat[part.queries], flat[part.keys]
+        for q0, q1, k0, k1 in part.call.bounds:
+            pairs = torch.ones(q1 - q0, k1 - k0, dtype=torch.int64)
+            counts[queries[q0:q1, None], keys[None, k0:k1]] += pairs.tril(k1 - k0 - (q1 - q0)) if part.causal else pairs
     rows = torch.arange(batch)
     return counts.view(batch, n, batch, n)[rows, :, rows]
 
 
 @pytest.mark.parametrize("rows", ROWS)
-def test_plan_computes_every_visible_pair_exactly_once(rows):
+def test_plans_compute_every_visible_pair_exactly_once(rows):
     kv_end, _ = ROWS[rows]()
-    plan = plan_varlen(kv_end)
-    assert int(plan.self_call.cu_q[-1]) == kv_end.numel()  # the self call reads every token in place
-    assert plan.self_call.cu_q.dtype == plan.self_call.cu_k.dtype == torch.int32
-    assert torch.equal(computed_pairs(kv_end), dense_tree_mask(kv_end).to(torch.int64))
+    plan, paths = plan_varlen(kv_end), plan_varlen_paths(kv_end)
+    for each in (plan, paths):
+        assert torch.equal(computed_pairs(kv_end, each), dense_tree_mask(kv_end).to(torch.int64))
+        first = each.parts[0]  # reads every query in order
+        assert first.queries == slice(0, kv_end.numel()) and int(first.call.cu_q[-1]) == kv_end.numel()
+        assert first.call.cu_q.dtype == first.call.cu_k.dtype == torch.int32
+    assert paths.num_tokens == plan.num_tokens and len(paths.parts) == 1
+    self_call = plan.parts[0]
+    assert self_call.causal and self_call.keys == self_call.queries  # in place: no copy
+    ancestors = plan.parts[1] if len(plan.parts) > 1 else None
     if rows == "grpo-views":  # completions and prompt are one range each: no gather
-        assert isinstance(plan.ancestors.queries, slice) and isinstance(plan.ancestors.keys, slice)
-        assert plan.ancestors.call.bounds == ((0, 100, 0, 40),)  # one sibling group against the prompt
+        assert isinstance(ancestors.queries, slice) and isinstance(ancestors.keys, slice)
+        assert ancestors.call.bounds == ((0, 100, 0, 40),)  # one sibling group against the prompt
     if rows == "long-segments":  # the agent chain's ancestors are not one range: gathered
-        assert not isinstance(plan.ancestors.keys, slice)
-    if rows == "distinct":
-        assert plan.ancestors is None and plan.num_sequences == 3 and plan.tokens_per_sequence == 50
+        assert not isinstance(ancestors.keys, slice)
+    if rows == "distinct":  # no sharing: one call, every path is its own segment
+        assert ancestors is None and plan.num_sequences == paths.num_sequences == 3 and plan.tokens_per_sequence == 50
+        assert paths.parts[0].keys == slice(0, kv_end.numel())
 
 
 def test_plan_is_built_once_per_batch():
     kv_end, _ = long_segment_rows()
     first = cached_varlen_plan(kv_end)
     assert cached_varlen_plan(kv_end) is first and cached_varlen_plan(kv_end.clone()) is not first
+    paths = cached_varlen_plan(kv_end, paths=True)
+    assert paths is not first and cached_varlen_plan(kv_end, paths=True) is paths
 
 
 def sink_logits(num_heads: int, device: str = "cpu") -> torch.Tensor:
@@ -143,12 +157,21 @@ def assert_within_twice_eager(engine, q, k, v, kv_end, position_ids, scaling: fl
     "heads",  # one query head per key head is the trivial grouping: gqa and mqa cover the mapping in the fast tier
     [pytest.param((4, 4), id="mha", marks=pytest.mark.slow), *HEADS[1:]],
 )
-@pytest.mark.parametrize("case", [pytest.param({}, id="plain"), pytest.param({"sinks": True}, id="sinks")])
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param({}, id="plain"),
+        pytest.param({"sinks": True}, id="sinks"),
+        pytest.param({"sliding_window": 3}, id="window3"),  # one call over the gathered paths
+        pytest.param({"sliding_window": 40, "sinks": True}, id="window40-sinks"),
+    ],
+)
 @pytest.mark.parametrize("rows", ROWS)
 def test_engine_matches_reference_in_float64(heads, case, rows):
     kv_end, position_ids = ROWS[rows]()
     q, k, v = qkv(kv_end, heads, torch.float64)
-    options = dict(scaling=0.37, sinks=sink_logits(heads[0]).requires_grad_() if case else None)
+    sinks = sink_logits(heads[0]).requires_grad_() if case.get("sinks") else None
+    options = dict(scaling=0.37, sinks=sinks, sliding_window=case.get("sliding_window"))
     out, grads = run(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, **options)
     ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, **options)
     assert out.shape == ref_out.shape and out.dtype == torch.float64
@@ -169,16 +192,16 @@ class _RepeatingKernel(CpuVarlen):
     def takes_grouped_kv(self, call) -> bool:
         return self.grouped(call)
 
-    def forward(self, q, k, v, call, causal, scale):
+    def forward(self, q, k, v, call, causal, scale, window):
         self.key_heads.append(k.shape[1])
-        return super().forward(q, k, v, call, causal, scale)
+        return super().forward(q, k, v, call, causal, scale, window)
 
 
 @pytest.mark.parametrize("grouped", ["none", "self-call-only", "ancestors-only"])
 @pytest.mark.parametrize("heads", HEADS[1:])
 def test_kernel_without_grouped_kv_gets_repeated_heads_and_the_same_gradients(heads, grouped, monkeypatch):
     kv_end, position_ids = long_segment_rows()
-    self_call = cached_varlen_plan(kv_end).self_call
+    self_call = cached_varlen_plan(kv_end).parts[0].call
     accepts = {"none": lambda c: False, "self-call-only": lambda c: c is self_call}
     kernel = _RepeatingKernel(accepts.get(grouped, lambda c: c is not self_call))
     monkeypatch.setattr(varlen_module, "varlen_kernel", lambda device: kernel)
@@ -203,20 +226,21 @@ def test_cuda_kernel_repeats_kv_for_one_query_calls_and_before_torch_2_13():
     assert not CudaFlashVarlen(native_gqa=False).takes_grouped_kv(longer)
 
 
+@pytest.mark.parametrize("window", [None, 7], ids=["two-calls", "window-paths"])
 @pytest.mark.parametrize("native_gqa", [True, False], ids=["grouped-kv", "repeated-kv"])
-def test_cuda_kernel_path_runs_on_this_torchs_flash_ops_on_meta_tensors(native_gqa):
+def test_cuda_kernel_path_runs_on_this_torchs_flash_ops_on_meta_tensors(native_gqa, window):
     """The CUDA kernel's calls bind to this torch's ``aten::_flash_attention_forward``/``_backward`` schemas, and
     their meta kernels return the layouts the engine merges (``lse [H, T]`` float32, checked in ``forward``): the whole
     autograd function runs through them on meta tensors, forward and backward (shapes and dtypes only; the values
     are the ``gpu`` tests')."""
     kv_end, _ = long_segment_rows()
     meta = torch.device("meta")
-    plan = plan_varlen(kv_end, device=meta)
+    plan = (plan_varlen if window is None else plan_varlen_paths)(kv_end, device=meta)
     tokens = kv_end.numel()
     q, k, v = (torch.empty(tokens, h, 64, dtype=torch.bfloat16, device=meta, requires_grad=True) for h in (4, 2, 2))
     sinks = torch.empty(4, dtype=torch.bfloat16, device=meta, requires_grad=True)
     kernel = CudaFlashVarlen(native_gqa=native_gqa)
-    out = varlen_module._VarlenTreeAttention.apply(q, k, v, sinks, plan, 0.125, kernel)
+    out = varlen_module._VarlenTreeAttention.apply(q, k, v, sinks, plan, 0.125, window, kernel)
     grads = torch.autograd.grad(out.float().sum(), (q, k, v, sinks))
     assert out.shape == q.shape and out.dtype == torch.bfloat16
     assert [(g.shape, g.dtype) for g in grads] == [(x.shape, x.dtype) for x in (q, k, v, sinks)]
@@ -262,7 +286,6 @@ def test_rows_that_see_only_themselves_give_no_nan():
     "option, reason",
     [
         (dict(softcap=2.0), "no soft-capping"),
-        (dict(sliding_window=8), "one window_size per call cannot express"),
         (dict(attention_chunk=8), "no chunked attention"),
     ],
 )
@@ -290,8 +313,8 @@ def test_cuda_kernel_refusals_name_the_reason():
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")
 def test_cuda_rule_picks_varlen_for_long_segments_else_flash_attn_or_flex(monkeypatch):
     """The automatic CUDA engine's rule, on CPU tensors (the varlen engine's CPU kernel runs them): long segments ->
-    varlen (forward and backward equal the reference); short segments, soft-capping or windows -> flash-attn where
-    it computes the call, else flex."""
+    varlen (forward and backward equal the reference), also with sinks or windows; short segments or soft-capping ->
+    flash-attn where it computes the call, else flex."""
     long_rows, short_rows = long_segment_rows(), packed_rows(seed=3)
     assert cached_varlen_plan(long_rows[0]).tokens_per_sequence >= VARLEN_MIN_TOKENS_PER_SEQUENCE
     assert cached_varlen_plan(short_rows[0]).tokens_per_sequence < VARLEN_MIN_TOKENS_PER_SEQUENCE
@@ -301,10 +324,12 @@ def test_cuda_rule_picks_varlen_for_long_segments_else_flash_attn_or_flex(monkey
         q, _, v = qkv(kv_end, (4, 2), torch.float64)
         return cuda_engine_choice(q, v, kv_end, TreeAttentionOptions(scaling=0.3, position_ids=position_ids, **extra))
 
-    assert choice(long_rows) == "varlen" and choice(long_rows, sinks=torch.zeros(4)) == "varlen"
+    assert (
+        choice(long_rows) == choice(long_rows, sinks=torch.zeros(4)) == choice(long_rows, sliding_window=4) == "varlen"
+    )
     assert choice(short_rows) == "flex" and choice(long_rows, softcap=2.0) == "flex"
     monkeypatch.setattr(flash_module, "flash_attn_refusal", lambda *args: None)  # as if flash-attn computed it
-    assert choice(long_rows, softcap=2.0) == "flash_attn" and choice(long_rows, sliding_window=4) == "flash_attn"
+    assert choice(long_rows, softcap=2.0) == "flash_attn" and choice(long_rows, sliding_window=4) == "varlen"
     assert choice(short_rows) == "flash_attn" and choice(long_rows) == "varlen"
     monkeypatch.setattr(cuda_module, "VARLEN_MIN_TOKENS_PER_SEQUENCE", 10**6)
     assert choice(long_rows) == "flash_attn"
@@ -348,6 +373,8 @@ def loss_and_grads(model, loss_fn):
         pytest.param("llama", {}, id="llama"),
         pytest.param("qwen3", {}, id="qwen3"),
         pytest.param("gpt_oss", {"layer_types": ["full_attention"] * 2}, id="gpt_oss-sinks"),
+        pytest.param("gpt_oss", {}, id="gpt_oss-sinks-window4"),  # window 4 on half of the layers
+        pytest.param("mistral", {"sliding_window": 4}, id="mistral-window4"),
     ],
 )
 def test_tiny_models_through_varlen_match_per_branch_in_float64(family, overrides):
@@ -366,12 +393,12 @@ def test_tiny_models_through_varlen_match_per_branch_in_float64(family, override
     assert max_grad_relative_error(grads, ref_grads) <= TOLERANCE
 
 
-def test_a_model_with_sliding_windows_is_refused_by_name():
+def test_a_softcapped_model_is_refused_by_name():
     _, batch = forest(seed=1)
     set_attention_backend("varlen")
     try:
-        model = tiny_model("mistral", vocab_size=97, sliding_window=4)
-        with pytest.raises(VarlenRefused, match="sliding_window=4"):
+        model = tiny_model("gemma2", vocab_size=97, head_dim=8, sliding_window=3, attn_logit_softcapping=0.5)
+        with pytest.raises(VarlenRefused, match="softcap=0.5: PyTorch's flash varlen kernel has no soft-capping"):
             tree_causal_lm_loss(model, batch)
     finally:
         set_attention_backend(None)

@@ -15,9 +15,14 @@ one call:
 A query in both calls is merged exactly with the two log-sum-exps (``merge_softmax_part``), and the backward runs
 the kernel's own backward on each call with the merged output and log-sum-exp (as ring attention does), so every
 visible pair is computed once, forward and backward, by the kernel. Sinks join the merge as one more softmax column
-per head, with their gradient computed here. Soft-capping, sliding windows, chunks and bidirectional blocks are
-refused (``varlen_refusal``): the kernel has no soft-cap, and a window in depth positions would cut a sibling group's
-ancestor part by each query's depth, which one ``window_size`` per call cannot express.
+per head, with their gradient computed here.
+
+A sliding window (in depth positions) cuts a sibling group's ancestors by each query's depth, which one
+``window_size`` per call cannot express; with a window the plan is one call instead (``plan_varlen_paths``): each
+segment against its gathered root-to-segment path, causal and aligned bottom-right, where the gathered position is
+the depth and the window is the kernel's own (the flash-attn engine's layout, at the cost of re-reading each
+segment's path). Soft-capping, chunks and bidirectional blocks are refused (``varlen_refusal``): the kernel has none
+of them.
 
 The kernel (``hf_tree.attention.varlen_kernels``) is PyTorch's own flash varlen kernel on CUDA (nothing to install)
 and a loop of PyTorch's fused CPU kernel on CPU, where the engine runs for tests (the automatic CPU engine is
@@ -32,6 +37,7 @@ import torch
 
 from hf_tree.attention.batch_cache import BatchCache
 from hf_tree.attention.engine import EngineRefused, TreeAttentionOptions
+from hf_tree.attention.flash import varlen_tree_index
 from hf_tree.attention.mask import autocast_inputs, check_sinks, compute_dtype, has_bidirectional_blocks
 from hf_tree.attention.segments import (
     alone_segments,
@@ -52,28 +58,30 @@ class VarlenRefused(EngineRefused):
 
 
 @dataclass(frozen=True)
-class AncestorCall:
-    """The ancestors call: one full sequence per group of sibling segments with the same ancestors."""
+class VarlenPart:
+    """One kernel call of a plan."""
 
     call: VarlenCall
     queries: Tokens
-    """The groups' query tokens, group after group (``[Tq]``)."""
+    """The query tokens, sequence after sequence (``[Tq]``)."""
     keys: Tokens
-    """The groups' ancestor key tokens, group after group (``[Tk]``)."""
+    """The key tokens, sequence after sequence (``[Tk]``)."""
+    causal: bool
+    """Causal, aligned bottom-right (query ``t`` of ``Lq`` sees the first ``Lk - Lq + t + 1`` keys), with the call's
+    sliding window if any; else full."""
 
 
 @dataclass(frozen=True)
 class VarlenPlan:
-    """The two varlen calls of a batch of packed rows."""
+    """The kernel calls of a batch of packed rows."""
 
-    self_call: VarlenCall
-    """One causal sequence per segment, over all ``B * N`` tokens in order."""
-    ancestors: AncestorCall | None
-    """``None`` when no segment has ancestors (rows of distinct sequences)."""
+    parts: tuple[VarlenPart, ...]
+    """The first reads every token of the batch as a query, in order (it writes each query's output and log-sum-exp);
+    the others merge theirs into their queries'."""
     num_tokens: int
     """Tokens outside padding (one-token segments that see only themselves and are seen by no other)."""
     num_sequences: int
-    """Sequences of both calls outside padding."""
+    """Sequences of all calls outside padding."""
 
     @property
     def tokens_per_sequence(self) -> float:
@@ -86,6 +94,10 @@ def _ranges(bounds: list[tuple[int, int]]) -> Tokens:
     if all(a[1] == b[0] for a, b in zip(bounds, bounds[1:])):
         return slice(bounds[0][0], bounds[-1][1])
     return torch.cat([torch.arange(a, b) for a, b in bounds])
+
+
+def _on(tokens: Tokens, device: torch.device) -> Tokens:
+    return tokens if isinstance(tokens, slice) else tokens.to(device)
 
 
 def _call(query_lengths: list[int], key_lengths: list[int], device: torch.device) -> VarlenCall:
@@ -102,8 +114,16 @@ def _call(query_lengths: list[int], key_lengths: list[int], device: torch.device
     )
 
 
+def _row_segments(row: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, int, int]:
+    """``row_segments`` of ``row [N]`` (CPU int64), with its tokens and segments outside padding."""
+    starts, stops, subtree_ends = row_segments(row)
+    alone = alone_segments(row, starts, stops, subtree_ends)
+    return starts, stops, subtree_ends, row.shape[0] - int(alone.sum()), int((~alone).sum())
+
+
 def plan_varlen(kv_end: torch.Tensor, device: torch.device | None = None) -> VarlenPlan:
-    """The ``VarlenPlan`` of ``kv_end [B, N]`` (any integer dtype/device); index tensors on ``device`` (default:
+    """The two-call ``VarlenPlan`` of ``kv_end [B, N]`` (module docstring; any integer dtype/device): the segments,
+    causal, then the sibling groups against their ancestors, in full. Index tensors on ``device`` (default:
     ``kv_end``'s)."""
     rows = kv_end.detach().to("cpu", torch.int64)
     device = kv_end.device if device is None else device
@@ -111,35 +131,45 @@ def plan_varlen(kv_end: torch.Tensor, device: torch.device | None = None) -> Var
     segment_lengths, queries, keys, key_lengths = [], [], [], []
     num_tokens, num_sequences = 0, 0
     for b in range(batch):
-        starts, stops, subtree_ends = row_segments(rows[b])
+        starts, stops, subtree_ends, row_tokens, row_segment_count = _row_segments(rows[b])
         segment_lengths += (stops - starts).tolist()
-        alone = alone_segments(rows[b], starts, stops, subtree_ends)
-        num_tokens += n - int(alone.sum())
-        num_sequences += int((~alone).sum())
+        num_tokens += row_tokens
+        num_sequences += row_segment_count
         offset = b * n
         for q0, q1, runs in ancestor_groups(starts.tolist(), stops.tolist(), subtree_ends.tolist()):
             queries.append((offset + q0, offset + q1))
             keys += [(offset + a, offset + z) for a, z in runs]
             key_lengths.append(sum(z - a for a, z in runs))
-    ancestors = None
+    every_token = slice(0, batch * n)
+    parts = [VarlenPart(_call(segment_lengths, segment_lengths, device), every_token, every_token, causal=True)]
     if queries:
         num_sequences += len(queries)
         call = _call([q1 - q0 for q0, q1 in queries], key_lengths, device)
-        query_index, key_index = _ranges(queries), _ranges(keys)
-        ancestors = AncestorCall(
-            call=call,
-            queries=query_index if isinstance(query_index, slice) else query_index.to(device),
-            keys=key_index if isinstance(key_index, slice) else key_index.to(device),
-        )
-    return VarlenPlan(_call(segment_lengths, segment_lengths, device), ancestors, num_tokens, num_sequences)
+        parts.append(VarlenPart(call, _on(_ranges(queries), device), _on(_ranges(keys), device), causal=False))
+    return VarlenPlan(tuple(parts), num_tokens, num_sequences)
+
+
+def plan_varlen_paths(kv_end: torch.Tensor, device: torch.device | None = None) -> VarlenPlan:
+    """The one-call ``VarlenPlan`` of ``kv_end [B, N]`` for sliding windows: each segment against its gathered
+    root-to-segment path, causal (``hf_tree.attention.flash.varlen_tree_index``, the flash-attn engine's layout).
+    Along a path the gathered position grows by one per depth, so a window in depth positions is the kernel's own."""
+    device = kv_end.device if device is None else device
+    index = varlen_tree_index(kv_end, device=torch.device("cpu"))
+    total = kv_end.numel()
+    keys = slice(0, total) if torch.equal(index.key_index, torch.arange(total)) else index.key_index.to(device)
+    call = _call(index.cu_seqlens_q.diff().tolist(), index.cu_seqlens_k.diff().tolist(), device)
+    counts = [_row_segments(row)[3:] for row in kv_end.detach().to("cpu", torch.int64)]
+    num_tokens, num_sequences = (sum(c) for c in zip(*counts, strict=True))
+    return VarlenPlan((VarlenPart(call, slice(0, total), keys, causal=True),), num_tokens, num_sequences)
 
 
 _plans: BatchCache[VarlenPlan] = BatchCache()
 
 
-def cached_varlen_plan(kv_end: torch.Tensor) -> VarlenPlan:
-    """``plan_varlen`` once per batch (all layers share it; ``hf_tree.attention.batch_cache``)."""
-    return _plans.get((kv_end,), (), lambda: plan_varlen(kv_end))
+def cached_varlen_plan(kv_end: torch.Tensor, paths: bool = False) -> VarlenPlan:
+    """``plan_varlen`` (or, with ``paths``, ``plan_varlen_paths``) once per batch (all layers share it;
+    ``hf_tree.attention.batch_cache``)."""
+    return _plans.get((kv_end,), (paths,), lambda: (plan_varlen_paths if paths else plan_varlen)(kv_end))
 
 
 def _take(x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
@@ -147,13 +177,19 @@ def _take(x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
     return x[tokens] if isinstance(tokens, slice) else x.index_select(0, tokens)
 
 
-def _add_at(total: torch.Tensor, tokens: Tokens, part: torch.Tensor) -> None:
-    """``total[tokens] += part`` on a token-major ``total [T, ...]``; repeated indices add up (the ancestors of two
-    sibling groups that are not consecutive, such as children before and after an earlier child's subtree)."""
+def _add_at(total: torch.Tensor | None, tokens: Tokens, part: torch.Tensor, size: int) -> torch.Tensor:
+    """``total[tokens] += part`` on a token-major ``total [size, ...]`` (``None``: zeros, or ``part`` itself when it
+    covers every token); repeated indices add up (a key on the paths, or among the ancestors, of several
+    sequences)."""
+    if total is None:
+        if tokens == slice(0, size):
+            return part
+        total = part.new_zeros(size, *part.shape[1:])
     if isinstance(tokens, slice):
         total[tokens] += part
     else:
         total.index_add_(0, tokens, part)
+    return total
 
 
 def _kv_heads(x: torch.Tensor, groups: int, kernel: VarlenKernel, call: VarlenCall) -> torch.Tensor:
@@ -172,78 +208,71 @@ def _kv_heads_grad(grad: torch.Tensor, groups: int, kernel: VarlenKernel, call: 
 
 class _VarlenTreeAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, query, key, value, sinks, plan: VarlenPlan, scale: float, kernel: VarlenKernel):
+    def forward(ctx, query, key, value, sinks, plan: VarlenPlan, scale: float, window: int | None, kernel):
         # query [T, H, D], key/value [T, Hkv, D]: the batch's tokens, row after row
         groups = query.shape[1] // key.shape[1]
-        self_call = plan.self_call
-        key_in, value_in = (_kv_heads(x, groups, kernel, self_call) for x in (key, value))
-        out, lse, self_state = kernel.forward(query, key_in, value_in, self_call, True, scale)
-        ancestor_state = None
-        if plan.ancestors is not None:
-            call, part = plan.ancestors, plan.ancestors.call
-            key_in, value_in = (_kv_heads(_take(x, call.keys), groups, kernel, part) for x in (key, value))
-            part_out, part_lse, ancestor_state = kernel.forward(
-                _take(query, call.queries), key_in, value_in, part, False, scale
+        out = lse = None
+        states = []
+        for part in plan.parts:
+            key_in, value_in = (_kv_heads(_take(x, part.keys), groups, kernel, part.call) for x in (key, value))
+            part_window = window if part.causal else None
+            part_out, part_lse, state = kernel.forward(
+                _take(query, part.queries), key_in, value_in, part.call, part.causal, scale, part_window
             )
-            if isinstance(call.queries, slice):  # merged in place, on views
-                target, target_lse = out[call.queries].transpose(0, 1), lse[:, call.queries]
+            states.append(state)
+            if out is None:  # the first part: every query, in order
+                out, lse = part_out, part_lse
+            elif isinstance(part.queries, slice):  # merged in place, on views
+                target, target_lse = out[part.queries].transpose(0, 1), lse[:, part.queries]
                 merge_softmax_part(target, target_lse, part_out.transpose(0, 1), part_lse)
             else:
-                target, target_lse = out.index_select(0, call.queries), lse.index_select(1, call.queries)
+                target, target_lse = out.index_select(0, part.queries), lse.index_select(1, part.queries)
                 merge_softmax_part(target.transpose(0, 1), target_lse, part_out.transpose(0, 1), part_lse)
-                out.index_copy_(0, call.queries, target)
-                lse.index_copy_(1, call.queries, target_lse)
+                out.index_copy_(0, part.queries, target)
+                lse.index_copy_(1, part.queries, target_lse)
         if sinks is not None:
             merge_sinks(out.transpose(0, 1), lse, sinks)
         ctx.save_for_backward(query, key, value, sinks, out, lse)
-        ctx.plan, ctx.scale, ctx.kernel, ctx.states = plan, scale, kernel, (self_state, ancestor_state)
+        ctx.plan, ctx.scale, ctx.window, ctx.kernel, ctx.states = plan, scale, window, kernel, states
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
         query, key, value, sinks, out, lse = ctx.saved_tensors
-        plan, scale, kernel = ctx.plan, ctx.scale, ctx.kernel
+        kernel, tokens = ctx.kernel, query.shape[0]
         groups = query.shape[1] // key.shape[1]
         grad_out = grad_out.contiguous()
-        self_call = plan.self_call
-        key_in, value_in = (_kv_heads(x, groups, kernel, self_call) for x in (key, value))
-        grad_query, grad_key, grad_value = kernel.backward(
-            grad_out, query, key_in, value_in, out, lse, self_call, True, scale, ctx.states[0]
-        )
-        grad_key, grad_value = (_kv_heads_grad(g, groups, kernel, self_call) for g in (grad_key, grad_value))
-        if plan.ancestors is not None:
-            call, part = plan.ancestors, plan.ancestors.call
-            part_lse = lse[:, call.queries] if isinstance(call.queries, slice) else lse.index_select(1, call.queries)
+        grad_query = grad_key = grad_value = None
+        for part, state in zip(ctx.plan.parts, ctx.states, strict=True):
+            part_lse = lse[:, part.queries] if isinstance(part.queries, slice) else lse.index_select(1, part.queries)
             part_grads = kernel.backward(
-                _take(grad_out, call.queries),
-                _take(query, call.queries),
-                *(_kv_heads(_take(x, call.keys), groups, kernel, part) for x in (key, value)),
-                _take(out, call.queries),
+                _take(grad_out, part.queries),
+                _take(query, part.queries),
+                *(_kv_heads(_take(x, part.keys), groups, kernel, part.call) for x in (key, value)),
+                _take(out, part.queries),
                 part_lse.contiguous(),
-                part,
-                False,
-                scale,
-                ctx.states[1],
+                part.call,
+                part.causal,
+                ctx.scale,
+                ctx.window if part.causal else None,
+                state,
             )
-            _add_at(grad_query, call.queries, part_grads[0])
-            _add_at(grad_key, call.keys, _kv_heads_grad(part_grads[1], groups, kernel, part))
-            _add_at(grad_value, call.keys, _kv_heads_grad(part_grads[2], groups, kernel, part))
+            grad_query = _add_at(grad_query, part.queries, part_grads[0], tokens)
+            grad_key = _add_at(grad_key, part.keys, _kv_heads_grad(part_grads[1], groups, kernel, part.call), tokens)
+            grad_value = _add_at(
+                grad_value, part.keys, _kv_heads_grad(part_grads[2], groups, kernel, part.call), tokens
+            )
         grad_sinks = None
         if sinks is not None:
             grad_sinks = sink_gradient(grad_out.transpose(0, 1), out.transpose(0, 1), lse, sinks)
-        return grad_query, grad_key, grad_value, grad_sinks, None, None, None
+        return grad_query, grad_key, grad_value, grad_sinks, None, None, None, None
 
 
 def varlen_refusal(query: torch.Tensor, options: TreeAttentionOptions) -> str | None:
     """Why the ``varlen`` engine cannot compute a call exactly (``query [B, H, N, D]`` as the kernel would receive
     it: under an autocast, in its dtype), or ``None`` when it can."""
     if options.softcap is not None:
-        return f"softcap={options.softcap}: the flash varlen kernel has no soft-capping"
-    if options.sliding_window is not None:
-        return (
-            f"sliding_window={options.sliding_window}: a window in depth positions cuts a sibling group's ancestor "
-            "part by each query's depth, which one window_size per call cannot express"
-        )
+        return f"softcap={options.softcap}: PyTorch's flash varlen kernel has no soft-capping"
     if options.attention_chunk is not None:
         return f"attention_chunk={options.attention_chunk}: the kernel has no chunked attention"
     if has_bidirectional_blocks(options.bidirectional_block):
@@ -266,11 +295,12 @@ def torch_varlen_tree_attention(
     *,
     plan: VarlenPlan | None = None,
 ) -> torch.Tensor:
-    """Tree attention from two varlen kernel calls merged by log-sum-exp (module docstring), a
-    ``TreeAttentionEngine``: ``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` (never repeated on torch 2.13+),
-    ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype, honouring ``scaling`` and ``sinks``. Raises
-    ``VarlenRefused`` (a ``ValueError``) with the reason for what the kernel cannot compute exactly
-    (``varlen_refusal``); ``position_ids`` are not read. ``plan``: the calls to run (default: ``kv_end``'s)."""
+    """Tree attention from varlen kernel calls merged by log-sum-exp (module docstring), a ``TreeAttentionEngine``:
+    ``query [B, H, N, D]``, ``key/value [B, Hkv, N, D]`` (not repeated in memory where the kernel takes grouped K/V),
+    ``kv_end [B, N]`` -> ``[B, N, H, D]`` in ``query``'s dtype, honouring ``scaling``, ``sinks`` and
+    ``sliding_window`` (measured along the gathered paths, which are the depths: ``position_ids`` are not read).
+    Raises ``VarlenRefused`` (a ``ValueError``) with the reason for what the kernel cannot compute exactly
+    (``varlen_refusal``). ``plan``: the calls to run (default: ``kv_end``'s, ``cached_varlen_plan``)."""
     check_sinks("torch_varlen_tree_attention", options.sinks, query.shape[1])
     reason = varlen_refusal(query, options)
     if reason is not None:
@@ -278,8 +308,9 @@ def torch_varlen_tree_attention(
             f"attention backend 'varlen' cannot run this call: {reason}. Use the automatic choice ('cuda' on CUDA, "
             "'cpu' elsewhere), which sends such calls to an engine that computes them."
         )
+    window = options.sliding_window
     if plan is None:
-        plan = cached_varlen_plan(kv_end)
+        plan = cached_varlen_plan(kv_end, paths=window is not None)
     batch, heads, n, dim = query.shape
     query, key, value = autocast_inputs(query, key, value)
 
@@ -288,6 +319,13 @@ def torch_varlen_tree_attention(
 
     with torch.autocast(query.device.type, enabled=False):
         out = _VarlenTreeAttention.apply(
-            tokens(query), tokens(key), tokens(value), options.sinks, plan, options.scaling, varlen_kernel(query.device)
+            tokens(query),
+            tokens(key),
+            tokens(value),
+            options.sinks,
+            plan,
+            options.scaling,
+            None if window is None else window - 1,  # keys within window - 1 positions before the query
+            varlen_kernel(query.device),
         )
     return out.view(batch, n, heads, dim)

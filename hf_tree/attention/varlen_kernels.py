@@ -59,10 +59,18 @@ class VarlenKernel(Protocol):
         ...
 
     def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, call: VarlenCall, causal: bool, scale: float
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        call: VarlenCall,
+        causal: bool,
+        scale: float,
+        window: int | None,
     ) -> tuple[torch.Tensor, torch.Tensor, Any]:
-        """``(out [Tq, H, D] in q's dtype, lse [H, Tq] in the softmax dtype, state for backward)``; ``causal``
-        sequences have as many queries as keys."""
+        """``(out [Tq, H, D] in q's dtype, lse [H, Tq] in the softmax dtype, state for backward)``. ``causal``: aligned
+        bottom-right (query ``t`` of ``Lq`` sits at key position ``t + Lk - Lq``); ``window`` (causal only): keys at
+        most ``window`` positions before their query, or ``None``."""
         ...
 
     def backward(
@@ -76,11 +84,17 @@ class VarlenKernel(Protocol):
         call: VarlenCall,
         causal: bool,
         scale: float,
+        window: int | None,
         state: Any,
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(dq, dk, dv)`` for the output gradient ``grad_out [Tq, H, D]`` given the softmax's ``out`` and
         ``lse [H, Tq]`` (contiguous), which may be those of a larger softmax this call is part of."""
         ...
+
+
+def _window(window: int | None) -> dict:
+    """The flash ops' window arguments: ``window`` keys back, none ahead (or no window)."""
+    return {} if window is None else {"window_size_left": window, "window_size_right": 0}
 
 
 class CudaFlashVarlen:
@@ -92,9 +106,9 @@ class CudaFlashVarlen:
     def takes_grouped_kv(self, call: VarlenCall) -> bool:
         return self.native_gqa and call.max_q > 1  # one-query calls: the decoding path (module docstring)
 
-    def forward(self, q, k, v, call: VarlenCall, causal: bool, scale: float):
+    def forward(self, q, k, v, call: VarlenCall, causal: bool, scale: float, window: int | None):
         out, lse, rng_state, unused, _ = torch.ops.aten._flash_attention_forward(
-            q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, 0.0, causal, False, scale=scale
+            q, k, v, call.cu_q, call.cu_k, call.max_q, call.max_k, 0.0, causal, False, scale=scale, **_window(window)
         )
         if lse.shape != (q.shape[1], q.shape[0]):  # older layouts ([S, H, max_q]) would merge wrong rows
             raise RuntimeError(
@@ -103,11 +117,11 @@ class CudaFlashVarlen:
             )
         return out, lse, (rng_state, unused)
 
-    def backward(self, grad_out, q, k, v, out, lse, call: VarlenCall, causal: bool, scale: float, state):
+    def backward(self, grad_out, q, k, v, out, lse, call: VarlenCall, causal: bool, scale: float, window, state):
         rng_state, unused = state
         return torch.ops.aten._flash_attention_backward(
             grad_out, q, k, v, out, lse, call.cu_q, call.cu_k, call.max_q, call.max_k, 0.0, causal, rng_state, unused,
-            scale=scale,
+            scale=scale, **_window(window),
         )  # fmt: skip
 
 
@@ -115,28 +129,45 @@ _cpu_forward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 _cpu_backward = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward
 
 
+def _mask(q0: int, q1: int, k0: int, k1: int, causal: bool, window: int | None, dtype: torch.dtype) -> dict:
+    """The CPU kernel's mask arguments for the sequence ``q[q0:q1]`` against ``k[k0:k1]``."""
+    if causal and (q1 - q0 != k1 - k0 or window is not None):
+        return {"is_causal": False, "attn_mask": _bottom_right_mask(q1 - q0, k1 - k0, window, dtype)}
+    return {"is_causal": causal}
+
+
 def _sequence(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
     """``x [T, h, d]`` -> the tokens ``[start, stop)`` as one batch of the CPU kernel, ``[1, h, L, d]`` (a view)."""
     return x[start:stop].transpose(0, 1).unsqueeze(0)
 
 
+def _bottom_right_mask(num_q: int, num_k: int, window: int | None, dtype: torch.dtype) -> torch.Tensor:
+    """``[Lq, Lk]`` additive mask (the CPU kernel's form): causal aligned bottom-right, within ``window`` if any."""
+    position = torch.arange(num_q)[:, None] + (num_k - num_q)
+    key = torch.arange(num_k)[None, :]
+    visible = key <= position
+    if window is not None:
+        visible &= key >= position - window
+    return torch.zeros(num_q, num_k, dtype=dtype).masked_fill_(~visible, float("-inf"))
+
+
 class CpuVarlen:
-    """The varlen contract on CPU: PyTorch's fused CPU flash-attention kernel, one call per sequence. Its causal mask
-    is top-left aligned, which is the contract's for the square causal sequences it is given."""
+    """The varlen contract on CPU: PyTorch's fused CPU flash-attention kernel, one call per sequence. Its own causal
+    mask is aligned top-left, the contract's for square sequences; others, and windows, get an explicit mask."""
 
     def takes_grouped_kv(self, call: VarlenCall) -> bool:
         return True
 
-    def forward(self, q, k, v, call: VarlenCall, causal: bool, scale: float):
+    def forward(self, q, k, v, call: VarlenCall, causal: bool, scale: float, window: int | None):
         outs, lses = [], []
         for q0, q1, k0, k1 in call.bounds:
             parts = (_sequence(q, q0, q1), _sequence(k, k0, k1), _sequence(v, k0, k1))
-            out, lse = _cpu_forward(*parts, is_causal=causal, scale=scale)
+            out, lse = _cpu_forward(*parts, **_mask(q0, q1, k0, k1, causal, window, q.dtype), scale=scale)
             outs.append(out[0].transpose(0, 1))
             lses.append(lse[0])
         return torch.cat(outs), torch.cat(lses, dim=1), None
 
-    def backward(self, grad_out, q, k, v, out, lse, call: VarlenCall, causal: bool, scale: float, state):
+    def backward(self, grad_out, q, k, v, out, lse, call: VarlenCall, causal: bool, scale: float, window, state):
         grads = [torch.zeros_like(x) for x in (q, k, v)]
         for q0, q1, k0, k1 in call.bounds:
             part = _cpu_backward(
@@ -147,7 +178,7 @@ class CpuVarlen:
                 _sequence(out, q0, q1),
                 lse[:, q0:q1].unsqueeze(0).contiguous(),
                 0.0,
-                causal,
+                **_mask(q0, q1, k0, k1, causal, window, q.dtype),
                 scale=scale,
             )
             for total, grad, (a, b) in zip(grads, part, ((q0, q1), (k0, k1), (k0, k1)), strict=True):
