@@ -55,6 +55,12 @@ from tests.varlen_attention import varlen_attention
 from tests.workloads import HEAD_DIM, forest, long_segment_rows, packed_rows, qkv
 
 TOLERANCE = 1e-9
+CASES = [
+    pytest.param({}, id="plain"),
+    pytest.param({"sinks": True}, id="sinks"),
+    pytest.param({"sliding_window": 3}, id="window3"),  # one call over the gathered paths
+    pytest.param({"sliding_window": 40, "sinks": True}, id="window40-sinks"),
+]
 HEADS = [pytest.param((4, 4), id="mha"), pytest.param((4, 2), id="gqa"), pytest.param((6, 1), id="mqa")]
 pytestmark = pytest.mark.usefixtures("one_torch_thread")  # see tests/conftest.py
 
@@ -134,11 +140,13 @@ def sink_logits(num_heads: int, device: str = "cpu") -> torch.Tensor:
     return (2 * torch.randn(num_heads, generator=torch.Generator().manual_seed(5), dtype=torch.float64)).to(device)
 
 
-def assert_within_twice_eager(engine, q, k, v, kv_end, position_ids, scaling: float, sinks: torch.Tensor | None = None):
+def assert_within_twice_eager(engine, q, k, v, kv_end, position_ids, scaling: float, case: dict):
     """``engine``'s output and gradients (query, key, value, sinks) in ``q``'s dtype against the float64 reference:
-    each error at most twice the reference engine's own error in that dtype (eager math). ``sinks``: float64 ``[H]``
-    sink logits, or ``None``."""
-    options, exact_options = dict(scaling=scaling), dict(scaling=scaling)
+    each error at most twice the reference engine's own error in that dtype (eager math). ``case``: ``CASES``'
+    options (``sinks=True``: random sink logits)."""
+    window = case.get("sliding_window")
+    sinks = sink_logits(q.shape[1], device=q.device.type) if case.get("sinks") else None
+    options, exact_options = (dict(scaling=scaling, sliding_window=window) for _ in range(2))
     if sinks is not None:
         options["sinks"], exact_options["sinks"] = sinks.to(q.dtype).requires_grad_(), sinks.clone().requires_grad_()
     exact_out, exact_grads = run(
@@ -157,15 +165,7 @@ def assert_within_twice_eager(engine, q, k, v, kv_end, position_ids, scaling: fl
     "heads",  # one query head per key head is the trivial grouping: gqa and mqa cover the mapping in the fast tier
     [pytest.param((4, 4), id="mha", marks=pytest.mark.slow), *HEADS[1:]],
 )
-@pytest.mark.parametrize(
-    "case",
-    [
-        pytest.param({}, id="plain"),
-        pytest.param({"sinks": True}, id="sinks"),
-        pytest.param({"sliding_window": 3}, id="window3"),  # one call over the gathered paths
-        pytest.param({"sliding_window": 40, "sinks": True}, id="window40-sinks"),
-    ],
-)
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_engine_matches_reference_in_float64(heads, case, rows):
     kv_end, position_ids = ROWS[rows]()
@@ -253,12 +253,11 @@ def test_installed_torch_declares_native_gqa():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("case", [pytest.param({}, id="plain"), pytest.param({"sinks": True}, id="sinks")])
+@pytest.mark.parametrize("case", CASES[1::2])  # sinks; window and sinks
 def test_low_precision_error_within_twice_eager(dtype, case):
     kv_end, position_ids = long_segment_rows(seed=1)
     q, k, v = qkv(kv_end, (4, 2), dtype)
-    sinks = sink_logits(4) if case else None
-    assert_within_twice_eager(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, HEAD_DIM**-0.5, sinks)
+    assert_within_twice_eager(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, HEAD_DIM**-0.5, case)
 
 
 def test_autocast_runs_the_kernel_in_the_autocast_dtype():
@@ -410,7 +409,7 @@ GPU_HEAD_DIM = 64
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("heads", HEADS[1:])
-@pytest.mark.parametrize("case", [pytest.param({}, id="plain"), pytest.param({"sinks": True}, id="sinks")])
+@pytest.mark.parametrize("case", CASES)
 @pytest.mark.parametrize("rows", ROWS)
 def test_varlen_on_cuda_within_twice_eager(dtype, heads, case, rows):
     """PyTorch's flash varlen kernel: output and q/k/v (and sink) gradients within twice eager's error in the same
@@ -420,8 +419,7 @@ def test_varlen_on_cuda_within_twice_eager(dtype, heads, case, rows):
         pytest.skip(reason)
     kv_end, position_ids = (x.cuda() for x in ROWS[rows]())
     q, k, v = qkv(kv_end, heads, dtype, device="cuda", head_dim=GPU_HEAD_DIM)
-    sinks = sink_logits(heads[0], device="cuda") if case else None
-    assert_within_twice_eager(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, GPU_HEAD_DIM**-0.5, sinks)
+    assert_within_twice_eager(torch_varlen_tree_attention, q, k, v, kv_end, position_ids, GPU_HEAD_DIM**-0.5, case)
 
 
 @pytest.mark.gpu
@@ -435,4 +433,4 @@ def test_automatic_cuda_engine_within_twice_eager(dtype):
     options = TreeAttentionOptions(scaling=GPU_HEAD_DIM**-0.5, position_ids=position_ids)
     expected = ("varlen",) if cuda_kernel_refusal(dtype, GPU_HEAD_DIM, q.device) is None else ("flash_attn", "flex")
     assert cuda_engine_choice(q, v, kv_end, options) in expected
-    assert_within_twice_eager(cuda_tree_attention, q, k, v, kv_end, position_ids, options.scaling)
+    assert_within_twice_eager(cuda_tree_attention, q, k, v, kv_end, position_ids, options.scaling, {})
