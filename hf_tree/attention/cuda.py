@@ -1,12 +1,12 @@
 """The automatic tree engine on CUDA: one rule, per call, over ``varlen``, ``flash_attn`` and ``flex``.
 
 1. ``varlen`` (PyTorch's own flash varlen kernel, nothing to install) when it computes the call exactly
-   (``varlen_refusal``: half precision, head dim a multiple of 8 up to 256, no soft-cap, window, chunks or
-   bidirectional blocks; sinks are fine) and the batch's segments are long enough for its tiles: at least
+   (``varlen_refusal``: half precision, head dim a multiple of 8 up to 256, no soft-cap, chunks or bidirectional
+   blocks; sinks and sliding windows are fine) and the batch's segments are long enough for its tiles: at least
    ``VARLEN_MIN_TOKENS_PER_SEQUENCE`` non-padding tokens per kernel sequence (``VarlenPlan.tokens_per_sequence``).
-2. ``flash_attn`` where flash-attn is installed and computes the call exactly (it adds soft-capping and windows).
-3. ``flex`` (compiled FlexAttention) for the rest: many short segments, soft-capping or windows without flash-attn,
-   chunks, bidirectional blocks, float32.
+2. ``flash_attn`` where flash-attn is installed and computes the call exactly (it adds soft-capping).
+3. ``flex`` (compiled FlexAttention) for the rest: many short segments, soft-capping without flash-attn, chunks,
+   bidirectional blocks, float32.
 
 The threshold is a first estimate, not a GPU measurement (none was lent when the rule was written): the kernels
 tile queries by 64-128 rows per sequence, so a sequence of ``L`` tokens keeps about ``L / 128`` of a tile busy, while
@@ -34,7 +34,8 @@ def cuda_engine_choice(
     """The engine ``cuda_tree_attention`` runs for a call (``query [B, H, N, D]``, ``value [B, Hkv, N, Dv]``,
     ``kv_end [B, N]``): ``"varlen"``, ``"flash_attn"`` or ``"flex"`` (module docstring)."""
     if varlen_refusal(query, options) is None:
-        if cached_varlen_plan(kv_end).tokens_per_sequence >= VARLEN_MIN_TOKENS_PER_SEQUENCE:
+        plan = cached_varlen_plan(kv_end, paths=options.sliding_window is not None)
+        if plan.tokens_per_sequence >= VARLEN_MIN_TOKENS_PER_SEQUENCE:
             return "varlen"
     reason = flash.flash_attn_refusal(query, value, options.sinks, options.bidirectional_block, options.attention_chunk)
     return "flash_attn" if reason is None else "flex"
