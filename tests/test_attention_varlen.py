@@ -89,9 +89,9 @@ ROWS = {
 }
 
 
-def computed_pairs(kv_end: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
+def computed_pairs(kv_end: torch.Tensor, plan: VarlenPlan, window: int | None = None) -> torch.Tensor:
     """``[B, N, N]`` int64: how often the plan's calls compute each (query, key) pair (causal parts aligned
-    bottom-right)."""
+    bottom-right, keys at most ``window`` positions back)."""
     batch, n = kv_end.shape
     counts = torch.zeros(batch * n, batch * n, dtype=torch.int64)
     flat = torch.arange(batch * n)
@@ -99,17 +99,24 @@ def computed_pairs(kv_end: torch.Tensor, plan: VarlenPlan) -> torch.Tensor:
         queries, keys = flat[part.queries], flat[part.keys]
         for q0, q1, k0, k1 in part.call.bounds:
             pairs = torch.ones(q1 - q0, k1 - k0, dtype=torch.int64)
-            counts[queries[q0:q1, None], keys[None, k0:k1]] += pairs.tril(k1 - k0 - (q1 - q0)) if part.causal else pairs
+            if part.causal:
+                pairs = pairs.tril(k1 - k0 - (q1 - q0))
+                if window is not None:
+                    pairs = pairs.triu(k1 - k0 - (q1 - q0) - window)
+            counts[queries[q0:q1, None], keys[None, k0:k1]] += pairs
     rows = torch.arange(batch)
     return counts.view(batch, n, batch, n)[rows, :, rows]
 
 
 @pytest.mark.parametrize("rows", ROWS)
 def test_plans_compute_every_visible_pair_exactly_once(rows):
-    kv_end, _ = ROWS[rows]()
-    plan, paths = plan_varlen(kv_end), plan_varlen_paths(kv_end)
+    kv_end, position_ids = ROWS[rows]()
+    plan, paths = plan_varlen(kv_end), plan_varlen_paths(kv_end, window=10**6)
     for each in (plan, paths):
         assert torch.equal(computed_pairs(kv_end, each), dense_tree_mask(kv_end).to(torch.int64))
+    for window in (1, 3, 40):  # the window's keys, each once (as the kernel counts them: bottom-right, window - 1 back)
+        windowed = computed_pairs(kv_end, plan_varlen_paths(kv_end, window), window - 1)
+        assert torch.equal(windowed, dense_tree_mask(kv_end, position_ids, window).to(torch.int64))
         first = each.parts[0]  # reads every query in order
         assert first.queries == slice(0, kv_end.numel()) and int(first.call.cu_q[-1]) == kv_end.numel()
         assert first.call.cu_q.dtype == first.call.cu_k.dtype == torch.int32
@@ -131,8 +138,9 @@ def test_plan_is_built_once_per_batch():
     kv_end, _ = long_segment_rows()
     first = cached_varlen_plan(kv_end)
     assert cached_varlen_plan(kv_end) is first and cached_varlen_plan(kv_end.clone()) is not first
-    paths = cached_varlen_plan(kv_end, paths=True)
-    assert paths is not first and cached_varlen_plan(kv_end, paths=True) is paths
+    paths = cached_varlen_plan(kv_end, window=4)
+    assert paths is not first and cached_varlen_plan(kv_end, window=4) is paths
+    assert cached_varlen_plan(kv_end, window=5) is not paths
 
 
 def sink_logits(num_heads: int, device: str = "cpu") -> torch.Tensor:
@@ -235,7 +243,7 @@ def test_cuda_kernel_path_runs_on_this_torchs_flash_ops_on_meta_tensors(native_g
     are the ``gpu`` tests')."""
     kv_end, _ = long_segment_rows()
     meta = torch.device("meta")
-    plan = (plan_varlen if window is None else plan_varlen_paths)(kv_end, device=meta)
+    plan = plan_varlen(kv_end, device=meta) if window is None else plan_varlen_paths(kv_end, window + 1, device=meta)
     tokens = kv_end.numel()
     q, k, v = (torch.empty(tokens, h, 64, dtype=torch.bfloat16, device=meta, requires_grad=True) for h in (4, 2, 2))
     sinks = torch.empty(4, dtype=torch.bfloat16, device=meta, requires_grad=True)

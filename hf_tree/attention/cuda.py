@@ -34,7 +34,7 @@ def cuda_engine_choice(
     """The engine ``cuda_tree_attention`` runs for a call (``query [B, H, N, D]``, ``value [B, Hkv, N, Dv]``,
     ``kv_end [B, N]``): ``"varlen"``, ``"flash_attn"`` or ``"flex"`` (module docstring)."""
     if varlen_refusal(query, options) is None:
-        plan = cached_varlen_plan(kv_end, paths=options.sliding_window is not None)
+        plan = cached_varlen_plan(kv_end, options.sliding_window)
         if plan.tokens_per_sequence >= VARLEN_MIN_TOKENS_PER_SEQUENCE:
             return "varlen"
     reason = flash.flash_attn_refusal(query, value, options.sinks, options.bidirectional_block, options.attention_chunk)

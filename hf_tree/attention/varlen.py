@@ -20,9 +20,9 @@ per head, with their gradient computed here.
 A sliding window (in depth positions) cuts a sibling group's ancestors by each query's depth, which one
 ``window_size`` per call cannot express; with a window the plan is one call instead (``plan_varlen_paths``): each
 segment against its gathered root-to-segment path, causal and aligned bottom-right, where the gathered position is
-the depth and the window is the kernel's own (the flash-attn engine's layout, at the cost of re-reading each
-segment's path). Soft-capping, chunks and bidirectional blocks are refused (``varlen_refusal``): the kernel has none
-of them.
+the depth and the window is the kernel's own (the flash-attn engine's layout; a segment of ``Lq`` tokens gathers only
+the last ``Lq + window - 1`` keys of its path). Soft-capping, chunks and bidirectional blocks are refused
+(``varlen_refusal``): the kernel has none of them.
 
 The kernel (``hf_tree.attention.varlen_kernels``) is PyTorch's own flash varlen kernel on CUDA (nothing to install)
 and a loop of PyTorch's fused CPU kernel on CPU, where the engine runs for tests (the automatic CPU engine is
@@ -149,15 +149,22 @@ def plan_varlen(kv_end: torch.Tensor, device: torch.device | None = None) -> Var
     return VarlenPlan(tuple(parts), num_tokens, num_sequences)
 
 
-def plan_varlen_paths(kv_end: torch.Tensor, device: torch.device | None = None) -> VarlenPlan:
-    """The one-call ``VarlenPlan`` of ``kv_end [B, N]`` for sliding windows: each segment against its gathered
-    root-to-segment path, causal (``hf_tree.attention.flash.varlen_tree_index``, the flash-attn engine's layout).
-    Along a path the gathered position grows by one per depth, so a window in depth positions is the kernel's own."""
+def plan_varlen_paths(kv_end: torch.Tensor, window: int, device: torch.device | None = None) -> VarlenPlan:
+    """The one-call ``VarlenPlan`` of ``kv_end [B, N]`` for a sliding window of ``window`` depth positions: each
+    segment against its gathered root-to-segment path, causal (``hf_tree.attention.flash.varlen_tree_index``, the
+    flash-attn engine's layout). Along a path the gathered position grows by one per depth, so the window is the
+    kernel's own; only the last ``Lq + window - 1`` keys of a segment of ``Lq`` tokens are gathered (its first token
+    sees no earlier key)."""
     device = kv_end.device if device is None else device
     index = varlen_tree_index(kv_end, device=torch.device("cpu"))
+    query_lengths, key_lengths = index.cu_seqlens_q.diff().long(), index.cu_seqlens_k.diff().long()
+    kept = torch.minimum(key_lengths, query_lengths + window - 1)
+    # sequence i keeps path positions [cu_k[i + 1] - kept_i, cu_k[i + 1]), laid end to end
+    first, offsets = index.cu_seqlens_k[1:].long() - kept, kept.cumsum(0) - kept
+    key_index = index.key_index[torch.repeat_interleave(first - offsets, kept) + torch.arange(int(kept.sum()))]
     total = kv_end.numel()
-    keys = slice(0, total) if torch.equal(index.key_index, torch.arange(total)) else index.key_index.to(device)
-    call = _call(index.cu_seqlens_q.diff().tolist(), index.cu_seqlens_k.diff().tolist(), device)
+    keys = slice(0, total) if torch.equal(key_index, torch.arange(total)) else key_index.to(device)
+    call = _call(query_lengths.tolist(), kept.tolist(), device)
     counts = [_row_segments(row)[3:] for row in kv_end.detach().to("cpu", torch.int64)]
     num_tokens, num_sequences = (sum(c) for c in zip(*counts, strict=True))
     return VarlenPlan((VarlenPart(call, slice(0, total), keys, causal=True),), num_tokens, num_sequences)
@@ -166,10 +173,12 @@ def plan_varlen_paths(kv_end: torch.Tensor, device: torch.device | None = None) 
 _plans: BatchCache[VarlenPlan] = BatchCache()
 
 
-def cached_varlen_plan(kv_end: torch.Tensor, paths: bool = False) -> VarlenPlan:
-    """``plan_varlen`` (or, with ``paths``, ``plan_varlen_paths``) once per batch (all layers share it;
+def cached_varlen_plan(kv_end: torch.Tensor, window: int | None = None) -> VarlenPlan:
+    """``plan_varlen`` (with a sliding ``window``: ``plan_varlen_paths``) once per batch (all layers share it;
     ``hf_tree.attention.batch_cache``)."""
-    return _plans.get((kv_end,), (paths,), lambda: (plan_varlen_paths if paths else plan_varlen)(kv_end))
+    if window is None:
+        return _plans.get((kv_end,), (None,), lambda: plan_varlen(kv_end))
+    return _plans.get((kv_end,), (window,), lambda: plan_varlen_paths(kv_end, window))
 
 
 def _take(x: torch.Tensor, tokens: Tokens) -> torch.Tensor:
@@ -310,7 +319,7 @@ def torch_varlen_tree_attention(
         )
     window = options.sliding_window
     if plan is None:
-        plan = cached_varlen_plan(kv_end, paths=window is not None)
+        plan = cached_varlen_plan(kv_end, window)
     batch, heads, n, dim = query.shape
     query, key, value = autocast_inputs(query, key, value)
 
