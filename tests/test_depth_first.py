@@ -380,7 +380,7 @@ OPTIONS = {
     "engine, options",
     [pytest.param("cpu", options, id=name) for name, options in OPTIONS.items()]
     + [pytest.param("segments", OPTIONS[name], id=f"segments-{name}") for name in ("plain", "sinks")]
-    + [pytest.param("varlen", OPTIONS[name], id=f"varlen-{name}") for name in ("plain", "sinks")],
+    + [pytest.param("varlen", OPTIONS[name], id=f"varlen-{name}") for name in ("plain", "sinks", "window")],
 )
 def test_prefix_attention_is_the_attention_of_the_whole_row(engine, unit_kind, num_prefix, options):
     """A unit's queries over ``[prefix | unit]`` equal the reference engine on the whole row (prefix queries
