@@ -22,6 +22,7 @@ from hf_tree.attention import (
     reference_tree_attention,
     select_backend,
     set_attention_backend,
+    varlen_kernels,
 )
 from hf_tree.attention import cuda as cuda_module
 from hf_tree.attention import flash as flash_module
@@ -310,11 +311,14 @@ def test_refusals_name_the_option_and_reason(option, reason):
     )
 
 
-def test_cuda_kernel_refusals_name_the_reason():
+def test_cuda_kernel_refusals_name_the_reason(monkeypatch):
     cuda = torch.device("cuda")
     assert "float16/bfloat16 only" in cuda_kernel_refusal(torch.float32, 64, cuda)
     assert "head dim 260" in cuda_kernel_refusal(torch.bfloat16, 260, cuda)
     assert "head dim 36" in cuda_kernel_refusal(torch.bfloat16, 36, cuda)
+    monkeypatch.setattr(varlen_kernels, "_varlen_attn_parameters", frozenset)  # torch < 2.10: no varlen module
+    assert "has no varlen attention" in cuda_kernel_refusal(torch.bfloat16, 64, cuda)
+    assert not torch_declares_varlen_gqa()
 
 
 @pytest.mark.filterwarnings("ignore:flex_attention called without torch.compile")

@@ -187,14 +187,19 @@ class CpuVarlen:
 
 
 @functools.cache
-def torch_declares_varlen_gqa() -> bool:
-    """Whether this torch's ``varlen_attn`` takes ``enable_gqa`` (2.13+): its flash kernel then takes fewer K/V
-    heads than query heads."""
+def _varlen_attn_parameters() -> frozenset[str]:
+    """The parameters of this torch's ``torch.nn.attention.varlen.varlen_attn`` (empty before torch 2.10)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
-        return False
-    return "enable_gqa" in inspect.signature(varlen_attn).parameters
+        return frozenset()
+    return frozenset(inspect.signature(varlen_attn).parameters)
+
+
+def torch_declares_varlen_gqa() -> bool:
+    """Whether this torch's ``varlen_attn`` takes ``enable_gqa`` (2.13+): its flash kernel then takes fewer K/V
+    heads than query heads."""
+    return "enable_gqa" in _varlen_attn_parameters()
 
 
 def cuda_kernel_refusal(dtype: torch.dtype, head_dim: int, device: torch.device) -> str | None:
@@ -203,6 +208,8 @@ def cuda_kernel_refusal(dtype: torch.dtype, head_dim: int, device: torch.device)
         return f"{dtype}: the flash kernel takes float16/bfloat16 only (casting would change the results)"
     if head_dim > MAX_CUDA_HEAD_DIM or head_dim % CUDA_HEAD_DIM_MULTIPLE:
         return f"head dim {head_dim}: the flash kernel needs a multiple of 8 of at most {MAX_CUDA_HEAD_DIM}"
+    if "window_size" not in _varlen_attn_parameters():  # the flash ops' varlen and window arguments as used here
+        return f"torch {torch.__version__} has no varlen attention with windows (torch.nn.attention.varlen, 2.11+)"
     if not torch.backends.cuda.is_flash_attention_available():
         return "this torch was built without its flash-attention kernels"
     capability = torch.cuda.get_device_capability(device)
