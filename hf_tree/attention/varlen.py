@@ -97,6 +97,7 @@ def _ranges(bounds: list[tuple[int, int]]) -> Tokens:
 
 
 def _on(tokens: Tokens, device: torch.device) -> Tokens:
+    """``tokens`` with an index tensor moved to ``device``."""
     return tokens if isinstance(tokens, slice) else tokens.to(device)
 
 
@@ -153,8 +154,8 @@ def plan_varlen_paths(kv_end: torch.Tensor, window: int, device: torch.device | 
     """The one-call ``VarlenPlan`` of ``kv_end [B, N]`` for a sliding window of ``window`` depth positions: each
     segment against its gathered root-to-segment path, causal (``hf_tree.attention.flash.varlen_tree_index``, the
     flash-attn engine's layout). Along a path the gathered position grows by one per depth, so the window is the
-    kernel's own; only the last ``Lq + window - 1`` keys of a segment of ``Lq`` tokens are gathered (its first token
-    sees no earlier key)."""
+    kernel's own; only the last ``Lq + window - 1`` keys of a segment of ``Lq`` tokens are gathered (the earliest its
+    first token sees)."""
     device = kv_end.device if device is None else device
     index = varlen_tree_index(kv_end, device=torch.device("cpu"))
     query_lengths, key_lengths = index.cu_seqlens_q.diff().long(), index.cu_seqlens_k.diff().long()
