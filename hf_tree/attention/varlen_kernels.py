@@ -1,7 +1,8 @@
 """Variable-length attention kernels that return the log-sum-exp and take it back in their backward.
 
 One interface, ``VarlenKernel``, with flash-attn's varlen layout: ``q [Tq, H, D]``, ``k/v [Tk, Hkv, D]``, sequence
-``i`` is ``q[cu_q[i]:cu_q[i + 1]]`` against ``k/v[cu_k[i]:cu_k[i + 1]]``, causal or full; the forward returns the
+``i`` is ``q[cu_q[i]:cu_q[i + 1]]`` against ``k/v[cu_k[i]:cu_k[i + 1]]``, causal (aligned bottom-right, with an optional
+window) or full; the forward returns the
 output and each query's log-sum-exp ``[H, Tq]``, and the backward takes any output and log-sum-exp (the merged ones
 of several parts, as ring attention does) besides the output gradient. Two implementations:
 
@@ -12,8 +13,8 @@ of several parts, as ring attention does) besides the output gradient. Two imple
   GQA is native from torch 2.13 (where ``varlen_attn`` declares ``enable_gqa``); before, K/V are repeated per group
   and their gradients summed back. Calls whose sequences all have one query are given repeated K/V too:
   FlashAttention-2's varlen forward takes a decoding path for them with GQA (``seqlenq_ngroups_swapped``: query
-  heads moved into the sequence dimension) and reshapes its log-sum-exp back by a bare ``reshape``, a layout its
-  backward was not written to read back.
+  heads moved into the sequence dimension) and hands its log-sum-exp back through a bare ``reshape``; that its
+  varlen backward reads that layout back is not established (and not checked on a GPU), so that path is avoided.
 - CPU: the same contract as a loop of PyTorch's fused CPU kernel
   (``aten::_scaled_dot_product_flash_attention_for_cpu``: float64 and GQA, returns the log-sum-exp) over the
   sequences, so that the engine's plan, calls and merge run on CPU in float64 in the tests.
