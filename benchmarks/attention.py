@@ -10,8 +10,7 @@ noise hits every method alike), then measures each method's peak memory in separ
 
 Methods, as transformers runs them in one attention layer:
 - ``tree_flash``: the engine ``select_backend`` picks for the device ("cpu" off CUDA: segments or blocked; "cuda" on
-  CUDA: flash-attn where installed and exact, else flex),
-  or the one named by ``--backend``.
+  CUDA: varlen, flash-attn or flex by ``hf_tree.attention.cuda``'s rule), or the one named by ``--backend``.
 - ``dense_sdpa``: SDPA with the tree as a dense ``[N, N]`` bool mask and K/V repeated to all heads (what
   the ``sdpa`` implementation does with a 4D mask). The mask is built before the timed region, once per
   batch as in a model; its N*N bytes are not in the peak column.
