@@ -50,6 +50,7 @@ from tests.helpers import (
     per_branch_forest_loss,
     relative_error,
     run,
+    run_benchmark,
     tiny_model,
 )
 from tests.varlen_attention import varlen_attention
@@ -413,6 +414,17 @@ def test_a_softcapped_model_is_refused_by_name():
             tree_causal_lm_loss(model, batch)
     finally:
         set_attention_backend(None)
+
+
+@pytest.mark.slow  # a benchmark script in a subprocess, as the other benchmark smoke tests
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device runs the real timing")
+def test_threshold_benchmark_without_cuda_prints_the_rules_choices():
+    """``benchmarks/varlen_threshold.py`` (the sweep that tunes ``VARLEN_MIN_TOKENS_PER_SEQUENCE`` on a GPU) lists
+    its rows and the rule's choice for each without CUDA, and exits 0."""
+    lines = run_benchmark("varlen_threshold.py", "--quick", timeout=120).stdout.splitlines()
+    assert lines[0].startswith("varlen_threshold: no CUDA device")
+    rows = [line.split(" | ") for line in lines if line.startswith("| 16 ") or line.startswith("| 256 ")]
+    assert [row[2] for row in rows] == ["flex", "varlen"] and all("skipped" in row[3] for row in rows)
 
 
 GPU_HEAD_DIM = 64
