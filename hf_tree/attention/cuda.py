@@ -10,8 +10,8 @@
 
 The threshold is a first estimate, not a GPU measurement (none was lent when the rule was written): the kernels
 tile queries by 64-128 rows per sequence, so a sequence of ``L`` tokens keeps about ``L / 128`` of a tile busy, while
-FlexAttention's 128 x 128 blocks pay for partial tiles too but without the second call and the merge. Tune it with
-``benchmarks/gpu_check.py``'s rows per engine (``HF_TREE_ATTENTION_BACKEND=varlen`` / ``=flex``) on a GPU.
+FlexAttention's 128 x 128 blocks pay for partial tiles too but without the second call and the merge. Tune it on a
+GPU with ``python benchmarks/varlen_threshold.py``, which prints the value to set.
 """
 
 from __future__ import annotations
