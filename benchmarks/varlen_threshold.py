@@ -7,8 +7,10 @@ on rows of one length cut into tree nodes of ``L`` tokens, for ``L`` from 8 to 1
 Rows: ``--tokens`` (8192) tokens of trees whose every node holds ``L`` tokens and has ``--children`` (2) children
 (padding at the end), in bfloat16 with Llama-3.2-1B's attention shapes (32 query heads, 8 KV heads, head dim 64).
 Each row is timed (median of ``--repeats`` after a warm-up; FlexAttention's first call compiles) with ``varlen``
-(PyTorch's flash varlen kernel), ``flex`` (compiled FlexAttention), ``flash_attn`` (flash-attn, where installed), and
-causal SDPA on the whole row (the dense kernel's speed, which computes more pairs than the tree). It prints each
+(PyTorch's flash varlen kernel, its two calls merged by log-sum-exp), ``varlen_paths`` (the same kernel in one call
+over each segment's gathered root-to-segment path: no merge, but gathered keys; the plan ``varlen`` takes with a
+sliding window), ``flex`` (compiled FlexAttention), ``flash_attn`` (flash-attn, where installed), and causal SDPA on
+the whole row (the dense kernel's speed, which computes more pairs than the tree). It prints each
 row's ``tokens_per_sequence`` (``hf_tree.attention.varlen.VarlenPlan``), the engine the current rule picks, and the
 smallest value from which ``varlen`` is at least as fast as ``flex`` on every larger node size: the value to set
 ``hf_tree.attention.cuda.VARLEN_MIN_TOKENS_PER_SEQUENCE`` to (docs/attention.md). Without CUDA it prints the rows and
@@ -18,6 +20,7 @@ the rule's choices only, and exits 0.
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import sys
 import time
@@ -30,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's 
 from hf_tree.attention import ENGINES, TreeAttentionOptions  # noqa: E402
 from hf_tree.attention.cuda import VARLEN_MIN_TOKENS_PER_SEQUENCE, cuda_engine_choice  # noqa: E402
 from hf_tree.attention.flash import flash_attn_varlen_func  # noqa: E402
-from hf_tree.attention.varlen import cached_varlen_plan  # noqa: E402
+from hf_tree.attention.varlen import cached_varlen_plan, plan_varlen_paths, torch_varlen_tree_attention  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 64
 
@@ -71,10 +74,16 @@ def timed(step, repeats: int) -> float:
 
 
 def attention_step(engine: str, kv_end: torch.Tensor, q, k, v):
+    """Forward + backward of one call: an engine of ``ENGINES``, or ``varlen_paths`` (the varlen engine on the
+    one-call plan over whole root-to-segment paths instead of its two calls)."""
     options = TreeAttentionOptions(scaling=HEAD_DIM**-0.5)
+    if engine == "varlen_paths":
+        attend = functools.partial(torch_varlen_tree_attention, plan=plan_varlen_paths(kv_end, window=None))
+    else:
+        attend = ENGINES[engine]
 
     def step() -> None:
-        out = ENGINES[engine](q, k, v, kv_end, options)
+        out = attend(q, k, v, kv_end, options)
         torch.autograd.grad(out, (q, k, v), torch.ones_like(out))
 
     return step
@@ -105,7 +114,7 @@ def main() -> None:
         f"node, bfloat16, {HEADS}/{KV_HEADS} heads of {HEAD_DIM}; "
         f"VARLEN_MIN_TOKENS_PER_SEQUENCE={VARLEN_MIN_TOKENS_PER_SEQUENCE}"
     )
-    engines = ["varlen", "flex"] + (["flash_attn"] if flash_attn_varlen_func() is not None else [])
+    engines = ["varlen", "varlen_paths", "flex"] + (["flash_attn"] if flash_attn_varlen_func() is not None else [])
     print(
         "| node tokens | tokens per sequence | rule picks | " + " | ".join(f"{e} ms" for e in engines) + " | dense ms |"
     )

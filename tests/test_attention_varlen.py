@@ -10,6 +10,8 @@ float16 within twice eager attention's error in that dtype, forward and backward
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -113,7 +115,7 @@ def computed_pairs(kv_end: torch.Tensor, plan: VarlenPlan, window: int | None = 
 @pytest.mark.parametrize("rows", ROWS)
 def test_plans_compute_every_visible_pair_exactly_once(rows):
     kv_end, position_ids = ROWS[rows]()
-    plan, paths = plan_varlen(kv_end), plan_varlen_paths(kv_end, window=10**6)
+    plan, paths = plan_varlen(kv_end), plan_varlen_paths(kv_end, window=None)
     for each in (plan, paths):
         assert torch.equal(computed_pairs(kv_end, each), dense_tree_mask(kv_end).to(torch.int64))
     for window in (1, 3, 40):  # the window's keys, each once (as the kernel counts them: bottom-right, window - 1 back)
@@ -189,6 +191,18 @@ def test_engine_matches_reference_in_float64(heads, case, rows):
     assert len(grads) == len(ref_grads)
     for grad, ref_grad in zip(grads, ref_grads, strict=True):
         assert relative_error(grad, ref_grad) <= TOLERANCE
+
+
+def test_whole_paths_plan_matches_reference_in_float64():
+    """The one-call plan over whole root-to-segment paths (the alternative the threshold benchmark times), passed to
+    the engine without a window."""
+    kv_end, position_ids = long_segment_rows()
+    q, k, v = qkv(kv_end, (4, 2), torch.float64)
+    paths = plan_varlen_paths(kv_end, window=None)
+    out, grads = run(functools.partial(torch_varlen_tree_attention, plan=paths), q, k, v, kv_end, None, scaling=0.37)
+    ref_out, ref_grads = run(reference_tree_attention, q, k, v, kv_end, position_ids, scaling=0.37)
+    assert relative_error(out, ref_out) <= TOLERANCE
+    assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads, strict=True))
 
 
 class _RepeatingKernel(CpuVarlen):

@@ -150,16 +150,17 @@ def plan_varlen(kv_end: torch.Tensor, device: torch.device | None = None) -> Var
     return VarlenPlan(tuple(parts), num_tokens, num_sequences)
 
 
-def plan_varlen_paths(kv_end: torch.Tensor, window: int, device: torch.device | None = None) -> VarlenPlan:
+def plan_varlen_paths(kv_end: torch.Tensor, window: int | None, device: torch.device | None = None) -> VarlenPlan:
     """The one-call ``VarlenPlan`` of ``kv_end [B, N]`` for a sliding window of ``window`` depth positions: each
     segment against its gathered root-to-segment path, causal (``hf_tree.attention.flash.varlen_tree_index``, the
     flash-attn engine's layout). Along a path the gathered position grows by one per depth, so the window is the
     kernel's own; only the last ``Lq + window - 1`` keys of a segment of ``Lq`` tokens are gathered (the earliest its
-    first token sees)."""
+    first token sees). ``window=None``: whole paths (``benchmarks/varlen_threshold.py`` times this plan against the
+    two calls of ``plan_varlen``, which the engine runs without a window)."""
     device = kv_end.device if device is None else device
     index = varlen_tree_index(kv_end, device=torch.device("cpu"))
     query_lengths, key_lengths = index.cu_seqlens_q.diff().long(), index.cu_seqlens_k.diff().long()
-    kept = torch.minimum(key_lengths, query_lengths + window - 1)
+    kept = key_lengths if window is None else torch.minimum(key_lengths, query_lengths + window - 1)
     # sequence i keeps path positions [cu_k[i + 1] - kept_i, cu_k[i + 1]), laid end to end
     first, offsets = index.cu_seqlens_k[1:].long() - kept, kept.cumsum(0) - kept
     key_index = index.key_index[torch.repeat_interleave(first - offsets, kept) + torch.arange(int(kept.sum()))]
