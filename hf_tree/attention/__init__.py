@@ -48,7 +48,7 @@ ENGINES: dict[str, TreeAttentionEngine] = {
     "flex": flex_tree_attention,  # CUDA: compiled FlexAttention with a cached BlockMask
     "reference": reference_tree_attention,  # dense mask, for tests
     "segments": segment_tree_attention,  # CPU: PyTorch's fused attention kernel on the mask's rectangles
-    "varlen": torch_varlen_tree_attention,  # CUDA: PyTorch's flash varlen kernel, two calls merged (CPU: for tests)
+    "varlen": torch_varlen_tree_attention,  # CUDA: PyTorch's flash varlen kernel, calls merged by lse (CPU: tests)
 }
 BACKEND_ENV_VAR = "HF_TREE_ATTENTION_BACKEND"
 _forced_backend: str | None = None
