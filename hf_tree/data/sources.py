@@ -277,6 +277,12 @@ def read_dataset_folder(path: pathlib.Path, split: str | None, dataset_config: s
     return to_builder_rows(rows.to_list(), where=str(path))[0]
 
 
+TreeBuilder = Callable[
+    [datasets.Dataset, PreTrainedTokenizerBase, str | None], tuple[datasets.Dataset, TreeBuildStats | None]
+]
+"""``(rows, tokenizer, chat template text or None) -> (tree rows, what building did)``."""
+
+
 def load_tree_rows(
     source: str,
     tokenizer: PreTrainedTokenizerBase | Callable[[], PreTrainedTokenizerBase] | None = None,
@@ -286,6 +292,9 @@ def load_tree_rows(
     subset: str | None = None,
     limit: int | None = None,
     num_proc: int | None = None,
+    split: str | None = None,
+    dataset_config: str | None = None,
+    build: TreeBuilder | None = None,
 ) -> LoadedTrees:
     """Tree rows from ``source`` (anything ``read_rows`` reads but a hub id): tree rows are used as is, other rows
     are built with ``tokenizer``; agent sources default to ``AGENT_TEMPLATE``.
@@ -296,6 +305,9 @@ def load_tree_rows(
         group_by, num_proc: passed to ``build_tree_dataset_with_stats``.
         subset, limit: as in ``builtin_rows``; ``builtin:synthetic-agent`` is the main job's data (its
             ``MAIN_JOB_CONVERSATIONS`` unless ``limit`` is given, and its ``MAIN_JOB_OPTIONS``).
+        split, dataset_config: as in ``read_rows``.
+        build: builds the trees instead of ``build_tree_dataset_with_stats`` (then ``group_by`` and ``num_proc`` are
+            its own business), e.g. ``TreeSFTTrainer``'s preparation (``hf_tree.sft_stats.sft_tree_rows``).
 
     Raises:
         ValueError: as ``read_rows``, or when a tokenizer is needed but not given.
@@ -303,7 +315,9 @@ def load_tree_rows(
     options = None
     if builtin_name(source) == "synthetic-agent":  # the main job's data (hf_tree.launcher), sized as it sizes it
         limit, options = limit or MAIN_JOB_CONVERSATIONS, MAIN_JOB_OPTIONS
-    rows, conversion = read_rows(source, subset=subset, limit=limit, synthetic_options=options)
+    rows, conversion = read_rows(
+        source, split=split, dataset_config=dataset_config, subset=subset, limit=limit, synthetic_options=options
+    )
     if is_tree_dataset(rows):
         return LoadedTrees(rows)
     from hf_tree.vision.sft import is_vision_dataset  # here: it imports TRL, which reading tree rows never needs
@@ -322,9 +336,12 @@ def load_tree_rows(
         tokenizer = tokenizer()
     template = chat_template_text(chat_template or default_chat_template(source))
     warn_if_template_drops_tool_calls(rows, tokenizer, template)
-    trees, build_stats = build_tree_dataset_with_stats(
-        rows, tokenizer, chat_template=template, group_by=group_by, num_proc=num_proc
-    )
+    if build is not None:
+        trees, build_stats = build(rows, tokenizer, template)
+    else:
+        trees, build_stats = build_tree_dataset_with_stats(
+            rows, tokenizer, chat_template=template, group_by=group_by, num_proc=num_proc
+        )
     return LoadedTrees(trees, build_stats, conversion)
 
 
