@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import logging
+import os
 import pathlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -178,17 +179,32 @@ def builtin_rows(
 
 
 def looks_like_local_path(name: str) -> bool:
-    """Whether ``name`` can only mean a local path (absolute, ``./``, ``~``, more than one ``/``, or a data file
-    suffix), so that a missing one gets a clear error instead of a hub lookup ("Repo id must be in the form ...").
-    A hub id is ``name`` or ``owner/name``."""
+    """Whether ``name`` can only mean a local path, so that a missing one gets a clear error at once instead of a hub
+    lookup (retried for a minute offline, then "Couldn't reach ... on the Hub"): it exists, is absolute, starts with
+    ``./``, ``../`` or ``~``, has more than one ``/`` (or the OS's separator), a data file suffix, or its first part is
+    a local folder (``data/train`` beside a ``data`` folder). A hub id is ``name`` or ``owner/name``."""
     path = pathlib.Path(name)
+    parts = path.parts
     return (
         path.exists()
         or path.is_absolute()
         or name.startswith((".", "~"))
         or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+        or (len(parts) > 1 and pathlib.Path(parts[0]).is_dir())
         or path.suffix.lower() in (".jsonl", ".json", ".parquet", ".csv")
     )
+
+
+def check_local_dataset(name: str) -> None:
+    """Raise ``ValueError`` when dataset ``name`` can only be a local path (``looks_like_local_path``) and there is
+    nothing there; built-in names pass."""
+    if builtin_name(name) is None and looks_like_local_path(name) and not pathlib.Path(name).expanduser().exists():
+        raise ValueError(
+            f"data {name!r} does not exist (no such file or folder: {os.path.abspath(os.path.expanduser(name))}); pass "
+            "a saved tree dataset folder, a folder of .jsonl/.json/.parquet files, one such file, a hub id "
+            f"(owner/name) or one of {list(BUILTIN_DATASETS)}."
+        )
 
 
 def read_rows(
@@ -244,7 +260,14 @@ def read_rows(
 
         return to_builder_rows(read_records(path), where=str(path))[0], None
     if allow_hub and not looks_like_local_path(source):
-        return datasets.load_dataset(source, dataset_config, split=split), None
+        try:
+            return datasets.load_dataset(source, dataset_config, split=split), None
+        except (FileNotFoundError, ConnectionError) as error:  # datasets' errors (offline: after retries) name the Hub
+            raise ValueError(
+                f"data {source!r} is no local file or folder ({os.path.abspath(source)} does not exist), and the Hub "
+                f"gave no dataset of that name: {' '.join(str(error).split())}"
+            ) from error
+    check_local_dataset(source)
     raise ValueError(
         f"data {source!r} does not exist; pass a saved tree dataset folder, a folder of .jsonl/.json/.parquet "
         f"files, one such file, or one of {list(BUILTIN_DATASETS)}."
