@@ -77,11 +77,21 @@ def _load_tokenizer(name: str):
 
 def _training_config(args: argparse.Namespace):
     """``hf-tree sft``'s ``TreeSFTConfig`` with the flags given (``SFT_DATA_FIELDS``, the packing fields); the
-    others, and every default, are the config's own."""
+    others, and every default, are the config's own. ``builtin:synthetic-agent`` is the main job's data, which only
+    ``hf-tree train`` (``launch/train.py``) trains: its defaults are that job's (``hf_tree.launcher``)."""
+    from hf_tree.data.sources import builtin_name
     from hf_tree.sft_stats import sft_config
 
     names = (*SFT_DATA_FIELDS, *(f.name for f in fields(PackingConfig)))
-    return sft_config(**{name: getattr(args, name) for name in names if hasattr(args, name)})
+    given = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    if args.data is not None and builtin_name(args.data) == "synthetic-agent":
+        from hf_tree.launcher import DEFAULT_DATA_RUN, DEFAULT_RUN
+
+        given = {**{k: v for k, v in {**DEFAULT_RUN, **DEFAULT_DATA_RUN}.items() if k in names}, **given}
+    config = sft_config(**given)
+    if config.batch_unit == "trees" and args.trees_per_batch is None:  # the trainer deals whole trees
+        args.trees_per_batch = config.per_device_train_batch_size
+    return config
 
 
 def _load(args: argparse.Namespace):
@@ -124,7 +134,7 @@ SFT_DATA_FIELDS: dict[str, tuple[type, str]] = {
     "eos_token": (str, "the tokenizer's EOS token (text rows end with it)"),
     "max_length": (int, "the per-sample limit: the branch limit max_branch_tokens unless that is given"),
     "shuffle_dataset": (bool, "shuffle the trees once before training"),
-    "batch_unit": (str, "what per_device_train_batch_size counts: 'rows' (TRL's unit) only here"),
+    "batch_unit": (str, "what per_device_train_batch_size counts: 'rows' (TRL's) or 'trees' (planned in order)"),
     "per_device_train_batch_size": (int, "rows (samples) per micro-batch"),
     "gradient_accumulation_steps": (int, "micro-batches per optimizer step"),
     "train_sampling_strategy": (str, "the order the trainer takes the rows in: 'random' or 'sequential'"),
