@@ -314,11 +314,11 @@ def conversation_branches(
         _check_message(messages, i, where)
         if messages[i]["role"] != "assistant":
             continue
-        where = f"assistant message {i} (turn {len(sequences)})"
-        full = render_ids(tokenizer, messages[: i + 1], where=where, **render_kwargs)
-        prompt = render_ids(tokenizer, messages[:i], add_generation_prompt=True, where=where, **render_kwargs)
+        turn = f"assistant message {i} (turn {len(sequences)})"
+        full = render_ids(tokenizer, messages[: i + 1], where=turn, **render_kwargs)
+        prompt = render_ids(tokenizer, messages[:i], add_generation_prompt=True, where=turn, **render_kwargs)
         start, merged = completion_start(
-            tokenizer, prompt, full, messages[:i], messages[: i + 1], where=where, **render_kwargs
+            tokenizer, prompt, full, messages[:i], messages[: i + 1], where=turn, **render_kwargs
         )
         merges += merged
         mask = [0] * start + [1] * (len(full) - start)
@@ -326,7 +326,7 @@ def conversation_branches(
             for j, (span_start, span_end) in enumerate(spans):
                 if full[:span_end] != sequences[j]:
                     raise ValueError(
-                        f"{where}: train_on='all_assistant' needs earlier turns rendered identically in later ones, "
+                        f"{turn}: train_on='all_assistant' needs earlier turns rendered identically in later ones, "
                         f"but turn {j} renders differently here "
                         f"({describe_divergence(tokenizer, sequences[j], full)}), e.g. because the template strips "
                         "earlier reasoning. Use train_on='last_assistant', which trains every turn once in the "
