@@ -94,7 +94,8 @@ def test_stats_tokenizes_a_user_file_with_the_default_tokenizer(tmp_path, capsys
 
 
 def test_missing_data_is_explained(tmp_path):
-    with pytest.raises(SystemExit, match=r"^hf-tree stats: data .* does not exist; pass a saved tree dataset folder"):
+    expected = r"^hf-tree stats: data .* does not exist \(no such file or folder: .*\); pass a saved tree dataset"
+    with pytest.raises(SystemExit, match=expected):
         main(["stats", str(tmp_path / "nothing.jsonl")])
 
 
