@@ -145,13 +145,10 @@ SFT_DATA_FIELDS: dict[str, tuple[type, str]] = {
 
 
 def _bool(text: str) -> bool:
-    """A flag's boolean value, spelled as transformers' parser takes it."""
-    value = text.strip().lower()
-    if value in ("true", "yes", "y", "1"):
-        return True
-    if value in ("false", "no", "n", "0"):
-        return False
-    raise argparse.ArgumentTypeError(f"expected a boolean (true/false), got {text!r}")
+    """A flag's boolean value, read as transformers' parser (``hf-tree sft``'s) reads it."""
+    from transformers.hf_argparser import string_to_bool  # here: the help must not import transformers
+
+    return string_to_bool(text)
 
 
 def _batching(args: argparse.Namespace, config):
