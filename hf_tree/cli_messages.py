@@ -37,6 +37,10 @@ FLAG_FIXES = (
         "Your setup doesn't support bf16/gpu",
         "On a CPU, pass --bf16 False (TRL's configs default to bf16=True); --use_cpu True keeps bf16 as CPU autocast.",
     ),
+    (  # datasets, for a --dataset_name that is no local path and not on the Hub (offline: after a minute of retries)
+        "on the Hub",
+        "It is no local file or folder either; a local path written as ./PATH (or /PATH) is checked at once.",
+    ),
 )
 
 

@@ -68,6 +68,26 @@ def test_a_missing_local_dataset_is_said_at_once(tmp_path, monkeypatch):
         main(["stats", "data/does_not_exist"])
 
 
+def test_a_hub_id_the_hub_does_not_give_names_the_local_path_too(tmp_path):
+    """`owner/name` with no such local folder goes to the Hub (offline here: datasets' real error, at once): the
+    launcher's resolver and the CLI's one line both say it is no local file or folder either."""
+    code = (
+        "import datasets\n"
+        "from hf_tree.cli_messages import one_line\n"
+        "from hf_tree.data.sources import read_rows\n"
+        "for load in (lambda: read_rows('someone/missing-data', allow_hub=True),"
+        " lambda: datasets.load_dataset('someone/missing-data')):\n"
+        "    try:\n        load()\n    except Exception as error:\n        print(one_line(error))\n"
+    )
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    resolver, script = result.stdout.strip().splitlines()[-2:]
+    assert resolver.startswith("data 'someone/missing-data' is no local file or folder"), resolver
+    assert "on the Hub" in script and "It is no local file or folder either; a local path written as ./PATH" in script
+
+
 def test_hf_tree_sft_refuses_a_missing_local_dataset_before_launching(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     argv = ["sft", "--model_name_or_path", "unused", "--dataset_name", "./missing", "--bf16", "False"]
