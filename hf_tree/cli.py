@@ -75,67 +75,110 @@ def _load_tokenizer(name: str):
     return AutoTokenizer.from_pretrained(name)
 
 
+def _training_config(args: argparse.Namespace):
+    """``hf-tree sft``'s ``TreeSFTConfig`` with the flags given (``SFT_DATA_FIELDS``, the packing fields); the
+    others, and every default, are the config's own. ``builtin:synthetic-agent`` is the main job's data, which only
+    ``hf-tree train`` (``launch/train.py``) trains: its defaults are that job's (``hf_tree.launcher``)."""
+    from hf_tree.data.sources import builtin_name
+    from hf_tree.sft_stats import sft_config
+
+    names = (*SFT_DATA_FIELDS, *(f.name for f in fields(PackingConfig)))
+    given = {name: getattr(args, name) for name in names if hasattr(args, name)}
+    if args.data is not None and builtin_name(args.data) == "synthetic-agent":
+        from hf_tree.launcher import DEFAULT_DATA_RUN, DEFAULT_RUN
+
+        given = {**{k: v for k, v in {**DEFAULT_RUN, **DEFAULT_DATA_RUN}.items() if k in names}, **given}
+    config = sft_config(**given)
+    if config.batch_unit == "trees" and args.trees_per_batch is None:  # the trainer deals whole trees
+        args.trees_per_batch = config.per_device_train_batch_size
+    return config
+
+
 def _load(args: argparse.Namespace):
-    """(trees, drop counts by reason) of the DATA argument; the tokenizer is loaded only if DATA needs it."""
+    """(trees, drop counts by reason, the training config) of the DATA argument: the trees ``hf-tree sft`` trains
+    with the same flags (``hf_tree.sft_stats``); the tokenizer is loaded only if DATA needs it."""
     from hf_tree.data.sources import load_tree_rows, tree_rows_summary  # the resolver launch/train.py uses too
+    from hf_tree.sft_stats import sft_tree_rows
 
     if args.data and args.dataset_name and args.data != args.dataset_name:
         raise ValueError("pass the data once: DATA or --dataset_name.")
     args.data = args.data or args.dataset_name
     if args.data is None:
         raise ValueError("no data: pass DATA (or --dataset_name), e.g. `hf-tree stats train.jsonl`.")
+    config = _training_config(args)
     loaded = load_tree_rows(
         args.data,
         lambda: _load_tokenizer(args.tokenizer),
         chat_template=args.chat_template,
-        group_by=args.group_by,
         subset=args.subset,
         limit=args.limit,
-        num_proc=args.num_proc,
+        split=args.dataset_train_split,
+        dataset_config=args.dataset_config,
+        build=lambda rows, tokenizer, template: sft_tree_rows(rows, tokenizer, template, config),
     )
     if getattr(args, "save_trees", None):
         loaded.trees.save_to_disk(args.save_trees)
     trees = [Tree.from_dict(row, row=i) for i, row in enumerate(loaded.trees)]
-    return trees, tree_rows_summary(loaded)
+    return trees, tree_rows_summary(loaded), config
 
 
-# The stats/show commands use `hf-tree sft`'s packing defaults (TreeSFTConfig: tree_execution="auto", TRL's max_length
-# 1024 as the branch limit, overlong="truncate" as TRL truncates, counted); --overlong error stops them where training
-# with that setting would stop, --overlong drop counts the drops.
-CLI_PACKING = PackingConfig(tree_execution="auto", max_branch_tokens=1024, overlong="truncate")
-# ... and TRL's batching defaults (SFTConfig; tests/test_cli.py checks both against the config classes)
-CLI_BATCHING = {"per_device_train_batch_size": 8, "gradient_accumulation_steps": 1, "seed": 42}
-SAMPLING_STRATEGIES = ("random", "sequential")  # TreeSFTTrainer's with batch_unit="rows"
+# Fields of TreeSFTConfig that decide which trees train and how they are batched: the flags of `hf-tree stats` (with
+# the PackingConfig fields), as `hf-tree sft` spells them: name -> (type, help). Their defaults are TreeSFTConfig's.
+SFT_DATA_FIELDS: dict[str, tuple[type, str]] = {
+    "group_by": (str, "which rows merge into one tree: a column name, '<prompt tokens>' or '<row>'"),
+    "messages_branches": (str, "'conversation' (TRL's rows: one branch per conversation) or 'per_turn'"),
+    "train_on": (str, "messages_branches='per_turn' only: 'last_assistant' or 'all_assistant'"),
+    "assistant_only_loss": (bool, "train the assistant tokens of 'messages' rows only"),
+    "completion_only_loss": (bool, "prompt rows: train the completions only (default: yes)"),
+    "dataset_text_field": (str, "the column of text rows"),
+    "eos_token": (str, "the tokenizer's EOS token (text rows end with it)"),
+    "max_length": (int, "the per-sample limit: the branch limit max_branch_tokens unless that is given"),
+    "shuffle_dataset": (bool, "shuffle the trees once before training"),
+    "batch_unit": (str, "what per_device_train_batch_size counts: 'rows' (TRL's) or 'trees' (planned in order)"),
+    "per_device_train_batch_size": (int, "rows (samples) per micro-batch"),
+    "gradient_accumulation_steps": (int, "micro-batches per optimizer step"),
+    "train_sampling_strategy": (str, "the order the trainer takes the rows in: 'random' or 'sequential'"),
+    "seed": (int, "the trainer's seed (orders the rows with train_sampling_strategy='random')"),
+    "data_seed": (int, "the trainer's data_seed (else --seed)"),
+    "dataset_num_proc": (int, "tokenizing worker processes"),
+}
 
 
-def _packing(args: argparse.Namespace) -> PackingConfig:
-    """The ``PackingConfig`` of the packing flags (``_add_packing_arguments``)."""
-    return PackingConfig(**{f.name: getattr(args, f.name) for f in fields(PackingConfig)})
+def _bool(text: str) -> bool:
+    """A flag's boolean value, read as transformers' parser (``hf-tree sft``'s) reads it."""
+    from transformers.hf_argparser import string_to_bool  # here: the help must not import transformers
+
+    return string_to_bool(text)
 
 
-def _batching(args: argparse.Namespace):
-    """The trainer's micro-batches of the batching flags (``TrainerBatching``), or None with --trees_per_batch."""
-    from hf_tree.stats import TrainerBatching
+def _batching(args: argparse.Namespace, config):
+    """The trainer's micro-batches (``TrainerBatching``), or None with --trees_per_batch."""
+    from hf_tree.sft_stats import trainer_batching
 
-    if args.trees_per_batch is not None:
-        return None
-    return TrainerBatching(
-        per_device_train_batch_size=args.per_device_train_batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        shuffle=args.train_sampling_strategy == "random",
-        seed=args.seed if args.data_seed is None else args.data_seed,
-    )
+    return None if args.trees_per_batch is not None else trainer_batching(config)
 
 
 def _stats(args: argparse.Namespace) -> None:
     """Print what tree packing saves on DATA and what packing at --max-packed-tokens does in hf-tree sft's
     micro-batches."""
-    from hf_tree.stats import compute_stats, format_report
+    from hf_tree.stats import ModelShape, compute_stats, format_report
 
-    trees, dropped = _load(args)
+    trees, dropped, config = _load(args)
+    if args.tokenizer == DEFAULT_TOKENIZER:
+        shape, source = ModelShape(), "SmolLM2-135M-Instruct's shape (the offline default)"
+    else:
+        from hf_tree.sft_stats import model_shape
+
+        shape, source = model_shape(args.tokenizer)
     try:
         stats = compute_stats(
-            trees, _packing(args), batching=_batching(args), trees_per_batch=args.trees_per_batch, dropped=dropped
+            trees,
+            config.packing_config(),
+            batching=_batching(args, config),
+            trees_per_batch=args.trees_per_batch,
+            model_shape=shape,
+            model_shape_source=source,
+            dropped=dropped,
         )
     except ValueError as error:
         raise ValueError(f"training with these packing settings would stop: {error}") from None
@@ -152,12 +195,12 @@ def _show(args: argparse.Namespace) -> None:
     from hf_tree.plots import plot_packed_row
     from hf_tree.stats import plan_batches, plan_rows, trainer_batches
 
-    trees, _ = _load(args)
-    batching = _batching(args)
+    trees, _, config = _load(args)
+    batching = _batching(args, config)
     if batching is None:
-        plan = plan_rows(trees, _packing(args), trees_per_batch=args.trees_per_batch)
+        plan = plan_rows(trees, config.packing_config(), trees_per_batch=args.trees_per_batch)
     else:
-        plan = plan_batches(trainer_batches(trees, batching), _packing(args))
+        plan = plan_batches(trainer_batches(trees, batching), config.packing_config())
     if not -len(plan.rows) <= args.index < len(plan.rows):
         raise ValueError(f"--index {args.index} is out of range: DATA packs into {len(plan.rows)} rows.")
     parts = plan.rows[args.index]
@@ -174,7 +217,7 @@ def _show(args: argparse.Namespace) -> None:
         parts,
         args.out,
         title=f"{args.data} row {args.index} of {len(plan.rows)} "
-        f"(max_packed_tokens={args.max_packed_tokens}; dark: trained tokens)",
+        f"(max_packed_tokens={config.max_packed_tokens}; dark: trained tokens)",
         window=window,
     )
     print(f"wrote {args.out}", file=sys.stderr)
@@ -201,7 +244,8 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         *_flags("tokenizer", "--model_name_or_path"),
         dest="tokenizer",
         default=DEFAULT_TOKENIZER,
-        help="'smollm2' (offline SmolLM2-135M-Instruct, the default) or a local tokenizer or model folder",
+        help="'smollm2' (offline SmolLM2-135M-Instruct, the default), a model folder or hub id (its tokenizer, and "
+        "its config's shape for the FLOP estimate) or a tokenizer folder",
     )
     parser.add_argument(
         *_flags("chat_template", "--chat_template_path"),
@@ -209,7 +253,6 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"a .jinja file or a TRL template name (e.g. qwen3); builtin agent data defaults to {AGENT_TEMPLATE}",
     )
-    parser.add_argument(*_flags("group_by"), default=None, help="build_tree_dataset's group_by (a column name)")
     parser.add_argument(
         *_flags("subset"), default=None, help="builtin:champ prompt type (e.g. 0-Shot) or builtin:bfcl category"
     )
@@ -220,50 +263,42 @@ def _add_data_arguments(parser: argparse.ArgumentParser) -> None:
         help="builtin sources: CHAMP problems, BFCL tasks or synthetic conversations to read (synthetic-agent: the "
         "main job's data, 24 conversations unless given)",
     )
-    parser.add_argument(*_flags("num_proc"), type=int, default=None, help="tokenizing worker processes")
-    _add_packing_arguments(parser)
-    batches = parser.add_argument_group(
-        "batches",
-        "By default packing is planned on hf-tree sft's micro-batches (TreeSFTTrainer, batch_unit='rows', one "
-        "process, the first epoch): the trees dealt as its sampler deals them, each micro-batch merged "
-        "(merge_in_batch) and packed as its collator does, so 'dedup in training' is the dedup_ratio it logs.",
+    parser.add_argument(*_flags("dataset_train_split"), default=None, help="the split to read (default: train)")
+    parser.add_argument(*_flags("dataset_config"), default=None, help="the dataset's configuration (its name)")
+    training = parser.add_argument_group(
+        "training (hf-tree sft's flags)",
+        "The trees, micro-batches and packing are hf-tree sft's with the same flags (TreeSFTConfig's defaults, "
+        "hf_tree.sft_stats): its dataset preparation, the trees dealt as its sampler deals them (batch_unit='rows', "
+        "one process, the first epoch), each micro-batch merged (merge_in_batch) and packed as its collator does, so "
+        "'dedup in training' is the dedup_ratio it logs.",
     )
-    for name, help_text in (
-        ("per_device_train_batch_size", "rows (samples) per micro-batch"),
-        ("gradient_accumulation_steps", "micro-batches per optimizer step"),
-        ("seed", "the trainer's seed (orders the rows with train_sampling_strategy='random')"),
-    ):
-        batches.add_argument(
-            *_flags(name), type=int, default=CLI_BATCHING[name], help=f"{help_text} (TRL's default: %(default)s)"
-        )
-    batches.add_argument(*_flags("data_seed"), type=int, default=None, help="the trainer's data_seed (else --seed)")
-    batches.add_argument(
-        *_flags("train_sampling_strategy"),
-        choices=SAMPLING_STRATEGIES,
-        default=SAMPLING_STRATEGIES[0],
-        help="the order the trainer takes the rows in (TRL's default: %(default)s)",
-    )
-    batches.add_argument(
+    for name, (kind, help_text) in SFT_DATA_FIELDS.items():
+        boolean = dict(type=_bool, nargs="?", const=True) if kind is bool else dict(type=kind)
+        aliases = ("--num_proc",) if name == "dataset_num_proc" else ()
+        training.add_argument(*_flags(name, *aliases), dest=name, default=argparse.SUPPRESS, help=help_text, **boolean)
+    _add_packing_arguments(training)
+    training.add_argument(
         *_flags("trees_per_batch"),
         type=int,
         default=None,
-        help="instead: pack consecutive batches of this many trees (batch_unit='trees' order: sequential); larger "
-        "than the dataset: all trees at once, an upper bound of what merging can save",
+        help="instead of the trainer's micro-batches: pack consecutive batches of this many trees (batch_unit='trees' "
+        "order: sequential); larger than the dataset: all trees at once, an upper bound of what merging can save",
     )
 
 
-def _add_packing_arguments(parser: argparse.ArgumentParser) -> None:
+def _add_packing_arguments(parser) -> None:
     """One flag per ``PackingConfig`` field (``--max-packed-tokens`` = ``--max_packed_tokens``, ...), with its help
-    and choices."""
+    and choices; unset, the field is ``TreeSFTConfig``'s."""
     for f in fields(PackingConfig):
         choices = f.metadata.get("choices")
+        kind = dict(type=_bool, nargs="?", const=True) if f.type == "bool" else dict(type=str if choices else int)
         parser.add_argument(
             *_flags(f.name),
             dest=f.name,
-            type=str if choices else int,
             choices=choices,
-            default=getattr(CLI_PACKING, f.name),
+            default=argparse.SUPPRESS,
             help=plain(f.metadata["help"]),
+            **kind,
         )
 
 

@@ -31,10 +31,25 @@ def debug_enabled() -> bool:
     return os.environ.get(DEBUG_ENV, "").strip().lower() not in ("", "0", "false", "no")
 
 
+# Errors of the stack whose fix on the command line is not the one they name: (part of the message, the fix).
+FLAG_FIXES = (
+    (  # transformers' TrainingArguments on a machine without a GPU: TRL's configs default to bf16=True
+        "Your setup doesn't support bf16/gpu",
+        "On a CPU, pass --bf16 False (TRL's configs default to bf16=True); --use_cpu True keeps bf16 as CPU autocast.",
+    ),
+    (  # datasets, for a --dataset_name that is no local path and not on the Hub (offline: after a minute of retries)
+        "on the Hub",
+        "It is no local file or folder either; a local path written as ./PATH (or /PATH) is checked at once.",
+    ),
+)
+
+
 def one_line(error: BaseException) -> str:
-    """``error`` as one line: its message with whitespace collapsed; other types than ``ValueError`` (whose hf_tree
-    messages name the fix) are named, with the way to see the traceback."""
+    """``error`` as one line: its message with whitespace collapsed (and the flag that fixes it, ``FLAG_FIXES``);
+    other types than ``ValueError`` (whose hf_tree messages name the fix) are named, with the way to see the
+    traceback."""
     text = " ".join(str(error).split())
+    text = " ".join([text, *(fix for marker, fix in FLAG_FIXES if marker in text)])
     if isinstance(error, ValueError) and text:
         return text
     return f"{type(error).__name__}: {text} ({DEBUG_HINT})" if text else f"{type(error).__name__} ({DEBUG_HINT})"

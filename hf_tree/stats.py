@@ -4,7 +4,8 @@ FLOP estimate (forward + backward = 3x forward, 2 FLOPs per multiply-add, as in 
 
 - Linear layers (attention projections and MLP) cost ``6 * P`` per token, ``P`` = their parameters, so their
   saving is ``1 - num_tree_tokens / num_branch_tokens = 1 - 1 / dedup_ratio``.
-- Attention scores and the weighted sum cost ``12 * num_layers * hidden_size`` per visible (query, key) pair.
+- Attention scores and the weighted sum cost ``12 * num_layers * d`` per visible (query, key) pair (``d``: query
+  heads x head dim, usually ``hidden_size``).
   A branch of ``L`` tokens alone has ``L (L + 1) / 2`` pairs; in a tree, token ``i`` sees exactly its root path,
   ``depth_i + 1`` keys, so the tree has ``sum_i (depth_i + 1)`` pairs.
 - Total: ``6 P T + 12 n_layers d A`` for ``T`` tokens and ``A`` pairs, per-branch vs tree. Embedding and LM head
@@ -47,17 +48,43 @@ class ModelShape:
     """Query heads."""
     num_key_value_heads: int = 3
     """Key/value heads (GQA)."""
+    head_dim: int | None = None
+    """Width of one head (None: ``hidden_size // num_attention_heads``)."""
+
+    @classmethod
+    def of_config(cls, config: Any) -> ModelShape:
+        """The shape of a transformers model config (its text config for a multimodal model). A mixture of experts
+        counts the MLP width its tokens run through: ``num_experts_per_tok`` experts (and a shared expert)."""
+        text = config.get_text_config()
+        heads = text.num_attention_heads
+        intermediate = text.intermediate_size
+        experts, expert_width = getattr(text, "num_experts_per_tok", None), getattr(text, "moe_intermediate_size", None)
+        if experts and expert_width:
+            intermediate = experts * expert_width + (getattr(text, "shared_expert_intermediate_size", None) or 0)
+        return cls(
+            num_layers=text.num_hidden_layers,
+            hidden_size=text.hidden_size,
+            intermediate_size=intermediate,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(text, "num_key_value_heads", None) or heads,
+            head_dim=getattr(text, "head_dim", None) or text.hidden_size // heads,
+        )
+
+    @property
+    def query_width(self) -> int:
+        """Query heads x head dim: the width of the attention scores' dot products."""
+        return (self.head_dim or self.hidden_size // self.num_attention_heads) * self.num_attention_heads
 
     @property
     def linear_params(self) -> int:
         """Parameters of the attention projections and MLPs of all layers (no embeddings, norms or head)."""
-        kv_width = self.hidden_size // self.num_attention_heads * self.num_key_value_heads
-        attention = 2 * self.hidden_size * self.hidden_size + 2 * self.hidden_size * kv_width
+        kv_width = self.query_width // self.num_attention_heads * self.num_key_value_heads
+        attention = 2 * self.hidden_size * self.query_width + 2 * self.hidden_size * kv_width
         return self.num_layers * (attention + 3 * self.hidden_size * self.intermediate_size)
 
     def training_flops(self, num_tokens: float, num_pairs: float) -> float:
         """Forward + backward FLOPs of ``num_tokens`` tokens with ``num_pairs`` visible attention pairs."""
-        return 6.0 * self.linear_params * num_tokens + 12.0 * self.num_layers * self.hidden_size * num_pairs
+        return 6.0 * self.linear_params * num_tokens + 12.0 * self.num_layers * self.query_width * num_pairs
 
 
 @dataclass
@@ -218,6 +245,8 @@ class DatasetStats:
     branches_per_tree: list[int] = field(default_factory=list)
     tree_dedup_ratios: list[float] = field(default_factory=list)
     model_shape: ModelShape = field(default_factory=ModelShape)
+    model_shape_source: str = "SmolLM2-135M's shape (the default)"
+    """Where ``model_shape`` comes from (the report names it)."""
     max_packed_tokens: int | None = None
     packing: PackingStats | None = None
     """What packing at ``max_packed_tokens`` did (rows, splits, drops, padding; forwarded rows only)."""
@@ -312,6 +341,7 @@ def compute_stats(
     batching: TrainerBatching | None = None,
     trees_per_batch: int | None = None,
     model_shape: ModelShape | None = None,
+    model_shape_source: str | None = None,
     dropped: dict[str, Any] | None = None,
 ) -> DatasetStats:
     """Statistics of ``trees``; with ``packing``, also what packing them does: in the trainer's micro-batches
@@ -321,7 +351,7 @@ def compute_stats(
         trees: the dataset's trees (e.g. ``Tree.from_dict(row)`` for each row).
         packing: as ``TreeDataCollator``.
         batching, trees_per_batch: how the trees reach the collator (at most one; neither: all trees at once).
-        model_shape: dimensions for ``total_flop_saving`` (default SmolLM2-135M).
+        model_shape: dimensions for ``total_flop_saving`` (default SmolLM2-135M); ``model_shape_source`` says whose.
         dropped: counts by reason from conversion/building, carried into the report.
 
     Raises:
@@ -331,6 +361,8 @@ def compute_stats(
         raise ValueError("pass batching (the trainer's micro-batches) or trees_per_batch, not both.")
     trees = list(trees)
     stats = DatasetStats(model_shape=model_shape or ModelShape(), dropped=dict(dropped or {}))
+    if model_shape_source is not None:
+        stats.model_shape_source = model_shape_source
     for tree in trees:
         stats.num_trees += 1
         stats.num_branches += tree.num_branches
@@ -419,7 +451,8 @@ def format_report(stats: DatasetStats) -> str:
         f"  attention            {stats.attention_flop_saving:.1%}  = 1 - sum(depth+1) / sum(L(L+1)/2) "
         f"({stats.num_tree_attention_pairs} vs {stats.num_branch_attention_pairs} pairs)",
         f"  total                {stats.total_flop_saving:.1%}  for {stats.model_shape.num_layers} layers, "
-        f"d={stats.model_shape.hidden_size}, P={stats.model_shape.linear_params / 1e6:.1f}M linear parameters",
+        f"d={stats.model_shape.hidden_size}, P={stats.model_shape.linear_params / 1e6:.1f}M linear parameters "
+        f"({stats.model_shape_source})",
     ]
     if stats.packing is not None:
         p = stats.packing

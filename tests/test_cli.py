@@ -94,7 +94,8 @@ def test_stats_tokenizes_a_user_file_with_the_default_tokenizer(tmp_path, capsys
 
 
 def test_missing_data_is_explained(tmp_path):
-    with pytest.raises(SystemExit, match=r"^hf-tree stats: data .* does not exist; pass a saved tree dataset folder"):
+    expected = r"^hf-tree stats: data .* does not exist \(no such file or folder: .*\); pass a saved tree dataset"
+    with pytest.raises(SystemExit, match=expected):
         main(["stats", str(tmp_path / "nothing.jsonl")])
 
 
@@ -149,20 +150,17 @@ def test_stats_reads_what_dataset_name_reads(tmp_path, capsys):
 
 
 def test_stats_defaults_are_hf_tree_sfts():
-    """`hf-tree stats` plans what `hf-tree sft` does with its defaults: TRL's batching fields and the tree packing
-    fields, read from TreeSFTConfig (a default changed there fails here)."""
-    from dataclasses import fields
-
-    from hf_tree.cli import CLI_BATCHING, CLI_PACKING, SAMPLING_STRATEGIES
-    from hf_tree.packing import PackingConfig
+    """`hf-tree stats` plans what `hf-tree sft` does with its defaults: it has none of its own, the fields it is not
+    given are TreeSFTConfig's (packing, batching, tree building), and the ones it is given are set there."""
+    from hf_tree.cli import SFT_DATA_FIELDS, _training_config, build_parser
+    from hf_tree.sft_stats import trainer_batching
     from hf_tree.trl.sft import TreeSFTConfig
 
-    defaults = {f.name: f.default for f in fields(TreeSFTConfig)}
-    assert {name: defaults[name] for name in CLI_BATCHING} == CLI_BATCHING
-    assert defaults["train_sampling_strategy"] == SAMPLING_STRATEGIES[0] and defaults["data_seed"] is None
-    assert defaults["batch_unit"] == "rows"
-    for f in fields(PackingConfig):
-        if f.name != "max_branch_tokens":  # TreeSFTConfig derives it from TRL's max_length
-            assert getattr(CLI_PACKING, f.name) == defaults[f.name], f.name
-    derived = TreeSFTConfig(output_dir="unused", bf16=False, use_cpu=True).max_branch_tokens
-    assert CLI_PACKING.max_branch_tokens == derived == 1024  # TRL's max_length
+    config = _training_config(build_parser().parse_args(["stats", "data"]))
+    default = TreeSFTConfig(output_dir="unused", bf16=False, use_cpu=True)
+    assert config.packing_config() == default.packing_config() and default.max_branch_tokens == 1024  # max_length
+    assert trainer_batching(config) == trainer_batching(default)
+    assert all(getattr(config, name) == getattr(default, name) for name in SFT_DATA_FIELDS)
+    given = build_parser().parse_args(["stats", "data", "--messages_branches", "per_turn", "--merge_in_batch", "false"])
+    config = _training_config(given)
+    assert (config.messages_branches, config.packing_config().merge_in_batch) == ("per_turn", False)

@@ -17,7 +17,12 @@ from peft import LoraConfig
 from transformers import GenerationConfig
 from trl import GRPOConfig, GRPOTrainer, RLOOConfig, RLOOTrainer
 
-from hf_tree.trl.group_generation import GroupPrefillStats, generate_prefilling_once, generation_fallback_cause
+from hf_tree.trl.group_generation import (
+    PREFILL_SAVED_METRIC,
+    GroupPrefillStats,
+    generate_prefilling_once,
+    generation_fallback_cause,
+)
 from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.trl.rloo import TreeRLOOConfig, TreeRLOOTrainer
 from tests.helpers import hybrid_model, saved_tiny_model, tiny_model, trainer_args, word_tokenizer, zero_reward
@@ -143,6 +148,7 @@ def test_trainer_generation_equals_trl(kind, do_sample, tmp_path, caplog):
     assert stats.calls == 1 and stats.distinct_prompts == 2
     assert embedded["trl"] - embedded["tree"] == (len(batch) - 2) * (width - 1)
     assert stats.trl_prefill_tokens - stats.prefill_tokens == (len(batch) - 2) * (width - 1)
+    assert trainer._metrics["train"][PREFILL_SAVED_METRIC] == [(len(batch) - 2) * (width - 1)]  # logged by TRL's log
 
     off = tree_cls(path, zero_reward, trainer_args(tree_config, path, torch.float64, **settings), **setup)
     off.args.tree_prefill_once_per_group = False

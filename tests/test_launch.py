@@ -349,8 +349,7 @@ def test_launcher_and_hf_tree_stats_build_the_same_trees(tmp_path, capsys, data)
         path = tmp_path / "agent.jsonl"
         path.write_text("\n".join(json.dumps(r) for r in TOOL_CALL_RECORDS) + "\n")
         cli_main(["stats", str(path), "--chat-template", "qwen3", "--json", "--save-trees", str(saved)])
-        # what `hf-tree stats` builds (the trainer's default is TRL's rows)
-        argv += ["--dataset_name", str(path), "--messages_branches", "per_turn"]
+        argv += ["--dataset_name", str(path)]  # both at TreeSFTConfig's defaults: TRL's rows
     else:
         cli_main(["stats", train.SYNTHETIC_DATASET, "--json", "--save-trees", str(saved)])
     reported = json.loads(capsys.readouterr().out)

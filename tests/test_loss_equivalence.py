@@ -355,4 +355,8 @@ def test_low_precision_tree_loss_within_twice_per_branch(mode):
             loss.backward()
             errors[method].append((relative_error(loss, exact[0]), max_grad_relative_error(grads_of(model), exact[1])))
     rms = {m: torch.tensor(e, dtype=torch.float64).square().mean(0).sqrt() for m, e in errors.items()}
-    assert bool((rms["tree"] <= 2 * rms["per_branch"]).all()), errors
+    # Below bf16's eps / 256 (3.1e-5; the per-branch run's own loss error here is 1e-5 to 2e-5), which of the two
+    # runs errs more is decided by single roundings: where bf16 is emulated (CPUs without AVX-512) the tree loss
+    # erred 2.03e-5 against a bound of 2 x 1.01e-5. A wrong mask or weight moves the loss by far more.
+    floor = torch.finfo(torch.bfloat16).eps / 256
+    assert bool((rms["tree"] <= (2 * rms["per_branch"]).clamp_min(floor)).all()), errors

@@ -1,10 +1,11 @@
 """``hf-tree stats`` reports what ``hf-tree sft`` does with its defaults: in-batch merging in TRL's micro-batches.
 
-Conversations sharing a system prompt, written as a folder of .jsonl rows (what ``--dataset_name`` takes) beside a
-tiny model folder holding its tokenizer. ``TreeSFTTrainer`` runs the epoch and logs ``dedup_ratio`` every step;
-``hf-tree stats`` on the same folder, tokenizer and batch flags must report those exact numbers (same floats: both
-divide the same integer token counts), per step and over the epoch, in TRL's random order and in sequential order.
-The end-to-end check runs the real ``hf-tree sft`` command with TRL's defaults.
+Rows sharing a system prompt (conversations as ``messages``, ``text`` and ``prompt``/``completion`` rows), written as
+a folder of .jsonl rows (what ``--dataset_name`` takes) beside a tiny model folder holding its tokenizer.
+``TreeSFTTrainer`` runs the epoch and logs ``dedup_ratio`` every step; ``hf-tree stats`` on the same folder, model
+and batch flags must report those exact numbers (same floats: both divide the same integer token counts), per step
+and over the epoch, in TRL's random order and in sequential order. The end-to-end check runs the real ``hf-tree sft``
+command with TRL's defaults.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 import datasets
 import pytest
 import torch
+import transformers
 
 from hf_tree.cli import main
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
@@ -37,42 +39,75 @@ SYSTEM = "w40 w41 w42 w43 w44 w45 w46 w47"
 
 def _conversations(num: int, seed: int = 0) -> list[dict]:
     """``num`` rows sharing only the system prompt; a few also share the first user turn (varied lengths, so the
-    order the rows are batched in changes each step's dedup)."""
+    order the rows are batched in changes each step's dedup). Every third row has two assistant turns: one branch
+    per conversation (TRL's rows, ``hf-tree sft``'s default) differs from one branch per turn."""
     rng = random.Random(seed)
+    words = lambda low, high: " ".join(f"w{rng.randrange(13, 60)}" for _ in range(rng.randint(low, high)))  # noqa: E731
     rows = []
     for i in range(num):
-        user = "w10 w11 w12" if i % 3 == 0 else " ".join(f"w{rng.randrange(13, 60)}" for _ in range(rng.randint(1, 4)))
-        answer = " ".join(f"w{rng.randrange(13, 60)}" for _ in range(rng.randint(1, 5)))
+        user = "w10 w11 w12" if i % 3 == 0 else words(1, 4)
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}]
-        rows.append({"messages": [*messages, {"role": "assistant", "content": answer}]})
+        messages.append({"role": "assistant", "content": words(1, 5)})
+        if i % 3 == 1:
+            messages += [{"role": "user", "content": words(1, 3)}, {"role": "assistant", "content": words(1, 3)}]
+        rows.append({"messages": messages})
+    return rows
+
+
+def _rows(data_format: str, num: int, seed: int = 0) -> list[dict]:
+    """The conversations of ``_conversations`` in ``data_format``: ``messages``, ``text`` (the words of the whole
+    conversation) or ``prompt/completion`` (the words before the last assistant message, and that message)."""
+    conversations = _conversations(num, seed)
+    if data_format == "messages":
+        return conversations
+    rows = []
+    for row in conversations:
+        prompt = " ".join(m["content"] for m in row["messages"][:-1])
+        completion = row["messages"][-1]["content"]
+        text_row = {"text": f"{prompt} {completion}"}
+        rows.append(text_row if data_format == "text" else {"prompt": prompt, "completion": completion})
     return rows
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory) -> tuple[str, str]:
-    """(model folder with its tokenizer, data folder of .jsonl rows)."""
+def model(tmp_path_factory) -> str:
+    """A tiny model folder holding its word tokenizer (with a chat template)."""
     root = tmp_path_factory.mktemp("stats_matches_training")
-    model = saved_tiny_model(root / "model", torch.float32)
+    path = saved_tiny_model(root / "model", torch.float32)
     tokenizer = word_tokenizer()
     tokenizer.chat_template = TEMPLATE
-    tokenizer.save_pretrained(model)
-    data = root / "data"
-    data.mkdir()
-    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in _conversations(11)))
-    return model, str(data)
+    tokenizer.save_pretrained(path)
+    return path
 
 
-@pytest.mark.parametrize("strategy", ["random", "sequential"])
-def test_stats_reports_the_dedup_the_trainer_logs(setup, strategy, tmp_path, capsys):
-    model, data = setup
+def _data_folder(root: Path, data_format: str, num: int, seed: int = 0) -> str:
+    """A folder of .jsonl rows (what ``--dataset_name`` takes)."""
+    root.mkdir()
+    (root / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in _rows(data_format, num, seed)))
+    return str(root)
+
+
+@pytest.mark.parametrize(
+    ("data_format", "strategy"),
+    [
+        ("messages", "random"),
+        ("prompt/completion", "random"),
+        pytest.param("messages", "sequential", marks=pytest.mark.slow),
+        pytest.param("text", "random", marks=pytest.mark.slow),
+    ],
+)
+def test_stats_reports_the_dedup_the_trainer_logs(model, data_format, strategy, tmp_path, capsys):
+    """Each format at the trainer's defaults: the branches (one per conversation for messages rows), micro-batches
+    and per-step dedup_ratio that `hf-tree stats` reports are the ones a real run logs."""
+    data = _data_folder(tmp_path / "data", data_format, 11)
     batch = ["--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2"]
     batch += ["--train_sampling_strategy", strategy, "--max_packed_tokens", "30"]  # some merged batches over 30
     main(["stats", data, "--model_name_or_path", model, *batch, "--json"])
     report = json.loads(capsys.readouterr().out)
     steps = report["step_dedup_ratios"]
-    assert len(steps) == 2  # 11 rows, 6 per step
-    assert report["training_dedup_ratio"] > report["dedup_ratio"] == 1.0  # one tree per row: merging is the saving
-    assert report["packing"]["num_split_trees"] == 0 and report["num_depth_first_trees"] > 0  # auto, as the trainer
+    assert len(steps) == 2 and report["num_batches"] == 4  # 11 rows, 6 per step
+    assert report["training_dedup_ratio"] > 1.0  # rows share the system prompt: merging in batch is the saving
+    assert report["num_branches"] == 11  # one per row: TRL's rows (messages rows: the conversation, not its turns)
 
     args = TreeSFTConfig(
         output_dir=str(tmp_path / "out"),
@@ -91,20 +126,32 @@ def test_stats_reports_the_dedup_the_trainer_logs(setup, strategy, tmp_path, cap
     trainer = TreeSFTTrainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
     logged = [log["dedup_ratio"] for log in trainer.state.log_history if "loss" in log]
-    assert logged == steps  # exactly: the same micro-batches, merged and packed the same way
+    assert logged == steps  # exactly: the same trees and micro-batches, merged and packed the same way
     tokens = [log["num_tokens"] for log in trainer.state.log_history if "loss" in log]
     assert tokens[-1] == report["packing"]["num_branch_tokens"]  # every row of the epoch trained once
 
 
+def test_stats_follows_the_training_flags(model, tmp_path, capsys):
+    """A flag of `hf-tree sft` that changes the trees changes the report: per-turn branches of messages rows, and the
+    FLOP estimate uses the named model's shape (its config), not SmolLM2-135M's."""
+    data = _data_folder(tmp_path / "data", "messages", 6)
+    main(["stats", data, "--model_name_or_path", model, "--json"])
+    conversation = json.loads(capsys.readouterr().out)
+    main(["stats", data, "--model_name_or_path", model, "--messages_branches", "per_turn", "--json"])
+    per_turn = json.loads(capsys.readouterr().out)
+    assert conversation["num_branches"] == 6 and per_turn["num_branches"] == 6 + 2  # rows 1 and 4 have two turns
+    config = transformers.AutoConfig.from_pretrained(model)
+    shape = conversation["model_shape"]
+    assert (shape["num_layers"], shape["hidden_size"]) == (config.num_hidden_layers, config.hidden_size)
+    assert conversation["model_shape_source"] == f"{model}'s config"
+
+
 @pytest.mark.slow
-def test_hf_tree_sft_saves_by_default(setup, tmp_path):
+def test_hf_tree_sft_saves_by_default(model, tmp_path):
     """A new user's first run: `hf-tree sft` with TRL's defaults (batch size 8, its logging, max_length, random
     order) and only what running offline on CPU needs logs dedup_ratio > 1 on conversations sharing a system prompt,
     and `hf-tree stats` on the same folder reports the same number."""
-    model, _ = setup
-    data = tmp_path / "data"
-    data.mkdir()
-    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in _conversations(16, seed=1)))
+    data = _data_folder(tmp_path / "data", "messages", 16, seed=1)
     command = [sys.executable, "-m", "hf_tree.cli", "sft", "--model_name_or_path", model, "--dataset_name", str(data)]
     command += ["--max_steps", "2", "--report_to", "none", "--bf16", "False"]
     env = {**os.environ, "PYTHONPATH": str(REPO)}

@@ -20,6 +20,7 @@ per turn.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
@@ -27,6 +28,8 @@ from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
 from hf_tree.tree import Tree, common_prefix_length
+
+logger = logging.getLogger("hf_tree")
 
 TrainOn = Literal["last_assistant", "all_assistant"]
 TRAIN_ON = ("last_assistant", "all_assistant")
@@ -190,7 +193,7 @@ def conversation_branch(
             ``{% generation %}`` markers, or the conversation has no assistant message).
     """
     for i in range(len(messages)):
-        _check_message(messages, i)
+        _check_message(messages, i, where)
     encoded = _apply_chat_template(
         tokenizer,
         messages,
@@ -216,10 +219,32 @@ def conversation_branch(
     return tokens, mask
 
 
-def _check_message(messages: Sequence[Message], i: int) -> None:
+def _check_message(messages: Sequence[Message], i: int, where: str = "conversation") -> None:
+    """Raise for a message without a role; warn (naming ``where``, e.g. the row) for an assistant message with
+    nothing in it: no content, tool call or reasoning. Such a message is trained as TRL trains it (the template's
+    tokens around an empty answer), which is rarely what the data means."""
     message = messages[i]
     if not isinstance(message, Mapping) or "role" not in message:
         raise ValueError(f"messages[{i}] is {message!r}; every message must be a dict with a 'role' key.")
+    if message["role"] == "assistant" and not any(
+        _has_content(message.get(key)) for key in ("content", "tool_calls", "reasoning_content")
+    ):
+        logger.warning(
+            "%s: assistant message %d has empty content; it is trained as TRL trains it (the chat template's tokens "
+            "around an empty answer). Fill it, or drop the row if that is not meant.",
+            where,
+            i,
+        )
+
+
+def _has_content(value: Any) -> bool:
+    """Whether a message field holds anything: non-blank text, or a non-empty list (content parts, tool calls)
+    with a part that is not blank text."""
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, Sequence):
+        return any(not isinstance(p, Mapping) or p.get("type") != "text" or _has_content(p.get("text")) for p in value)
+    return value is not None
 
 
 def conversation_to_branches(
@@ -273,9 +298,11 @@ def conversation_branches(
     *,
     train_on: TrainOn = "last_assistant",
     chat_template: str | None = None,
+    where: str = "conversation",
 ) -> tuple[list[list[int]], list[list[int]], int]:
     """``conversation_to_branches`` plus the number of turns whose tokens merged across the boundary
-    between the generation prompt and the assistant message (see ``completion_start``)."""
+    between the generation prompt and the assistant message (see ``completion_start``); ``where`` names the
+    conversation in warnings."""
     if train_on not in TRAIN_ON:
         raise ValueError(f"train_on={train_on!r} must be one of {TRAIN_ON}.")
     render_kwargs = dict(tools=tools, chat_template=chat_template, chat_template_kwargs=chat_template_kwargs)
@@ -284,14 +311,14 @@ def conversation_branches(
     spans: list[tuple[int, int]] = []  # (start, end) of each branch's own assistant tokens
     merges = 0
     for i in range(len(messages)):
-        _check_message(messages, i)
+        _check_message(messages, i, where)
         if messages[i]["role"] != "assistant":
             continue
-        where = f"assistant message {i} (turn {len(sequences)})"
-        full = render_ids(tokenizer, messages[: i + 1], where=where, **render_kwargs)
-        prompt = render_ids(tokenizer, messages[:i], add_generation_prompt=True, where=where, **render_kwargs)
+        turn = f"assistant message {i} (turn {len(sequences)})"
+        full = render_ids(tokenizer, messages[: i + 1], where=turn, **render_kwargs)
+        prompt = render_ids(tokenizer, messages[:i], add_generation_prompt=True, where=turn, **render_kwargs)
         start, merged = completion_start(
-            tokenizer, prompt, full, messages[:i], messages[: i + 1], where=where, **render_kwargs
+            tokenizer, prompt, full, messages[:i], messages[: i + 1], where=turn, **render_kwargs
         )
         merges += merged
         mask = [0] * start + [1] * (len(full) - start)
@@ -299,7 +326,7 @@ def conversation_branches(
             for j, (span_start, span_end) in enumerate(spans):
                 if full[:span_end] != sequences[j]:
                     raise ValueError(
-                        f"{where}: train_on='all_assistant' needs earlier turns rendered identically in later ones, "
+                        f"{turn}: train_on='all_assistant' needs earlier turns rendered identically in later ones, "
                         f"but turn {j} renders differently here "
                         f"({describe_divergence(tokenizer, sequences[j], full)}), e.g. because the template strips "
                         "earlier reasoning. Use train_on='last_assistant', which trains every turn once in the "

@@ -219,7 +219,7 @@ def _tokenize_row(
                     sequences, masks = [sequence], [mask]
             else:
                 sequences, masks, out["_merges"] = conversation_branches(
-                    messages, tokenizer, train_on=train_on, **render
+                    messages, tokenizer, train_on=train_on, where=f"row {index}", **render
                 )
         except ValueError as error:
             raise ValueError(f"row {index}: {error}") from error

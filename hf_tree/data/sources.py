@@ -22,6 +22,7 @@ from __future__ import annotations
 import importlib.resources
 import json
 import logging
+import os
 import pathlib
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -178,17 +179,32 @@ def builtin_rows(
 
 
 def looks_like_local_path(name: str) -> bool:
-    """Whether ``name`` can only mean a local path (absolute, ``./``, ``~``, more than one ``/``, or a data file
-    suffix), so that a missing one gets a clear error instead of a hub lookup ("Repo id must be in the form ...").
-    A hub id is ``name`` or ``owner/name``."""
+    """Whether ``name`` can only mean a local path, so that a missing one gets a clear error at once instead of a hub
+    lookup (retried for a minute offline, then "Couldn't reach ... on the Hub"): it exists, is absolute, starts with
+    ``./``, ``../`` or ``~``, has more than one ``/`` (or the OS's separator), a data file suffix, or its first part is
+    a local folder (``data/train`` beside a ``data`` folder). A hub id is ``name`` or ``owner/name``."""
     path = pathlib.Path(name)
+    parts = path.parts
     return (
         path.exists()
         or path.is_absolute()
         or name.startswith((".", "~"))
         or name.count("/") > 1
+        or (os.sep != "/" and os.sep in name)
+        or (len(parts) > 1 and pathlib.Path(parts[0]).is_dir())
         or path.suffix.lower() in (".jsonl", ".json", ".parquet", ".csv")
     )
+
+
+def check_local_dataset(name: str) -> None:
+    """Raise ``ValueError`` when dataset ``name`` can only be a local path (``looks_like_local_path``) and there is
+    nothing there; built-in names pass."""
+    if builtin_name(name) is None and looks_like_local_path(name) and not pathlib.Path(name).expanduser().exists():
+        raise ValueError(
+            f"data {name!r} does not exist (no such file or folder: {os.path.abspath(os.path.expanduser(name))}); pass "
+            "a saved tree dataset folder, a folder of .jsonl/.json/.parquet files, one such file, a hub id "
+            f"(owner/name) or one of {list(BUILTIN_DATASETS)}."
+        )
 
 
 def read_rows(
@@ -244,7 +260,14 @@ def read_rows(
 
         return to_builder_rows(read_records(path), where=str(path))[0], None
     if allow_hub and not looks_like_local_path(source):
-        return datasets.load_dataset(source, dataset_config, split=split), None
+        try:
+            return datasets.load_dataset(source, dataset_config, split=split), None
+        except (FileNotFoundError, ConnectionError) as error:  # datasets' errors (offline: after retries) name the Hub
+            raise ValueError(
+                f"data {source!r} is no local file or folder ({os.path.abspath(source)} does not exist), and the Hub "
+                f"gave no dataset of that name: {' '.join(str(error).split())}"
+            ) from error
+    check_local_dataset(source)
     raise ValueError(
         f"data {source!r} does not exist; pass a saved tree dataset folder, a folder of .jsonl/.json/.parquet "
         f"files, one such file, or one of {list(BUILTIN_DATASETS)}."
@@ -277,6 +300,12 @@ def read_dataset_folder(path: pathlib.Path, split: str | None, dataset_config: s
     return to_builder_rows(rows.to_list(), where=str(path))[0]
 
 
+TreeBuilder = Callable[
+    [datasets.Dataset, PreTrainedTokenizerBase, str | None], tuple[datasets.Dataset, TreeBuildStats | None]
+]
+"""``(rows, tokenizer, chat template text or None) -> (tree rows, what building did)``."""
+
+
 def load_tree_rows(
     source: str,
     tokenizer: PreTrainedTokenizerBase | Callable[[], PreTrainedTokenizerBase] | None = None,
@@ -286,6 +315,9 @@ def load_tree_rows(
     subset: str | None = None,
     limit: int | None = None,
     num_proc: int | None = None,
+    split: str | None = None,
+    dataset_config: str | None = None,
+    build: TreeBuilder | None = None,
 ) -> LoadedTrees:
     """Tree rows from ``source`` (anything ``read_rows`` reads but a hub id): tree rows are used as is, other rows
     are built with ``tokenizer``; agent sources default to ``AGENT_TEMPLATE``.
@@ -296,6 +328,9 @@ def load_tree_rows(
         group_by, num_proc: passed to ``build_tree_dataset_with_stats``.
         subset, limit: as in ``builtin_rows``; ``builtin:synthetic-agent`` is the main job's data (its
             ``MAIN_JOB_CONVERSATIONS`` unless ``limit`` is given, and its ``MAIN_JOB_OPTIONS``).
+        split, dataset_config: as in ``read_rows``.
+        build: builds the trees instead of ``build_tree_dataset_with_stats`` (then ``group_by`` and ``num_proc`` are
+            its own business), e.g. ``TreeSFTTrainer``'s preparation (``hf_tree.sft_stats.sft_tree_rows``).
 
     Raises:
         ValueError: as ``read_rows``, or when a tokenizer is needed but not given.
@@ -303,7 +338,9 @@ def load_tree_rows(
     options = None
     if builtin_name(source) == "synthetic-agent":  # the main job's data (hf_tree.launcher), sized as it sizes it
         limit, options = limit or MAIN_JOB_CONVERSATIONS, MAIN_JOB_OPTIONS
-    rows, conversion = read_rows(source, subset=subset, limit=limit, synthetic_options=options)
+    rows, conversion = read_rows(
+        source, split=split, dataset_config=dataset_config, subset=subset, limit=limit, synthetic_options=options
+    )
     if is_tree_dataset(rows):
         return LoadedTrees(rows)
     from hf_tree.vision.sft import is_vision_dataset  # here: it imports TRL, which reading tree rows never needs
@@ -322,9 +359,12 @@ def load_tree_rows(
         tokenizer = tokenizer()
     template = chat_template_text(chat_template or default_chat_template(source))
     warn_if_template_drops_tool_calls(rows, tokenizer, template)
-    trees, build_stats = build_tree_dataset_with_stats(
-        rows, tokenizer, chat_template=template, group_by=group_by, num_proc=num_proc
-    )
+    if build is not None:
+        trees, build_stats = build(rows, tokenizer, template)
+    else:
+        trees, build_stats = build_tree_dataset_with_stats(
+            rows, tokenizer, chat_template=template, group_by=group_by, num_proc=num_proc
+        )
     return LoadedTrees(trees, build_stats, conversion)
 
 

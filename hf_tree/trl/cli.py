@@ -43,6 +43,7 @@ from hf_tree.cli_messages import (
     unknown_config_key,
     unknown_flag,
 )
+from hf_tree.data.sources import check_local_dataset
 
 # command -> (TRL class-name stem, hf_tree module defining Tree<stem>Config and Tree<stem>Trainer)
 TREE_COMMANDS: dict[str, tuple[str, str]] = {
@@ -81,9 +82,11 @@ class TreeTrainingCommand(TrainingCommand):
         all_args = context.argv_after(self.name)
         prog = f"hf-tree {self.name}"
         parser = plain_help(raise_usage_errors(script.make_parser(prog=prog)))
-        *_, config_remaining, cli_remaining = parser.parse_args_and_config(
+        script_args, *_, config_remaining, cli_remaining = parser.parse_args_and_config(
             all_args, return_remaining_strings=True, separate_remaining_strings=True
         )
+        if getattr(script_args, "dataset_name", None):  # a missing local path: said now, not after hub retries
+            check_local_dataset(script_args.dataset_name)
         launch_parser = launch_command_parser()
         check_launch_flags(all_args, config_remaining, cli_remaining, flags_of(parser), flags_of(launch_parser), prog)
         launch_args = resolve_accelerate_config_argument(config_remaining + cli_remaining)

@@ -18,6 +18,8 @@ collective: ranks would run different forwards), image prompts, beam search and 
 ``cache_implementation`` or a model without a default ``DynamicCache``, cache layers other than the dynamic,
 sliding-window and linear-attention ones (hybrids whose every layer is recurrent, quantized or indexed caches), and
 active dropout (a training-mode forward would draw other random numbers).
+
+The trainers log what it saved through TRL's metrics: ``tree/prefill_tokens_saved`` per generation call.
 """
 
 from __future__ import annotations
@@ -55,6 +57,11 @@ EXPANDABLE_LAYERS = (
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionAndSlidingWindowAttentionLayer,
 )
+
+
+PREFILL_SAVED_METRIC = "tree/prefill_tokens_saved"
+"""The logged figure: prompt positions a generation call did not forward in its prefill (TRL's ``rows * W`` minus
+``distinct * (W - 1) + rows``; 0 where TRL's own call ran), averaged over the calls of each log, per process."""
 
 
 @dataclass
@@ -205,10 +212,16 @@ class GroupPrefillGenerationMixin:
             self._log_group_prefill_fallback(cause)
             return super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
         causes: list[str] = []
-        with prefilling_once(self.accelerator.unwrap_model(self.model_wrapped), self.group_prefill_stats, causes):
+        stats = self.group_prefill_stats
+        before = stats.trl_prefill_tokens - stats.prefill_tokens
+        with prefilling_once(self.accelerator.unwrap_model(self.model_wrapped), stats, causes):
             output = super()._generate_single_turn(prompt_ids, images, multimodal_fields, *args, **kwargs)
         for cause in causes:
             self._log_group_prefill_fallback(cause)
+        # TRL's metrics (averaged over the generation calls of each log): prompt tokens this process did not forward
+        mode = "train" if self.model.training else "eval"
+        saved = stats.trl_prefill_tokens - stats.prefill_tokens - before
+        self._metrics[mode][PREFILL_SAVED_METRIC].append(float(saved))
         return output
 
     @property

@@ -30,7 +30,7 @@ from transformers.trainer_utils import seed_worker
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import maybe_convert_to_chatml
 
-from hf_tree.builders import MESSAGES_BRANCHES, TRAIN_ON, build_tree_dataset
+from hf_tree.builders import MESSAGES_BRANCHES, TRAIN_ON, build_tree_dataset_with_stats
 from hf_tree.builders.dataset import check_messages_options, detect_format
 from hf_tree.config import TreeArguments, packing_field
 from hf_tree.data.sources import is_tree_dataset
@@ -350,7 +350,7 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             )
         tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
         with args.main_process_first(desc=f"building trees of the {dataset_name} dataset"):
-            trees = build_tree_dataset(
+            trees, self.tree_build_stats = build_tree_dataset_with_stats(  # the stats: hf_tree.sft_stats reports them
                 dataset,
                 tokenizer,
                 group_by=args.group_by,
