@@ -96,6 +96,19 @@ class TreeTRLArguments:
         check_max_packed_tokens(self.max_packed_tokens, none_allowed=True)
         if self.tree_forward:  # TRL's own forward (tree_forward=False) applies NEFTune per row as usual
             refuse_neftune(self)
+            refuse_liger_kernel(self)
+
+
+def refuse_liger_kernel(args: Any) -> None:
+    """``ValueError`` for ``use_liger_kernel=True`` with tree forwards: TRL then swaps the model's RMSNorm, RoPE and
+    SwiGLU for Liger's Triton kernels (its fused cross-entropy off). Per token they should equal TRL's, but they need
+    CUDA and no run has checked them on packed trees against TRL's step, so they are refused rather than trusted."""
+    if args.use_liger_kernel:
+        raise ValueError(
+            "use_liger_kernel=True is not supported with tree_forward=True: Liger's Triton kernels (RMSNorm, RoPE, "
+            "SwiGLU) have not been checked on packed trees against TRL's step (TRL also deprecates the option in "
+            "favour of Hub kernels). Set use_liger_kernel=False, or tree_forward=False to run TRL's own forward."
+        )
 
 
 @dataclass
