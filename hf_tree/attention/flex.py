@@ -239,6 +239,9 @@ def compiled_flex_attention(
     The first compile of the process is logged with its time (seconds; later lengths reuse the graph). Should a key
     still reach dynamo's recompile limit, a warning says so and the key is compiled afresh (fast kernels are kept)."""
     global _first_compile_reported
+    arguments = _call_arguments(query, key, value, block_mask, scale, softcap, return_lse)
+    if torch.compiler.is_compiling():  # inside a compiled model, whose compile takes Flex in
+        return _flex_call(*arguments)
     compile_key = FlexCompileKey(
         query.device.type,
         query.dtype,
@@ -252,7 +255,6 @@ def compiled_flex_attention(
     entry = _compiled.get(compile_key)
     if entry is None:
         entry = _compiled[compile_key] = _CompiledFlex(_compile_fresh())
-    arguments = _call_arguments(query, key, value, block_mask, scale, softcap, return_lse)
     start = time.perf_counter()
     try:
         out = entry.function(*arguments)
