@@ -30,7 +30,8 @@ def test_no_cuda_mode_skips_every_row_with_its_reason_and_exits_0():
         "depth-first llama bfloat16 (units of 16 tokens)",
         "trl GRPO step float32 (swap vs TRL)",
         "trl SFT step float32 (swap vs TRL)",
-        "GRPO row",
+        "GRPO group",
+        "no sharing",
     ):
         assert expected in names
     assert any(name.startswith("hybrid qwen3_5") for name in names)
