@@ -41,18 +41,11 @@ def test_sft_option_trains_trls_step(model_path, settings):
     assert_same_step_as_trl(trl, trl_updates, tree, tree_updates)
 
 
-@pytest.mark.parametrize(
-    "settings",
-    [
-        pytest.param(CHECKPOINTING, marks=pytest.mark.slow),
-        pytest.param(dict(torch_compile=True), marks=pytest.mark.slow),
-    ],
-    ids=["gradient_checkpointing", "torch_compile"],
-)
-def test_grpo_option_trains_trls_step(model_path, monkeypatch, settings):
+@pytest.mark.slow  # repeats the fast tier's GRPO step (tests/test_grpo.py) with checkpointing
+def test_grpo_gradient_checkpointing_trains_trls_step(model_path, monkeypatch):
     monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
-    trl, trl_updates = one_step(GRPOTrainer, GRPOConfig, model_path, False, **settings)
-    tree, tree_updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, model_path, False, **settings)
+    trl, trl_updates = one_step(GRPOTrainer, GRPOConfig, model_path, False, **CHECKPOINTING)
+    tree, tree_updates = one_step(TreeGRPOTrainer, TreeGRPOConfig, model_path, False, **CHECKPOINTING)
     assert tree.tree_head.layout_stats.dedup_ratio > 1
     assert_same_step_as_trl(trl, trl_updates, tree, tree_updates)
 
@@ -63,11 +56,13 @@ def test_sft_refuses_option_by_name(model_path, field):
         sft_step(TreeSFTTrainer, TreeSFTConfig, model_path, ROWS, **{field: True})
 
 
+@pytest.mark.parametrize("field", ["use_liger_kernel", "torch_compile"])
 @pytest.mark.parametrize("config_cls", [TreeGRPOConfig, TreeDPOConfig], ids=["grpo", "dpo"])
-def test_tree_forward_refuses_liger_kernel_by_name(tmp_path, config_cls):
-    """Liger's kernels need CUDA and are unchecked on packed trees: refused when the config is built (before any
-    step); with ``tree_forward=False`` TRL's own forward takes them as TRL does."""
-    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, use_liger_kernel=True)
-    with pytest.raises(ValueError, match="use_liger_kernel=True"):
+def test_tree_forward_refuses_option_by_name(tmp_path, config_cls, field):
+    """Refused when the config is built (before any step), with ``tree_forward=False`` left to TRL's own forward:
+    Liger's kernels need CUDA and are unchecked on packed trees; ``torch.compile(model)`` cannot wrap the tree
+    forward bound as ``model.forward`` (dynamo's ``getfile`` assertion at the first step, measured with GRPO)."""
+    settings = dict(output_dir=str(tmp_path), use_cpu=True, bf16=False, **{field: True})
+    with pytest.raises(ValueError, match=f"{field}=True"):
         config_cls(**settings)
-    assert config_cls(**settings, tree_forward=False).use_liger_kernel
+    assert getattr(config_cls(**settings, tree_forward=False), field)
