@@ -397,7 +397,10 @@ def main(argv: list[str] | None = None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device ({header}): every GPU row is skipped.")
         reason = "no CUDA device (torch.cuda.is_available() is False)"
-        print(format_table([Row(section, name, "skipped", reason) for section, name, _ in plan]))
+        rows = [Row(section, name, "skipped", reason) for section, name, _ in plan]
+        print(format_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps([asdict(row) for row in rows], indent=1))
         return 0
     if device.type == "cuda":
         header += f", {torch.cuda.get_device_name(device)}"

@@ -385,7 +385,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     parser.add_argument("--quick", action="store_true", help="tiny model and lengths (a check of this script)")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per method after the warm-up")
-    parser.add_argument("--tree-engine", default="cuda", help="comma list of hf_tree.attention.ENGINES names")
+    parser.add_argument(
+        "--tree-engine", default="cuda", help="comma list of hf_tree.attention.ENGINES names (cpu device: 'cpu')"
+    )
     parser.add_argument("--json", help="write the rows (figures and targets) to this file")
     args = parser.parse_args(argv)
     device = torch.device(args.device)
@@ -395,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     import transformers
 
     transformers.logging.set_verbosity_error()
-    engines = args.tree_engine.split(",")
+    engines = ["cpu"] if device.type == "cpu" and args.tree_engine == "cuda" else args.tree_engine.split(",")
     rows = []
     for index, name in enumerate(workload_names()):
         rows.append(run_workload(index, device, args.quick, args.repeats, engines))
