@@ -362,6 +362,9 @@ def run_section(section: str, plan: Plan, argv: list[str], time_limit: float) ->
         rows_file = Path(folder) / "rows.json"
         command = [sys.executable, __file__, *argv, "--sections", section, "--time-limit", str(time_limit)]
         done = subprocess.run([*command, "--rows-json", str(rows_file)], stderr=subprocess.PIPE, text=True)
+        for line in done.stderr.splitlines():  # the compile time and any recompile-limit warning of flex
+            if "hf_tree flex:" in line:
+                print(f"  [{section}] {line.strip()}", flush=True)
         if rows_file.exists():
             return [Row(**row) for row in json.loads(rows_file.read_text())]
     tail = " ".join(done.stderr.strip().splitlines()[-3:])
