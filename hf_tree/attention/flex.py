@@ -153,10 +153,12 @@ class FlexCompileKey:
     """What one compiled FlexAttention graph is specialised on: each key gets a code object of its own
     (``compiled_flex_attention``), so dynamo's recompile limit (8 per code object) counts each key's graphs alone and
     a process running many models never falls back to uncompiled Flex (10x slower, O(N^2) memory). Lengths, batch
-    sizes and the soft-cap value are dynamic inside a key."""
+    sizes and the soft-cap value are dynamic inside a key (one graph per key)."""
 
     device_type: str
     dtype: torch.dtype
+    scale: float
+    """A constant of Flex's kernel: each value is a graph of its own."""
     head_dim: int
     value_dim: int
     grouped_query: bool
@@ -245,6 +247,7 @@ def compiled_flex_attention(
     compile_key = FlexCompileKey(
         query.device.type,
         query.dtype,
+        scale,
         query.shape[-1],
         value.shape[-1],
         query.shape[1] != key.shape[1],
