@@ -3,8 +3,10 @@
     python benchmarks/gpu_check.py            # one CUDA GPU; rows not started within 8 minutes are skipped
     python benchmarks/gpu_check.py --quick    # a smaller timing model and rows, one repeat
 
-Sections run in the order attention, speed, model, trl; ``--time-limit`` (480 s) lists the rows not started by then
-as skipped, so that one run fits its budget even when compilation is slow. Exit status 1 when a row fails.
+Sections run in the order attention, speed, model, trl, each in a Python process of its own (one section's compiled
+kernels, dynamo caches and memory cannot slow or break the next); ``--time-limit`` (480 s) lists the rows not started
+by then as skipped, so that one run fits its budget even when compilation is slow. Exit status 1 when a row fails.
+``--json FILE`` writes the rows; ``--tree-engine cuda,flex`` times the tree on each engine named.
 
 Install on a fresh GPU machine: see docs/attention.md ("GPU check"). Without CUDA every GPU row is printed as skipped,
 with the reason, and the script exits 0 (tests/test_gpu_check_smoke.py runs that mode in CI). ``--device cpu`` runs the
@@ -25,15 +27,9 @@ Exactness (rows ``exact``; float64 is the oracle, "error" is a relative L2 error
 - ``trl``: one GRPO step (``tests/helpers.one_step``) and one SFT step of TRL's trainer and of the tree twin on the
   GPU in float32, each parameter update against TRL's own float64 step on the CPU; bound twice TRL's GPU error.
 
-Speed (rows ``speed``; a Llama of hidden 1024, 8 layers, 16/4 heads, head dim 64, bfloat16; forward + backward of the
-loss, medians of ``--repeats`` after a warm-up): a GRPO row (1 prompt + 8 completions) and the CHAMP groups of
-``benchmarks/step_breakdown.py`` (with ``champ-dataset`` and the SmolLM2 asset; else skipped) with
-
-- ``tree``: hf_tree's packed tree on the automatic engine (flash-attn where installed, else flex);
-- ``tree_flex``: the same on flex;
-- ``per_branch``: every branch alone (SDPA), one after the other;
-- ``padding_free``: every branch concatenated into one row with restarting position ids on
-  ``attn_implementation="flash_attention_2"`` (flash-attn varlen; TRL's ``padding_free=True``), needs flash-attn.
+Speed (rows ``speed``): the four workloads of ``benchmarks/gpu_speed.py`` (a Llama-3.2-1B-shaped model in bfloat16:
+TRL's padded batch, a padding-free varlen baseline and the tree on each ``--tree-engine``, with peak memory, MFU and
+issue 49's targets beside the figures); a row missing a target is ``below target``, which does not fail the check.
 """
 
 from __future__ import annotations
@@ -42,21 +38,22 @@ import argparse
 import contextlib
 import functools
 import importlib.util
+import json
 import os
-import statistics
+import subprocess
 import sys
 import tempfile
 import time
 import traceback
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's hf_tree and tests/ helpers
-import depth_first  # noqa: E402  (benchmarks/depth_first.py: its GRPO tree and CHAMP groups)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/ (also when imported from a test)
+import gpu_speed  # noqa: E402  (benchmarks/gpu_speed.py: the speed rows)
 
 import hf_tree  # noqa: E402, F401  (registers tree_flash)
 from hf_tree import Tree, TreeDataCollator, tree_causal_lm_loss  # noqa: E402
@@ -294,119 +291,17 @@ def sft_check(device: torch.device) -> tuple[str, str]:
 
 
 # ---------------------------------------------------------------------------------------------------- speed
-SPEED_MODEL = dict(
-    vocab_size=32768,
-    hidden_size=1024,
-    intermediate_size=2816,
-    num_hidden_layers=8,
-    num_attention_heads=16,
-    num_key_value_heads=4,
-    max_position_embeddings=32768,
-)
-QUICK_SPEED_MODEL = dict(SPEED_MODEL, hidden_size=256, intermediate_size=704, num_hidden_layers=2)
-
-
-@functools.cache
-def speed_trees(quick: bool) -> list[tuple[str, Tree]]:
-    """The GRPO row, then the CHAMP groups (``benchmarks/depth_first.py``'s; none without their data)."""
-    prompt, completion = (256, 128) if quick else (1024, 512)
-    trees = [(f"GRPO {prompt} + 8 x {completion}", depth_first.grpo_tree(prompt, completion, num_completions=8))]
-    return trees + depth_first.champ_trees(270)
-
-
-@functools.cache
-def speed_model(device: torch.device, quick: bool) -> torch.nn.Module:
-    import transformers
-
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(**(QUICK_SPEED_MODEL if quick else SPEED_MODEL))
-    model = transformers.AutoModelForCausalLM.from_config(
-        config, attn_implementation="tree_flash", dtype=torch.bfloat16
-    )
-    return model.to(device)
-
-
-def speed_plan(device: torch.device, quick: bool, repeats: int) -> Plan:
-    names = ["GRPO row"] + [f"CHAMP group R~{target}" for target in depth_first.CHAMP_TARGETS]
+def speed_plan(device: torch.device, quick: bool, repeats: int, engines: list[str]) -> Plan:
+    """One row per workload of ``benchmarks/gpu_speed.py`` (its figures and issue 49's targets)."""
     return [
-        ("speed", name, functools.partial(speed_check, index, device, quick, repeats))
-        for index, name in enumerate(names)
+        ("speed", name, functools.partial(speed_check, index, device, quick, repeats, engines))
+        for index, name in enumerate(gpu_speed.workload_names())
     ]
 
 
-def speed_check(index: int, device: torch.device, quick: bool, repeats: int) -> tuple[str, str]:
-    """Median forward + backward time of each method on the ``index``-th of ``speed_trees``."""
-    if importlib.util.find_spec("champ_dataset") is None and index > 0:
-        raise Skip("champ-dataset is not installed (pip install champ-dataset==1.0.0 natsort)")
-    label, tree = speed_trees(quick)[index]
-    model = speed_model(device, quick)
-    methods = speed_methods(tree, device)
-    times: dict[str, list[float]] = {name: [] for name in methods}
-    for repeat in range(repeats + 1):  # the first round warms up (compilation, autotuning)
-        for name, step in methods.items():
-            model.zero_grad(set_to_none=True)
-            sync(device)
-            start = time.perf_counter()
-            step(model)
-            sync(device)
-            if repeat:
-                times[name].append(time.perf_counter() - start)
-    medians = {name: statistics.median(t) for name, t in times.items()}
-    cells = [f"{name} {seconds * 1e3:.1f} ms" for name, seconds in medians.items()]
-    ratios = [f"{name}/tree {medians[name] / medians['tree']:.2f}x" for name in medians if name != "tree"]
-    missing = "" if "padding_free" in methods or device.type != "cuda" else "; padding_free: flash-attn not installed"
-    shape = f"{label}: {tree.num_tokens} tree / {tree.num_branch_tokens} branch tokens"
-    return "ok", f"{shape}; " + ", ".join(cells + ratios) + missing
-
-
-def speed_methods(tree: Tree, device: torch.device) -> dict[str, Callable[[torch.nn.Module], None]]:
-    """Forward + backward of the tree's loss (summed weighted CE / trained tokens) per method."""
-    divisor = float(tree.token_weights.sum())
-    batch = {k: v.to(device) for k, v in TreeDataCollator(max_packed_tokens=tree.num_tokens)([tree.to_dict()]).items()}
-    branches = depth_first.branch_tensors(tree, device)
-
-    def tree_step(engine: str) -> Callable[[torch.nn.Module], None]:
-        def step(model) -> None:
-            with forced_engine(engine):
-                tree_causal_lm_loss(model, batch, num_items_in_batch=divisor).backward()
-
-        return step
-
-    def per_branch(model) -> None:
-        with attention(model, "sdpa"):
-            depth_first.per_branch(model, branches, divisor)
-
-    def padding_free(model) -> None:
-        ids = torch.cat([ids for ids, _ in branches])[None]
-        positions = torch.cat([torch.arange(len(ids), device=device) for ids, _ in branches])[None]
-        # a branch's last token predicts nothing: its target is the next branch's first token, weight 0
-        weights = torch.cat([torch.cat([m, m.new_zeros(1)]) for _, m in branches])[:-1]
-        with attention(model, "flash_attention_2"):
-            logits = model(input_ids=ids, position_ids=positions, use_cache=False).logits[0, :-1]
-            (F.cross_entropy(logits.float(), ids[0, 1:], reduction="none") * weights).sum().div(divisor).backward()
-
-    methods = {"tree": tree_step("cuda" if device.type == "cuda" else "cpu"), "per_branch": per_branch}
-    if device.type == "cuda":
-        methods["tree_flex"] = tree_step("flex")
-        if flash_attn_varlen_func() is not None:
-            methods["padding_free"] = padding_free
-    return methods
-
-
-@contextlib.contextmanager
-def attention(model: torch.nn.Module, name: str) -> Iterator[None]:
-    """``model`` on attention implementation ``name`` for the block."""
-    previous = model.config._attn_implementation
-    model.set_attn_implementation(name)
-    try:
-        yield
-    finally:
-        model.set_attn_implementation(previous)
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+def speed_check(index: int, device: torch.device, quick: bool, repeats: int, engines: list[str]) -> tuple[str, str]:
+    row = gpu_speed.run_workload(index, device, quick, repeats, engines)
+    return ("ok" if all(t["met"] for t in row.targets) else TARGET_MISSED), gpu_speed.summary(row)
 
 
 # ---------------------------------------------------------------------------------------------------- driver
@@ -425,14 +320,16 @@ def attempt(section: str, name: str, check: Check) -> Row:
 
 
 SECTIONS = ("attention", "speed", "model", "trl")  # most wanted first: a time limit cuts the last
+TARGET_MISSED = "below target"
+"""A speed row whose figures miss one of issue 49's targets (measured, so not a failure of the check)."""
 
 
-def plan_for(sections: list[str], device: torch.device, quick: bool, repeats: int) -> Plan:
+def plan_for(sections: list[str], device: torch.device, quick: bool, repeats: int, engines: list[str]) -> Plan:
     builders = {
         "attention": lambda: attention_plan(device),
         "model": lambda: model_plan(device),
         "trl": lambda: trl_plan(device),
-        "speed": lambda: speed_plan(device, quick, repeats),
+        "speed": lambda: speed_plan(device, quick, repeats, engines),
     }
     return [row for section in sections for row in builders[section]()]
 
@@ -443,6 +340,37 @@ def format_table(rows: list[Row]) -> str:
     return "\n".join(lines)
 
 
+def run_plan(plan: Plan, time_limit: float) -> list[Row]:
+    """Every row of ``plan`` in this process; rows not started within ``time_limit`` seconds are skipped."""
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    rows, start = [], time.perf_counter()
+    for section, name, check in plan:
+        if time.perf_counter() - start > time_limit:
+            rows.append(Row(section, name, "skipped", "time limit reached (--time-limit)"))
+            continue
+        rows.append(attempt(section, name, check))
+        print(f"  {time.perf_counter() - start:6.0f} s  {rows[-1].status:7s} {name}", flush=True)
+    return rows
+
+
+def run_section(section: str, plan: Plan, argv: list[str], time_limit: float) -> list[Row]:
+    """One section in a fresh Python process (compiled kernels, dynamo caches and memory of one section cannot slow
+    or break the next); a process that dies fails the section's rows with its last output."""
+    with tempfile.TemporaryDirectory() as folder:
+        rows_file = Path(folder) / "rows.json"
+        command = [sys.executable, __file__, *argv, "--sections", section, "--time-limit", str(time_limit)]
+        done = subprocess.run([*command, "--rows-json", str(rows_file)], stderr=subprocess.PIPE, text=True)
+        for line in done.stderr.splitlines():  # the compile time and any recompile-limit warning of flex
+            if "hf_tree flex:" in line:
+                print(f"  [{section}] {line.strip()}", flush=True)
+        if rows_file.exists():
+            return [Row(**row) for row in json.loads(rows_file.read_text())]
+    tail = " ".join(done.stderr.strip().splitlines()[-3:])
+    return [Row(s, name, "FAIL", f"section process exited {done.returncode}: {tail}") for s, name, _ in plan]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller timing rows and model, one repeat")
@@ -450,33 +378,51 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"], help="cpu: check this script itself")
     parser.add_argument("--sections", default=",".join(SECTIONS), help=f"comma list of: {', '.join(SECTIONS)}")
     parser.add_argument(
+        "--tree-engine", default="cuda", help="speed: comma list of tree engines (hf_tree.attention.ENGINES names)"
+    )
+    parser.add_argument(
         "--time-limit", type=float, default=480, help="seconds; rows not started by then are listed as skipped"
     )
+    parser.add_argument("--json", help="write every row (section, check, status, detail) to this file")
+    parser.add_argument("--rows-json", help=argparse.SUPPRESS)  # a section process's rows, for its parent
     args = parser.parse_args(argv)
     device = torch.device(args.device)
-    plan = plan_for(args.sections.split(","), device, args.quick, 1 if args.quick else args.repeats)
+    engines = ["cpu"] if device.type == "cpu" and args.tree_engine == "cuda" else args.tree_engine.split(",")
+    sections = args.sections.split(",")
+    repeats = 1 if args.quick else args.repeats
+    plans = {section: plan_for([section], device, args.quick, repeats, engines) for section in sections}
+    plan = [row for section in sections for row in plans[section]]
+    if args.rows_json:  # a section process
+        rows = run_plan(plan, args.time_limit)
+        Path(args.rows_json).write_text(json.dumps([asdict(row) for row in rows]))
+        return 0
     header = f"torch {torch.__version__}, flash-attn {'installed' if flash_attn_varlen_func() else 'not installed'}"
     if device.type == "cuda" and not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device ({header}): every GPU row is skipped.")
         reason = "no CUDA device (torch.cuda.is_available() is False)"
-        print(format_table([Row(section, name, "skipped", reason) for section, name, _ in plan]))
+        rows = [Row(section, name, "skipped", reason) for section, name, _ in plan]
+        print(format_table(rows))
+        if args.json:
+            Path(args.json).write_text(json.dumps([asdict(row) for row in rows], indent=1))
         return 0
     if device.type == "cuda":
         header += f", {torch.cuda.get_device_name(device)}"
-    print(f"gpu_check on {device.type}: {header}; {len(plan)} rows", flush=True)
-    import transformers
-
-    transformers.logging.set_verbosity_error()
+    print(f"gpu_check on {device.type}: {header}; {len(plan)} rows, one process per section", flush=True)
+    shared = ["--device", args.device, "--repeats", str(args.repeats), "--tree-engine", args.tree_engine]
+    shared += ["--quick"] if args.quick else []
     rows, start = [], time.perf_counter()
-    for section, name, check in plan:
-        if time.perf_counter() - start > args.time_limit:
-            rows.append(Row(section, name, "skipped", f"time limit of {args.time_limit:.0f} s reached (--time-limit)"))
-            continue
-        rows.append(attempt(section, name, check))
-        print(f"  {time.perf_counter() - start:6.0f} s  {rows[-1].status:7s} {name}", flush=True)
+    for section in sections:
+        left = args.time_limit - (time.perf_counter() - start)
+        rows += run_section(section, plans[section], shared, max(left, 0.0))
     print(format_table(rows))
+    if args.json:
+        Path(args.json).write_text(json.dumps([asdict(row) for row in rows], indent=1))
     failed = [r.name for r in rows if r.status == "FAIL"]
-    print(f"{len(rows)} rows in {time.perf_counter() - start:.0f} s; {len(failed)} failed: {failed}")
+    missed = [r.name for r in rows if r.status == TARGET_MISSED]
+    print(
+        f"{len(rows)} rows in {time.perf_counter() - start:.0f} s; {len(failed)} failed: {failed}; "
+        f"{len(missed)} below a speed target: {missed}"
+    )
     return 1 if failed else 0
 
 

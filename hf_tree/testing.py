@@ -497,8 +497,9 @@ def grads_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 # ---------------------------------------------------------------------------------------- error measures
 def relative_error(got: torch.Tensor, expected: torch.Tensor) -> float:
-    """``|got - expected| / |expected|`` (Frobenius norms, in float64)."""
-    got, expected = got.detach().to(torch.float64), expected.detach().to(torch.float64)
+    """``|got - expected| / |expected|`` (Frobenius norms, in float64, on ``expected``'s device: a GPU result is
+    measured against a CPU float64 oracle)."""
+    got, expected = got.detach().to(expected.device, torch.float64), expected.detach().to(torch.float64)
     return float((got - expected).norm() / expected.norm().clamp_min(1e-300))
 
 

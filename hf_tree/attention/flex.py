@@ -16,6 +16,13 @@ block mask and mask function; the ``blocked`` engine is the CPU engine.
 from __future__ import annotations
 
 import functools
+import itertools
+import logging
+import time
+import types
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch.nn.attention.flex_attention import AuxRequest, BlockMask, flex_attention
@@ -27,6 +34,7 @@ from hf_tree.attention.mask import check_bidirectional_block, check_sinks, check
 # FlexAttention's default sparse block size (its kernels' tile size).
 BLOCK_SIZE = 128
 _cache: BatchCache[BlockMask] = BatchCache()
+logger = logging.getLogger("hf_tree")
 
 
 def _block_summaries(x: torch.Tensor, block_size: int, fill_min: int, fill_max: int) -> tuple[torch.Tensor, ...]:
@@ -140,17 +148,138 @@ def clear_block_mask_cache() -> None:
     _cache.clear()
 
 
-@functools.cache
-def _compiled_flex_attention():
-    return torch.compile(flex_attention)
+@dataclass(frozen=True)
+class FlexCompileKey:
+    """What one compiled FlexAttention graph is specialised on: each key gets a code object of its own
+    (``compiled_flex_attention``), so dynamo's recompile limit (8 per code object) counts each key's graphs alone and
+    a process running many models never falls back to uncompiled Flex (10x slower, O(N^2) memory). Lengths, batch
+    sizes and the soft-cap value are dynamic inside a key (one graph per key)."""
+
+    device_type: str
+    dtype: torch.dtype
+    scale: float
+    """A constant of Flex's kernel: each value is a graph of its own."""
+    head_dim: int
+    value_dim: int
+    grouped_query: bool
+    softcap: bool
+    lse: bool
+    mask_kind: tuple
+    """What ``tree_mask_mod`` closes over: ``(sliding_window, attention_chunk, bidirectional)`` (a window's value
+    is a constant of the mask function)."""
+
+
+@dataclass
+class _CompiledFlex:
+    function: Callable
+    calls: int = 0
+
+
+_compiled: dict[FlexCompileKey, _CompiledFlex] = {}
+_first_compile_reported = False
+_code_objects = itertools.count()
+COMPILE_BACKEND = "inductor"
+"""``torch.compile``'s backend for Flex (the fused kernels); tests of the compile bookkeeping use ``aot_eager``."""
+
+
+def _flex_call(query, key, value, block_mask, scale, softcap, enable_gqa, return_lse):
+    # The soft-cap is a 0-dim tensor (a graph input), not a Python float: a float closed over by the score function
+    # becomes an unbacked symbol under dynamic=True and breaks the compile on a second value ("Pending unbacked
+    # symbols"); as a tensor every value shares one graph.
+    score_mod = None
+    if softcap is not None:
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+
+    return flex_attention(
+        query,
+        key,
+        value,
+        score_mod=score_mod,
+        block_mask=block_mask,
+        scale=scale,
+        enable_gqa=enable_gqa,
+        return_aux=AuxRequest(lse=True) if return_lse else None,
+    )
+
+
+def _compile_fresh() -> Callable:
+    """``_flex_call`` compiled on a code object of its own (dynamo's caches and limits live on code objects)."""
+    name = f"_flex_call_{next(_code_objects)}"
+    code = _flex_call.__code__.replace(co_name=name, co_qualname=name)
+    function = types.FunctionType(code, _flex_call.__globals__, name)
+    # fullgraph: a graph break or a hit recompile limit raises instead of silently running uncompiled Flex
+    return torch.compile(function, backend=COMPILE_BACKEND, dynamic=True, fullgraph=True)
 
 
 @functools.cache
-def _softcap_score_mod(softcap: float):
-    def score_mod(score, b, h, q_idx, kv_idx):
-        return softcap * torch.tanh(score / softcap)
+def _softcap_tensor(softcap: float, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    return torch.tensor(softcap, device=device, dtype=dtype)
 
-    return score_mod
+
+def _call_arguments(query, key, value, block_mask, scale, softcap, return_lse) -> tuple:
+    cap = None
+    if softcap is not None:
+        cap = _softcap_tensor(softcap, query.device, torch.float64 if query.dtype == torch.float64 else torch.float32)
+    return query, key, value, block_mask, scale, cap, query.shape[1] != key.shape[1], return_lse
+
+
+def compiled_flex_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_mask: BlockMask,
+    scale: float,
+    softcap: float | None = None,
+    return_lse: bool = False,
+    mask_kind: tuple = (None, None, False),
+):
+    """``flex_attention`` compiled once per ``FlexCompileKey`` with dynamic shapes (``query [B, H, N, D]``,
+    ``key/value [B, Hkv, N, D]``); returns Flex's output (and ``AuxOutput`` with ``return_lse``).
+
+    The first compile of the process is logged with its time (seconds; later lengths reuse the graph). Should a key
+    still reach dynamo's recompile limit, a warning says so and the key is compiled afresh (fast kernels are kept)."""
+    global _first_compile_reported
+    arguments = _call_arguments(query, key, value, block_mask, scale, softcap, return_lse)
+    if torch.compiler.is_compiling():  # inside a compiled model, whose compile takes Flex in
+        return _flex_call(*arguments)
+    compile_key = FlexCompileKey(
+        query.device.type,
+        query.dtype,
+        scale,
+        query.shape[-1],
+        value.shape[-1],
+        query.shape[1] != key.shape[1],
+        softcap is not None,
+        return_lse,
+        mask_kind,
+    )
+    entry = _compiled.get(compile_key)
+    if entry is None:
+        entry = _compiled[compile_key] = _CompiledFlex(_compile_fresh())
+    start = time.perf_counter()
+    try:
+        out = entry.function(*arguments)
+    except torch._dynamo.exc.FailOnRecompileLimitHit:
+        warnings.warn(
+            f"hf_tree flex: FlexAttention for {compile_key} reached dynamo's recompile limit "
+            f"(torch._dynamo.config.recompile_limit={torch._dynamo.config.recompile_limit}); compiling it afresh to "
+            "keep the fused kernels. Something in these calls changes every step (report it): each new compile "
+            "costs seconds.",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+        entry.function = _compile_fresh()
+        out = entry.function(*arguments)
+    entry.calls += 1
+    if entry.calls == 1 and not _first_compile_reported:
+        _first_compile_reported = True
+        logger.warning(
+            "hf_tree flex: compiled FlexAttention in %.1f s (once per process and model kind; new lengths reuse it).",
+            time.perf_counter() - start,
+        )
+    return out
 
 
 def flex_tree_attention(
@@ -179,17 +308,14 @@ def flex_tree_attention(
     block_mask = cached_tree_block_mask(
         kv_end, options.position_ids, options.sliding_window, options.bidirectional_block, options.attention_chunk
     )
-    attend = _compiled_flex_attention() if query.is_cuda else flex_attention
-    out = attend(
-        query,
-        key,
-        value,
-        score_mod=None if options.softcap is None else _softcap_score_mod(options.softcap),
-        block_mask=block_mask,
-        scale=options.scaling,
-        enable_gqa=query.shape[1] != key.shape[1],
-        return_aux=None if sinks is None else AuxRequest(lse=True),
-    )
+    if query.is_cuda:
+        mask_kind = (options.sliding_window, options.attention_chunk, options.bidirectional_block is not None)
+        out = compiled_flex_attention(
+            query, key, value, block_mask, options.scaling, options.softcap, sinks is not None, mask_kind
+        )
+    else:
+        arguments = _call_arguments(query, key, value, block_mask, options.scaling, options.softcap, sinks is not None)
+        out = _flex_call(*arguments)  # eagerly: PyTorch's CPU Flex compiles, but not for dynamic shapes
     if sinks is not None:
         out, aux = out
         # softmax over keys and sink = softmax over keys * exp(lse) / (exp(lse) + exp(sink))

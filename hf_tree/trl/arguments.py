@@ -96,6 +96,33 @@ class TreeTRLArguments:
         check_max_packed_tokens(self.max_packed_tokens, none_allowed=True)
         if self.tree_forward:  # TRL's own forward (tree_forward=False) applies NEFTune per row as usual
             refuse_neftune(self)
+            refuse_liger_kernel(self)
+            refuse_torch_compile(self)
+
+
+def refuse_torch_compile(args: Any) -> None:
+    """``ValueError`` for ``torch_compile=True`` with tree forwards: the tree forward is a callable object bound as
+    ``model.forward`` (``hf_tree.trl.tree_forward.TreeForward``), which ``torch.compile(model)`` cannot wrap (dynamo's
+    ``getfile`` assertion in accelerate's ``prepare``, at the first step). The packed rows' attention is compiled
+    anyway on CUDA (``hf_tree.attention.flex``)."""
+    if args.torch_compile:
+        raise ValueError(
+            "torch_compile=True is not supported with tree_forward=True: the tree forward replaces model.forward, "
+            "which torch.compile cannot wrap (it fails at the first step). Set torch_compile=False (on CUDA the tree "
+            "attention kernels are compiled anyway), or tree_forward=False to compile TRL's own forward."
+        )
+
+
+def refuse_liger_kernel(args: Any) -> None:
+    """``ValueError`` for ``use_liger_kernel=True`` with tree forwards: TRL then swaps the model's RMSNorm, RoPE and
+    SwiGLU for Liger's Triton kernels (its fused cross-entropy off). Per token they should equal TRL's, but they need
+    CUDA and no run has checked them on packed trees against TRL's step, so they are refused rather than trusted."""
+    if args.use_liger_kernel:
+        raise ValueError(
+            "use_liger_kernel=True is not supported with tree_forward=True: Liger's Triton kernels (RMSNorm, RoPE, "
+            "SwiGLU) have not been checked on packed trees against TRL's step (TRL also deprecates the option in "
+            "favour of Hub kernels). Set use_liger_kernel=False, or tree_forward=False to run TRL's own forward."
+        )
 
 
 @dataclass
