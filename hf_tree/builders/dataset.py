@@ -40,7 +40,8 @@ GROUP_BY_PROMPT_TOKENS = "<prompt tokens>"
 """``group_by`` value: merge rows whose prompt tokens are identical (``messages`` rows: the rendering
 before the first assistant message, with the generation prompt)."""
 GROUP_BY_ROW = "<row>"
-"""``group_by`` value: one tree per input row."""
+"""``group_by`` value: one tree per input row (what ``None`` means: rows merge across the dataset only when asked,
+since a tree is dealt to one micro-batch whole, so grouping changes which rows train together)."""
 FORMATS = ("messages", "prompt/completion", "prompt/completions", "text")
 TEXT_FIELD = "text"
 """The column of TRL's language-modeling rows (``SFTConfig.dataset_text_field``'s default)."""
@@ -308,9 +309,7 @@ def _group_rows(
     """Kept row indices per group, groups in order of first appearance."""
     drops = tokenized["_drop"][:]
     kept = [i for i, reason in enumerate(drops) if not reason]
-    if group_by is None:
-        group_by = GROUP_BY_ROW if data_format in ("messages", "text") else GROUP_BY_PROMPT_TOKENS
-    if group_by == GROUP_BY_ROW:
+    if group_by in (None, GROUP_BY_ROW):
         return [[i] for i in kept]
     if group_by == GROUP_BY_PROMPT_TOKENS:
         keys = tokenized["_prompt_hash"][:]
@@ -322,7 +321,8 @@ def _group_rows(
         if not isinstance(key, str | int | float | bool):
             raise ValueError(
                 f"row {i}: group_by column {group_by!r} holds {key!r} ({type(key).__name__}); group keys must be "
-                "strings or numbers (fill missing keys, or use group_by=None to group by prompt tokens)."
+                f"strings or numbers (fill missing keys, or use group_by={GROUP_BY_PROMPT_TOKENS!r} to group by prompt "
+                "tokens)."
             )
         groups.setdefault(key, []).append(i)
     return list(groups.values())
@@ -357,9 +357,10 @@ def build_tree_dataset(
         dataset: the input ``datasets.Dataset``.
         tokenizer: tokenizer with the chat template for conversational rows.
         group_by: which rows merge into one tree: a column name (equal values merge),
-            ``GROUP_BY_PROMPT_TOKENS`` (identical prompt tokens merge; a text row's prompt is its whole text),
-            ``GROUP_BY_ROW`` (no merging), or ``None``: by prompt tokens for prompt rows, one tree per row for
-            ``messages`` and text rows.
+            ``GROUP_BY_PROMPT_TOKENS`` (identical prompt tokens merge; a text row's prompt is its whole text), or
+            ``GROUP_BY_ROW``/``None`` (one tree per row, the default: a trainer deals a tree to one micro-batch
+            whole, so merging across the dataset changes which rows share a batch; rows of one micro-batch merge
+            there anyway, ``merge_in_batch``).
         num_proc: worker processes for both ``datasets.map`` passes.
         branch_fields: columns kept per branch under ``branch_fields`` (e.g. ``["reward", "advantage"]``):
             a row's value goes to each of its branches; in ``prompt/completions`` rows a list as long as

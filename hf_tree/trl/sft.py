@@ -30,8 +30,8 @@ from transformers.trainer_utils import seed_worker
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import maybe_convert_to_chatml
 
-from hf_tree.builders import MESSAGES_BRANCHES, TRAIN_ON, build_tree_dataset
-from hf_tree.builders.dataset import check_messages_options, detect_format
+from hf_tree.builders import GROUP_BY_ROW, MESSAGES_BRANCHES, TRAIN_ON
+from hf_tree.builders.dataset import build_tree_dataset_with_stats, check_messages_options, detect_format
 from hf_tree.config import TreeArguments, packing_field
 from hf_tree.data.sources import is_tree_dataset
 from hf_tree.loss import TreeLosses
@@ -67,9 +67,11 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
     group_by: str | None = field(
         default=None,
         metadata={
-            "help": "Which rows merge into one tree: a column name (rows with equal values merge), '<prompt tokens>' "
-            "(identical prompt tokens merge), '<row>' (one tree per row), or None: by prompt tokens for prompt rows, "
-            "one tree per row for 'messages' rows."
+            "help": "Which rows merge into one tree across the dataset: None or '<row>' (default: one tree per row, so "
+            "micro-batches hold exactly TRL's rows; rows of a micro-batch that share a prefix still merge there, "
+            "merge_in_batch), a column name (rows with equal values merge) or '<prompt tokens>' (identical prompt "
+            "tokens merge). A tree is dealt to one micro-batch whole, so grouping changes which rows train together "
+            "(logged at start): batches then differ from TRL's."
         },
     )
     messages_branches: str = field(
@@ -158,6 +160,35 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
                 "max_branch_tokens explicitly."
             )
         return self.max_length
+
+
+def drop_rows_truncation_leaves_untrained(
+    trees: datasets.Dataset, max_length: int, name: str
+) -> tuple[datasets.Dataset, int]:
+    """The tree rows without the branches (rows) that keep no trained token within their first ``max_length``
+    tokens, as TRL's ``SFTTrainer`` filters its truncated dataset before batching (so the sampler deals the rows TRL
+    deals), and how many were dropped; trees left with no branch are removed. Warns with the count when any is."""
+    spans = trees["branch_loss_spans"][:]
+    keeps = [[b for b, span in enumerate(row) if span and span[0] < max_length] for row in spans]
+    num_dropped = sum(len(row) - len(keep) for row, keep in zip(spans, keeps))
+    if not num_dropped:
+        return trees, 0
+    partial = {i for i, (row, keep) in enumerate(zip(spans, keeps)) if keep and len(keep) < len(row)}
+
+    def select(row: dict, index: int) -> dict:
+        return Tree.from_dict(row, row=index).select_branches(keeps[index]).to_dict() if index in partial else row
+
+    if partial:
+        trees = trees.map(select, with_indices=True, features=trees.features, desc=f"truncating the {name} dataset")
+    logger.warning(
+        "hf_tree: %d of %d rows of the %s dataset dropped before batching: no trained token within their first "
+        "max_length=%d tokens (TRL's SFTTrainer drops rows that truncation leaves fully masked, the same way).",
+        num_dropped,
+        sum(len(row) for row in spans),
+        name,
+        max_length,
+    )
+    return trees.select([i for i, keep in enumerate(keeps) if keep]), num_dropped
 
 
 def train_every_token(row: dict) -> dict:
@@ -348,9 +379,18 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 args.train_on or "last_assistant",
                 "TRL's training template (assistant_only_loss=True)" if self.chat_template else "the chat template",
             )
+        if args.group_by not in (None, GROUP_BY_ROW):
+            logger.warning(
+                "hf_tree: group_by=%r merges rows of the %s dataset into trees before batching, and a tree is dealt to "
+                "one micro-batch whole: micro-batches then hold other rows than TRL's (the objective of each is still "
+                "exact). group_by=None keeps TRL's batches; rows of a batch that share a prefix merge there anyway "
+                "(merge_in_batch).",
+                args.group_by,
+                dataset_name,
+            )
         tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
         with args.main_process_first(desc=f"building trees of the {dataset_name} dataset"):
-            trees = build_tree_dataset(
+            trees, stats = build_tree_dataset_with_stats(
                 dataset,
                 tokenizer,
                 group_by=args.group_by,
@@ -370,4 +410,15 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 )
             if data_format not in ("messages", "text"):  # TRL ignores it on 'messages' rows; text trains every token
                 trees = trees.map(train_every_token, desc=f"training the prompts of the {dataset_name} dataset")
+        num_truncated = 0
+        if args.max_length is not None:
+            trees, num_truncated = drop_rows_truncation_leaves_untrained(trees, args.max_length, dataset_name)
+        if len(trees) == 0:
+            raise ValueError(
+                f"the {dataset_name} dataset has no row left to train: of its {stats.num_rows} rows, "
+                f"{sum(stats.num_dropped_rows.values())} were dropped when the trees were built "
+                f"({stats.num_dropped_rows or 'no reason'}) and {num_truncated} keep no trained token within their "
+                f"first max_length={args.max_length} tokens (TRL drops those too), so training would run on nothing. "
+                "Raise max_length (or set max_length=None) when truncation dropped them, else fix the rows."
+            )
         return trees.shuffle(seed=args.seed) if args.shuffle_dataset else trees

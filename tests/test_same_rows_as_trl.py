@@ -1,0 +1,130 @@
+"""The tree trainers deal TRL's rows: every micro-batch holds exactly the rows TRL's sampler gives it, rows TRL drops
+before batching are dropped the same way, and a run left with nothing to train is refused before its first step.
+
+Oracle: TRL's own trainer on the same config, seed and data (float64, SGD, two or three optimizer steps of one
+micro-batch each, so a row in another micro-batch moves the parameters differently; within one step the update is the
+step's sum whatever its micro-batches hold). Every test here failed before issue 50: rows with the same prompt were
+merged across the dataset into one tree (dealt to one micro-batch whole), and rows truncation leaves untrained were
+dropped per micro-batch at collation instead of before batching.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from datasets import Dataset
+from trl import SFTConfig, SFTTrainer
+
+from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
+from tests.helpers import (
+    TRL_STEP_TOLERANCE,
+    relative_error,
+    saved_tiny_model,
+    tiny_trl_config,
+    train_and_measure_updates,
+    word_tokenizer,
+)
+
+# Prompts repeat, never next to each other: grouping them across the dataset would put rows 0 and 2 in one batch.
+REPEATED_PROMPTS = {
+    "prompt": ["w10 w11 w12", "w20 w21", "w10 w11 w12", "w20 w21", "w30 w31 w32 w33", "w10 w11 w12"],
+    "completion": [" w40 w41", " w42 w43 w44", " w45", " w46 w47", " w48 w49 w50", " w51 w52"],
+}
+
+
+@pytest.fixture(scope="module")
+def model_path(tmp_path_factory):
+    return saved_tiny_model(tmp_path_factory.mktemp("model") / "llama", torch.float64)
+
+
+def sft_run(trainer_cls, config_cls, model_path: str, out: str, rows: dict[str, list[str]], **settings):
+    """``(trainer, its updates)`` after ``max_steps`` SGD steps of one micro-batch of 2 rows each (float64)."""
+    steps = dict(max_steps=3, learning_rate=1.0, per_device_train_batch_size=2, seed=3, **settings)
+    args = tiny_trl_config(config_cls, out, torch.float64, **steps)
+    trainer = trainer_cls(
+        model=model_path, args=args, train_dataset=Dataset.from_dict(rows), processing_class=word_tokenizer()
+    )
+    return trainer, train_and_measure_updates(trainer)
+
+
+def losses(trainer) -> list[float]:
+    return [h["loss"] for h in trainer.state.log_history if "loss" in h]
+
+
+def assert_same_steps_as_trl(trl, trl_updates, tree, tree_updates) -> None:
+    """Every step's loss (logged in float32) and token count as TRL's, and the parameters moved as TRL moved them."""
+    assert losses(tree) == pytest.approx(losses(trl), rel=1e-6)
+    trl_tokens, tree_tokens = ([h["num_tokens"] for h in t.state.log_history if "loss" in h] for t in (trl, tree))
+    assert tree_tokens == trl_tokens
+    assert trl_updates.keys() == tree_updates.keys()
+    for name, update in trl_updates.items():
+        assert relative_error(tree_updates[name], update) <= TRL_STEP_TOLERANCE, name
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [dict(train_sampling_strategy="sequential"), dict(), dict(train_sampling_strategy="sequential", shuffle_dataset=True)],
+    ids=["sequential", "random", "shuffle_dataset"],
+)
+def test_rows_with_repeated_prompts_train_in_trls_batches(tmp_path, model_path, sampling):
+    """By default (group_by=None) each row is its own tree, so the sampler deals TRL's rows; rows of one micro-batch
+    sharing a prompt still merge there (merge_in_batch). Before issue 50 the default grouped rows by prompt tokens
+    across the dataset: 1.0-13 relative update difference, other losses and token counts."""
+    trl = sft_run(SFTTrainer, SFTConfig, model_path, str(tmp_path / "trl"), REPEATED_PROMPTS, **sampling)
+    tree = sft_run(TreeSFTTrainer, TreeSFTConfig, model_path, str(tmp_path / "tree"), REPEATED_PROMPTS, **sampling)
+    assert len(tree[0].train_dataset) == len(REPEATED_PROMPTS["prompt"])  # one tree per row
+    assert_same_steps_as_trl(*trl, *tree)
+
+
+def test_grouping_across_the_dataset_is_asked_for_and_said(tmp_path, model_path, caplog):
+    """group_by='<prompt tokens>' still merges rows of one prompt into one tree, and says at start that batches then
+    differ from TRL's (they do: the update is another)."""
+    settings = dict(train_sampling_strategy="sequential")
+    trl = sft_run(SFTTrainer, SFTConfig, model_path, str(tmp_path / "trl"), REPEATED_PROMPTS, **settings)
+    with caplog.at_level(logging.WARNING, logger="hf_tree"):
+        grouped = sft_run(
+            TreeSFTTrainer,
+            TreeSFTConfig,
+            model_path,
+            str(tmp_path / "grouped"),
+            REPEATED_PROMPTS,
+            group_by="<prompt tokens>",
+            **settings,
+        )
+    assert len(grouped[0].train_dataset) == 3  # 3 distinct prompts
+    assert "micro-batches then hold other rows than TRL's" in caplog.text
+    assert losses(grouped[0]) != pytest.approx(losses(trl[0]), rel=1e-6)
+
+
+# Rows 1 and 3 have prompts of 6 tokens: with max_length=5 they keep no completion token. TRL drops them from its
+# dataset before batching; the other rows keep a trained token, some lose their end.
+TRUNCATED = {
+    "prompt": ["w10 w11", "w20 w21 w22 w23 w24 w25", "w30", "w40 w41 w42 w43 w44 w45", "w50 w51", "w60", "w70 w71"],
+    "completion": [" w12 w13 w14 w15", " w26", " w31 w32", " w46 w47", " w52", " w61 w62 w63 w64 w65", " w72"],
+}
+
+
+@pytest.mark.parametrize("sampling", ["sequential", "random"])
+def test_rows_truncation_leaves_untrained_are_dropped_before_batching(tmp_path, model_path, sampling, caplog):
+    """Before issue 50 the tree trainer kept them and dropped them per micro-batch at collation: other batches (1.47
+    relative update difference)."""
+    settings = dict(train_sampling_strategy=sampling, max_length=5)
+    trl = sft_run(SFTTrainer, SFTConfig, model_path, str(tmp_path / "trl"), TRUNCATED, **settings)
+    assert len(trl[0].train_dataset) == 5
+    with caplog.at_level(logging.WARNING, logger="hf_tree"):
+        tree = sft_run(TreeSFTTrainer, TreeSFTConfig, model_path, str(tmp_path / "tree"), TRUNCATED, **settings)
+    assert "2 of 7 rows of the train dataset dropped before batching" in caplog.text
+    assert len(tree[0].train_dataset) == 5
+    assert_same_steps_as_trl(*trl, *tree)
+
+
+def test_a_run_left_with_nothing_to_train_is_refused(tmp_path, model_path):
+    """Every prompt fills max_length: TRL fails (num_samples=0); the tree trainer refused before its first step
+    with the cause and the fix, where it used to train on nothing (loss 0, grad_norm 0) and report success."""
+    rows = Dataset.from_dict(TRUNCATED).filter(lambda row: len(row["prompt"].split()) >= 2)
+    settings = dict(max_length=2, max_steps=1, per_device_train_batch_size=2)
+    args = tiny_trl_config(TreeSFTConfig, str(tmp_path), torch.float64, **settings)
+    with pytest.raises(ValueError, match=r"no row left to train.*5 keep no trained token.*max_length=2.*Raise"):
+        TreeSFTTrainer(model=model_path, args=args, train_dataset=rows, processing_class=word_tokenizer())
