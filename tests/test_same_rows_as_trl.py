@@ -65,7 +65,11 @@ def assert_same_steps_as_trl(trl, trl_updates, tree, tree_updates) -> None:
 
 @pytest.mark.parametrize(
     "sampling",
-    [dict(train_sampling_strategy="sequential"), dict(), dict(train_sampling_strategy="sequential", shuffle_dataset=True)],
+    [
+        dict(train_sampling_strategy="sequential"),
+        pytest.param(dict(), marks=pytest.mark.slow),  # the same dealing, another order (Trainer's RandomSampler)
+        pytest.param(dict(train_sampling_strategy="sequential", shuffle_dataset=True), marks=pytest.mark.slow),
+    ],
     ids=["sequential", "random", "shuffle_dataset"],
 )
 def test_rows_with_repeated_prompts_train_in_trls_batches(tmp_path, model_path, sampling):
@@ -78,6 +82,7 @@ def test_rows_with_repeated_prompts_train_in_trls_batches(tmp_path, model_path, 
     assert_same_steps_as_trl(*trl, *tree)
 
 
+@pytest.mark.slow  # the log line and the grouping; the default is the fast test above
 def test_grouping_across_the_dataset_is_asked_for_and_said(tmp_path, model_path, caplog):
     """group_by='<prompt tokens>' still merges rows of one prompt into one tree, and says at start that batches then
     differ from TRL's (they do: the update is another)."""
@@ -106,7 +111,7 @@ TRUNCATED = {
 }
 
 
-@pytest.mark.parametrize("sampling", ["sequential", "random"])
+@pytest.mark.parametrize("sampling", ["sequential", pytest.param("random", marks=pytest.mark.slow)])
 def test_rows_truncation_leaves_untrained_are_dropped_before_batching(tmp_path, model_path, sampling, caplog):
     """Before issue 50 the tree trainer kept them and dropped them per micro-batch at collation: other batches (1.47
     relative update difference)."""
