@@ -14,14 +14,18 @@ import logging
 
 import pytest
 import torch
-from datasets import Dataset
+from datasets import Dataset, concatenate_datasets
 from trl import SFTConfig, SFTTrainer
 
+from hf_tree import TreeTrainer, TreeTrainingArguments
+from hf_tree.tree import Tree
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 from tests.helpers import (
     TRL_STEP_TOLERANCE,
+    exact_sgd_args,
     relative_error,
     saved_tiny_model,
+    tiny_model,
     tiny_trl_config,
     train_and_measure_updates,
     word_tokenizer,
@@ -133,3 +137,43 @@ def test_a_run_left_with_nothing_to_train_is_refused(tmp_path, model_path):
     args = tiny_trl_config(TreeSFTConfig, str(tmp_path), torch.float64, **settings)
     with pytest.raises(ValueError, match=r"no row left to train.*5 keep no trained token.*max_length=2.*Raise"):
         TreeSFTTrainer(model=model_path, args=args, train_dataset=rows, processing_class=word_tokenizer())
+
+
+def prompt_heavy_trees(num_trees: int, prompt_length: int) -> Dataset:
+    """Tree rows of one branch each: ``prompt_length`` untrained tokens, then 3 trained ones."""
+    rows = []
+    for t in range(num_trees):
+        tokens = [3 + (t + k) % 90 for k in range(prompt_length + 3)]
+        rows.append(Tree.from_sequences([tokens], [[0] * prompt_length + [1] * 3]).to_dict())
+    return Dataset.from_list(rows)
+
+
+@pytest.mark.parametrize("overlong", ["truncate", "drop"])
+def test_tree_trainer_refuses_a_dataset_its_branch_limit_empties(tmp_path, overlong):
+    """Every branch keeps its trained tokens beyond max_branch_tokens: each micro-batch would be dropped at
+    collation and the run would end "completed" on nothing (loss 0, grad norm 0), as it did before issue 50."""
+    args = TreeTrainingArguments(
+        **exact_sgd_args(str(tmp_path), use_cpu=True, max_steps=2),
+        max_packed_tokens=16,
+        max_branch_tokens=6,
+        overlong=overlong,
+    )
+    with pytest.raises(ValueError, match=r"every tree of the training dataset would be dropped.*4 of its 4 rows"):
+        TreeTrainer(model=tiny_model(), args=args, train_dataset=prompt_heavy_trees(4, prompt_length=6))
+    empty = prompt_heavy_trees(1, 6).select([])
+    with pytest.raises(ValueError, match="the training dataset has no tree rows"):
+        TreeTrainer(model=tiny_model(), args=args, train_dataset=empty)
+
+
+def test_tree_trainer_warns_once_when_the_branch_limit_drops_a_share_of_the_rows(tmp_path, caplog):
+    """1 of 4 trees keeps no trained token within max_branch_tokens: one warning at start with the tally."""
+    trees = concatenate_datasets([prompt_heavy_trees(3, prompt_length=2), prompt_heavy_trees(1, prompt_length=6)])
+    args = TreeTrainingArguments(
+        **exact_sgd_args(str(tmp_path), use_cpu=True, max_steps=1),
+        max_packed_tokens=16,
+        max_branch_tokens=6,
+        overlong="truncate",
+    )
+    with caplog.at_level(logging.WARNING, logger="hf_tree"):
+        TreeTrainer(model=tiny_model(), args=args, train_dataset=trees)
+    assert "1 of its 4 rows (branches) train no token and 1 of its 4 trees are dropped whole" in caplog.text
