@@ -290,7 +290,9 @@ def test_build_tree_dataset_prompt_completion_rows_num_proc_and_drops(tokenizer)
             "source": ["x"] * len(rows),
         }
     )
-    trees, stats = build_tree_dataset_with_stats(dataset, tokenizer, num_proc=2, branch_fields=["reward"])
+    trees, stats = build_tree_dataset_with_stats(
+        dataset, tokenizer, num_proc=2, branch_fields=["reward"], group_by=GROUP_BY_PROMPT_TOKENS
+    )
     assert stats.num_rows == len(rows)
     assert stats.num_dropped_rows == {"empty completion": 1, "missing prompt": 1}
     assert stats.num_trees == len(trees) == 2  # grouped by identical prompt tokens
