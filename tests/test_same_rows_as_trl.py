@@ -15,14 +15,18 @@ import logging
 import pytest
 import torch
 from datasets import Dataset, concatenate_datasets
-from trl import SFTConfig, SFTTrainer
+from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from hf_tree import TreeTrainer, TreeTrainingArguments
 from hf_tree.tree import Tree
+from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 from tests.helpers import (
+    FIXED_COMPLETIONS,
     TRL_STEP_TOLERANCE,
     exact_sgd_args,
+    one_step,
+    one_step_trainer,
     relative_error,
     saved_tiny_model,
     tiny_model,
@@ -177,3 +181,43 @@ def test_tree_trainer_warns_once_when_the_branch_limit_drops_a_share_of_the_rows
     with caplog.at_level(logging.WARNING, logger="hf_tree"):
         TreeTrainer(model=tiny_model(), args=args, train_dataset=trees)
     assert "1 of its 4 rows (branches) train no token and 1 of its 4 trees are dropped whole" in caplog.text
+
+
+GPT2_WITHOUT_DROPOUT = dict(attn_pdrop=0.0, resid_pdrop=0.0, embd_pdrop=0.0)
+
+
+@pytest.fixture(scope="module")
+def gpt2_path(tmp_path_factory):
+    return saved_tiny_model(tmp_path_factory.mktemp("model") / "gpt2", torch.float64, "gpt2", **GPT2_WITHOUT_DROPOUT)
+
+
+def test_grpo_on_padding_numbered_absolute_positions_says_how_it_differs(tmp_path, gpt2_path, caplog):
+    """GPT-2's absolute positions: TRL's training forward numbers a left-padded prompt from its padding, the tree
+    forward from its first token. Said once at start, with the measured size (test below); silent before issue 50."""
+    with caplog.at_level(logging.WARNING, logger="hf_tree"):
+        one_step_trainer(TreeGRPOTrainer, TreeGRPOConfig, gpt2_path, peft=False)
+    assert caplog.text.count("adds absolute position embeddings") == 1
+    assert "TRL's GRPOTrainer training forward numbers a left-padded prompt from its padding" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hf_tree"):
+        one_step_trainer(TreeGRPOTrainer, TreeGRPOConfig, gpt2_path, peft=False, tree_forward=False)
+    assert "absolute position embeddings" not in caplog.text
+
+
+@pytest.mark.slow  # the figure the warning quotes (one GRPO step of each trainer per case)
+@pytest.mark.parametrize("prompts", ["unequal", "equal"])
+def test_grpo_on_gpt2_differs_from_trl_as_the_warning_says(tmp_path, gpt2_path, monkeypatch, prompts):
+    """Prompts of 5 and 3 tokens (left-padded by TRL): 0.86 relative update difference; equal prompts: TRL's."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")
+    chosen = {"unequal": list(FIXED_COMPLETIONS), "equal": [next(iter(FIXED_COMPLETIONS))] * 2}[prompts]
+    runs = {}
+    for name, (trainer, config) in {
+        "trl": (GRPOTrainer, GRPOConfig),
+        "tree": (TreeGRPOTrainer, TreeGRPOConfig),
+    }.items():
+        runs[name] = one_step(trainer, config, gpt2_path, peft=False, prompts=chosen)[1]
+    error = max(relative_error(runs["tree"][n], update) for n, update in runs["trl"].items())
+    if prompts == "equal":
+        assert error <= TRL_STEP_TOLERANCE
+    else:
+        assert error == pytest.approx(0.86, abs=0.01)
