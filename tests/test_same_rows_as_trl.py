@@ -143,6 +143,34 @@ def test_a_run_left_with_nothing_to_train_is_refused(tmp_path, model_path):
         TreeSFTTrainer(model=model_path, args=args, train_dataset=rows, processing_class=word_tokenizer())
 
 
+# Rows 1 and 4 are TRL's [EOS] alone (text "" plus its EOS): one token, nothing trained, a batch slot each.
+TEXT_WITH_EMPTY_ROWS = {"text": ["w10 w11 w12", "", "w20 w21", "w30 w31 w32 w33", "", "w40 w41 w42"]}
+
+
+@pytest.mark.parametrize(
+    "sampling",
+    [
+        dict(train_sampling_strategy="sequential"),
+        pytest.param(dict(train_sampling_strategy="sequential", shuffle_dataset=True), marks=pytest.mark.slow),
+    ],
+    ids=["sequential", "shuffle_dataset"],
+)
+def test_text_rows_of_one_token_keep_their_batch_slot(tmp_path, model_path, sampling, caplog):
+    """TRL keeps a row that trains nothing (it takes a slot in its batch); before issue 50 the builder dropped it,
+    shifting every later batch (1.20 relative update difference). Token counts differ by those rows' tokens (the
+    tree trainer counts trees' tokens), losses and updates do not."""
+    trl = sft_run(SFTTrainer, SFTConfig, model_path, str(tmp_path / "trl"), TEXT_WITH_EMPTY_ROWS, **sampling)
+    with caplog.at_level(logging.WARNING, logger="hf_tree"):
+        tree = sft_run(
+            TreeSFTTrainer, TreeSFTConfig, model_path, str(tmp_path / "tree"), TEXT_WITH_EMPTY_ROWS, **sampling
+        )
+    assert "2 rows of the train dataset train no token" in caplog.text
+    assert tree[0].tree_row_slots.count(-1) == 2 and len(tree[0].train_dataset) == 4
+    assert losses(tree[0]) == pytest.approx(losses(trl[0]), rel=1e-6)
+    for name, update in trl[1].items():
+        assert relative_error(tree[1][name], update) <= TRL_STEP_TOLERANCE, name
+
+
 def prompt_heavy_trees(num_trees: int, prompt_length: int) -> Dataset:
     """Tree rows of one branch each: ``prompt_length`` untrained tokens, then 3 trained ones."""
     rows = []

@@ -42,6 +42,8 @@ before the first assistant message, with the generation prompt)."""
 GROUP_BY_ROW = "<row>"
 """``group_by`` value: one tree per input row (what ``None`` means: rows merge across the dataset only when asked,
 since a tree is dealt to one micro-batch whole, so grouping changes which rows train together)."""
+NOTHING_TRAINED = "nothing trained"
+"""Drop reason of a row whose branches train no token (``TreeBuildStats.untrained_rows``)."""
 FORMATS = ("messages", "prompt/completion", "prompt/completions", "text")
 TEXT_FIELD = "text"
 """The column of TRL's language-modeling rows (``SFTConfig.dataset_text_field``'s default)."""
@@ -71,6 +73,11 @@ class TreeBuildStats:
     """Branches over all trees (per-turn samples or completions)."""
     num_dropped_rows: dict[str, int] = field(default_factory=dict)
     """Input rows left out, by reason (e.g. ``"no assistant message"``, ``"empty completion"``)."""
+    dropped_rows: list[int] = field(default_factory=list)
+    """Indices of the input rows left out (any reason): with one tree per row, the k-th tree is the k-th other row."""
+    untrained_rows: list[int] = field(default_factory=list)
+    """Indices of the input rows left out because they train no token (``"nothing trained"``, e.g. a text row of one
+    token: ``""`` is TRL's ``[EOS]``), which TRL's ``SFTTrainer`` keeps in its batches (``TreeSFTTrainer`` too)."""
     num_dropped_completions: dict[str, int] = field(default_factory=dict)
     """``prompt/completions`` rows: single completions left out of a kept row, by reason."""
     num_boundary_merges: int = 0
@@ -236,8 +243,8 @@ def _tokenize_row(
         )
     elif data_format == "text":
         text = example[text_field]
-        if not isinstance(text, str) or not text:
-            out["_drop"] = "empty text"
+        if not isinstance(text, str):
+            out["_drop"] = "missing text"
             return out
         sequences = [text_branch(text, tokenizer, add_eos)]
         masks, prompt_ids = [[1] * len(sequences[0])], sequences[0]
@@ -254,6 +261,8 @@ def _tokenize_row(
         if prompt is None:
             out["_drop"] = "missing prompt"
             return out
+        if isinstance(prompt, str) and add_eos and tokenizer.eos_token:  # TRL's add_eos: "" + EOS trains the EOS
+            completions = [tokenizer.eos_token if completion == "" else completion for completion in completions]
         keep = [not is_empty_completion(c) for c in completions]
         if not any(keep):
             out["_drop"] = "empty completion" if data_format == "prompt/completion" else "no non-empty completion"
@@ -269,7 +278,7 @@ def _tokenize_row(
         out["_dropped_completions"] = keep.count(False)
     spans = [mask_to_spans(m) for m in masks]
     if not any(spans):
-        out["_drop"] = "nothing trained"
+        out["_drop"] = NOTHING_TRAINED
         return out
     out.update(_sequences=sequences, _spans=spans, _prompt_hash=_hash_tokens(prompt_ids))
     for name in branch_fields:
@@ -523,9 +532,12 @@ def _build_stats(dataset: datasets.Dataset, tokenized: datasets.Dataset, trees: 
         num_tree_tokens=sum(trees["_num_tokens"][:]),
         num_branch_tokens=sum(trees["_num_branch_tokens"][:]),
     )
-    for reason, dropped in zip(tokenized["_drop"][:], tokenized["_dropped_completions"][:]):
+    for index, (reason, dropped) in enumerate(zip(tokenized["_drop"][:], tokenized["_dropped_completions"][:])):
         if reason:
             stats.num_dropped_rows[reason] = stats.num_dropped_rows.get(reason, 0) + 1
+            stats.dropped_rows.append(index)
+        if reason == NOTHING_TRAINED:
+            stats.untrained_rows.append(index)
         if dropped:
             stats.num_dropped_completions["empty completion"] = (
                 stats.num_dropped_completions.get("empty completion", 0) + dropped

@@ -18,6 +18,7 @@ instead of being ignored.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -31,7 +32,12 @@ from trl import SFTConfig, SFTTrainer
 from trl.data_utils import maybe_convert_to_chatml
 
 from hf_tree.builders import GROUP_BY_ROW, MESSAGES_BRANCHES, TRAIN_ON
-from hf_tree.builders.dataset import build_tree_dataset_with_stats, check_messages_options, detect_format
+from hf_tree.builders.dataset import (
+    TreeBuildStats,
+    build_tree_dataset_with_stats,
+    check_messages_options,
+    detect_format,
+)
 from hf_tree.config import TreeArguments, packing_field
 from hf_tree.data.sources import is_tree_dataset
 from hf_tree.loss import TreeLosses
@@ -164,15 +170,16 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
 
 def drop_rows_truncation_leaves_untrained(
     trees: datasets.Dataset, max_length: int, name: str
-) -> tuple[datasets.Dataset, int]:
+) -> tuple[datasets.Dataset, int, list[int] | None]:
     """The tree rows without the branches (rows) that keep no trained token within their first ``max_length``
     tokens, as TRL's ``SFTTrainer`` filters its truncated dataset before batching (so the sampler deals the rows TRL
-    deals), and how many were dropped; trees left with no branch are removed. Warns with the count when any is."""
+    deals), how many were dropped, and the indices of the trees kept (``None`` when all are); trees left with no
+    branch are removed. Warns with the count when any is dropped."""
     spans = trees["branch_loss_spans"][:]
     keeps = [[b for b, span in enumerate(row) if span and span[0] < max_length] for row in spans]
     num_dropped = sum(len(row) - len(keep) for row, keep in zip(spans, keeps))
     if not num_dropped:
-        return trees, 0
+        return trees, 0, None
     partial = {i for i, (row, keep) in enumerate(zip(spans, keeps)) if keep and len(keep) < len(row)}
 
     def select(row: dict, index: int) -> dict:
@@ -188,7 +195,24 @@ def drop_rows_truncation_leaves_untrained(
         name,
         max_length,
     )
-    return trees.select([i for i, keep in enumerate(keeps) if keep]), num_dropped
+    kept = [i for i, keep in enumerate(keeps) if keep]
+    return trees.select(kept), num_dropped, kept
+
+
+def untrained_row_slots(stats: TreeBuildStats, kept_trees: list[int] | None) -> list[int] | None:
+    """TRL's rows in order, one tree per row: the tree of each row, or -1 for a row that trains no token
+    (``stats.untrained_rows``: TRL keeps it, so it takes a slot in a batch); ``None`` when there is no such row.
+    ``kept_trees``: the trees left after TRL's truncation filter (their rows only), or ``None`` for all of them."""
+    if not stats.untrained_rows:
+        return None
+    untrained = set(stats.untrained_rows)
+    skipped = set(stats.dropped_rows) - untrained
+    trees = iter(range(stats.num_trees))  # one tree per row: the k-th kept row is tree k
+    slots = [-1 if row in untrained else next(trees) for row in range(stats.num_rows) if row not in skipped]
+    if kept_trees is None:
+        return slots
+    renumbered = {tree: index for index, tree in enumerate(kept_trees)}
+    return [renumbered[tree] if tree >= 0 else -1 for tree in slots if tree < 0 or tree in renumbered]
 
 
 def train_every_token(row: dict) -> dict:
@@ -205,7 +229,13 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
     Same arguments as ``SFTTrainer``; ``args`` must be a ``TreeSFTConfig``. A model given by name is loaded
     with ``attn_implementation="tree_flash"``; a model instance is switched to it. Vision datasets (``messages`` with
     ``images``/``image`` columns) become image trees (``hf_tree.vision.sft``), packed by ``MediaTreeCollator``.
+
+    Attributes:
+        tree_row_slots: TRL's training rows in order when some train no token (``untrained_row_slots``: the tree of
+            each, -1 for those), so that the row sampler deals TRL's batches; ``None`` when every row is a tree.
     """
+
+    tree_row_slots: list[int] | None = None
 
     def __init__(
         self,
@@ -318,13 +348,17 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
         TRL's batch and step count."""
         if self.args.batch_unit == "trees" or not isinstance(self.train_dataset, datasets.Dataset):
             return super().get_train_dataloader()
+        num_rows = [len(ends) for ends in self.train_dataset["branch_end_nodes"]]
+        if self.tree_row_slots is not None:  # a row that trains nothing still takes its slot, as in TRL's batches
+            num_rows = [num_rows[tree] if tree >= 0 else 1 for tree in self.tree_row_slots]
         sampler = TreeRowBatchSampler(
-            [len(ends) for ends in self.train_dataset["branch_end_nodes"]],
+            num_rows,
             rows_per_batch=self.args.per_device_train_batch_size,
             batches_per_step=self.args.gradient_accumulation_steps * self.args.world_size,
             shuffle=self.args.train_sampling_strategy == "random",
             seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
             ranks=self.args.world_size,
+            slot_trees=self.tree_row_slots,
         )
         num_rows, num_batches = int(sampler.num_rows.sum()), len(sampler)
         trl_batches = -(-num_rows // self.args.per_device_train_batch_size)  # ceil: TRL's micro-batches per epoch
@@ -332,7 +366,7 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             "hf_tree: batch_unit='rows': %d rows in %d trees -> %d micro-batches per epoch (TRL: %d for %d rows at "
             "per_device_train_batch_size=%d)%s",
             num_rows,
-            len(sampler.num_rows),
+            len(self.train_dataset),
             num_batches,
             trl_batches,
             num_rows,
@@ -410,9 +444,11 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 )
             if data_format not in ("messages", "text"):  # TRL ignores it on 'messages' rows; text trains every token
                 trees = trees.map(train_every_token, desc=f"training the prompts of the {dataset_name} dataset")
-        num_truncated = 0
+        num_truncated, kept_trees = 0, None
         if args.max_length is not None:
-            trees, num_truncated = drop_rows_truncation_leaves_untrained(trees, args.max_length, dataset_name)
+            trees, num_truncated, kept_trees = drop_rows_truncation_leaves_untrained(
+                trees, args.max_length, dataset_name
+            )
         if len(trees) == 0:
             raise ValueError(
                 f"the {dataset_name} dataset has no row left to train: of its {stats.num_rows} rows, "
@@ -421,4 +457,25 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 f"first max_length={args.max_length} tokens (TRL drops those too), so training would run on nothing. "
                 "Raise max_length (or set max_length=None) when truncation dropped them, else fix the rows."
             )
-        return trees.shuffle(seed=args.seed) if args.shuffle_dataset else trees
+        # rows TRL trains every token of: one of a single token trains nothing, and TRL keeps it in its batches
+        every_token = data_format == "text" or (
+            data_format == "messages" and not (per_turn or args.assistant_only_loss)
+        )
+        slots = None
+        if dataset_name == "train" and every_token and args.group_by in (None, GROUP_BY_ROW):
+            slots = untrained_row_slots(stats, kept_trees)
+        if slots is None:
+            return trees.shuffle(seed=args.seed) if args.shuffle_dataset else trees
+        logger.warning(
+            "hf_tree: %d rows of the train dataset train no token (one token each, e.g. a text row '' is TRL's "
+            "[EOS]): no tree holds them, but each keeps its slot in TRL's batches, as TRL keeps such rows.",
+            slots.count(-1),
+        )
+        if args.shuffle_dataset:  # TRL shuffles its rows, these included: datasets' permutation of as many rows
+            order = datasets.Dataset.from_dict({"slot": range(len(slots))}).shuffle(seed=args.seed)["slot"][:]
+            slots = [slots[i] for i in order]
+            trees = trees.select([tree for tree in slots if tree >= 0])
+            renumber = itertools.count()
+            slots = [next(renumber) if tree >= 0 else -1 for tree in slots]
+        self.tree_row_slots = slots
+        return trees
