@@ -298,9 +298,7 @@ def test_build_tree_dataset_prompt_completion_rows_num_proc_and_drops(tokenizer)
     assert stats.num_trees == len(trees) == 3  # grouped by identical prompt tokens
     assert stats.num_branches == 6 and stats.num_branch_tokens > stats.num_tree_tokens
     assert set(trees.column_names) == {*Tree.from_sequences([[1, 2]]).to_dict(), "branch_fields"}
-    expected = {
-        tuple(tokenizer(p + c + tokenizer.eos_token)["input_ids"]): (p, r) for p, c, r in rows if p is not None
-    }
+    expected = {tuple(tokenizer(p + c + tokenizer.eos_token)["input_ids"]): (p, r) for p, c, r in rows if p is not None}
     seen = []
     for i, row in enumerate(trees):
         tree = Tree.from_dict(row, row=i)
