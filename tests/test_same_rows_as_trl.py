@@ -11,6 +11,10 @@ dropped per micro-batch at collation instead of before batching.
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,11 +22,13 @@ from datasets import Dataset, concatenate_datasets
 from trl import GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
 
 from hf_tree import TreeTrainer, TreeTrainingArguments
+from hf_tree.assets import load_smollm2_tokenizer
 from hf_tree.tree import Tree
 from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 from tests.helpers import (
     FIXED_COMPLETIONS,
+    SMOLLM2_VOCAB,
     TRL_STEP_TOLERANCE,
     exact_sgd_args,
     one_step,
@@ -34,6 +40,7 @@ from tests.helpers import (
     train_and_measure_updates,
     word_tokenizer,
 )
+from tests.workloads import prompt_completion_dataset
 
 # Prompts repeat, never next to each other: grouping them across the dataset would put rows 0 and 2 in one batch.
 REPEATED_PROMPTS = {
@@ -249,3 +256,21 @@ def test_grpo_on_gpt2_differs_from_trl_as_the_warning_says(tmp_path, gpt2_path, 
         assert error <= TRL_STEP_TOLERANCE
     else:
         assert error == pytest.approx(0.86, abs=0.01)
+
+
+@pytest.mark.slow  # a subprocess through TRL's script; the trainer's refusal is the fast test above
+def test_hf_tree_sft_refuses_a_run_on_nothing(tmp_path):
+    """`hf-tree sft ... --max_length 8` on prompt/completion rows whose prompts fill 8 tokens: it used to log loss 0
+    and grad_norm 0 at every step and end "Training completed" with exit 0; it fails before the first step."""
+    model_dir, data_dir = tmp_path / "model", tmp_path / "data"
+    tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float32, attn="sdpa").save_pretrained(model_dir)
+    load_smollm2_tokenizer().save_pretrained(model_dir)
+    data_dir.mkdir()
+    prompt_completion_dataset().to_json(data_dir / "train.jsonl")
+    command = [sys.executable, "-m", "hf_tree.cli", "sft", "--num_processes", "1", "--max_length", "8"]
+    command += ["--model_name_or_path", str(model_dir), "--dataset_name", str(data_dir)]
+    command += ["--output_dir", str(tmp_path / "out"), "--max_steps", "2", "--bf16", "False", "--report_to", "none"]
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    result = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert result.returncode != 0
+    assert "no row left to train" in result.stderr and "Training completed" not in result.stdout + result.stderr
