@@ -277,7 +277,7 @@ def test_build_tree_dataset_prompt_completion_rows_num_proc_and_drops(tokenizer)
         ("Q: 1+1?", " 2", 1.0),
         ("Q: 2+2?", " 4", 1.0),
         ("Q: 1+1?", " 3", 0.0),
-        ("Q: 3+3?", "", 0.0),  # empty completion: TRL's "" + EOS, the EOS trained
+        ("Q: 3+3?", "", 0.0),  # empty completion: dropped
         (None, " x", 0.0),  # missing prompt: dropped
         ("Q: 2+2?", " 5", 0.0),
         ("Q: 1+1?", " two", 0.5),
@@ -290,15 +290,15 @@ def test_build_tree_dataset_prompt_completion_rows_num_proc_and_drops(tokenizer)
             "source": ["x"] * len(rows),
         }
     )
-    trees, stats = build_tree_dataset_with_stats(
-        dataset, tokenizer, num_proc=2, branch_fields=["reward"], group_by=GROUP_BY_PROMPT_TOKENS
-    )
+    trees, stats = build_tree_dataset_with_stats(dataset, tokenizer, num_proc=2, branch_fields=["reward"])
     assert stats.num_rows == len(rows)
-    assert stats.num_dropped_rows == {"missing prompt": 1}
-    assert stats.num_trees == len(trees) == 3  # grouped by identical prompt tokens
-    assert stats.num_branches == 6 and stats.num_branch_tokens > stats.num_tree_tokens
+    assert stats.num_dropped_rows == {"empty completion": 1, "missing prompt": 1}
+    assert stats.num_trees == len(trees) == 2  # grouped by identical prompt tokens
+    assert stats.num_branches == 5 and stats.num_branch_tokens > stats.num_tree_tokens
     assert set(trees.column_names) == {*Tree.from_sequences([[1, 2]]).to_dict(), "branch_fields"}
-    expected = {tuple(tokenizer(p + c + tokenizer.eos_token)["input_ids"]): (p, r) for p, c, r in rows if p is not None}
+    expected = {
+        tuple(tokenizer(p + c + tokenizer.eos_token)["input_ids"]): (p, r) for p, c, r in rows if p is not None and c
+    }
     seen = []
     for i, row in enumerate(trees):
         tree = Tree.from_dict(row, row=i)

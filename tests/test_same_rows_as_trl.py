@@ -56,7 +56,7 @@ def model_path(tmp_path_factory):
 
 def sft_run(trainer_cls, config_cls, model_path: str, out: str, rows: dict[str, list[str]], **settings):
     """``(trainer, its updates)`` after ``max_steps`` SGD steps of one micro-batch of 2 rows each (float64)."""
-    steps = dict(max_steps=3, learning_rate=1.0, per_device_train_batch_size=2, seed=3, **settings)
+    steps = dict(max_steps=3, learning_rate=1.0, per_device_train_batch_size=2, seed=3) | settings
     args = tiny_trl_config(config_cls, out, torch.float64, **steps)
     trainer = trainer_cls(
         model=model_path, args=args, train_dataset=Dataset.from_dict(rows), processing_class=word_tokenizer()
@@ -176,6 +176,16 @@ def test_text_rows_of_one_token_keep_their_batch_slot(tmp_path, model_path, samp
     assert losses(tree[0]) == pytest.approx(losses(trl[0]), rel=1e-6)
     for name, update in trl[1].items():
         assert relative_error(tree[1][name], update) <= TRL_STEP_TOLERANCE, name
+
+
+def test_an_empty_completion_trains_trls_eos(tmp_path, model_path):
+    """TRL appends its EOS to a plain-text completion "" and trains it; before issue 50 the row was dropped as an
+    empty completion (another row in each later batch)."""
+    rows = {"prompt": ["w10 w11", "w20 w21 w22", "w30", "w40 w41"], "completion": [" w12", "", " w31 w32", " w42"]}
+    trl = sft_run(SFTTrainer, SFTConfig, model_path, str(tmp_path / "trl"), rows, max_steps=2)
+    tree = sft_run(TreeSFTTrainer, TreeSFTConfig, model_path, str(tmp_path / "tree"), rows, max_steps=2)
+    assert len(tree[0].train_dataset) == 4
+    assert_same_steps_as_trl(*trl, *tree)
 
 
 def prompt_heavy_trees(num_trees: int, prompt_length: int) -> Dataset:

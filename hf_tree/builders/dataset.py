@@ -40,8 +40,7 @@ GROUP_BY_PROMPT_TOKENS = "<prompt tokens>"
 """``group_by`` value: merge rows whose prompt tokens are identical (``messages`` rows: the rendering
 before the first assistant message, with the generation prompt)."""
 GROUP_BY_ROW = "<row>"
-"""``group_by`` value: one tree per input row (what ``None`` means: rows merge across the dataset only when asked,
-since a tree is dealt to one micro-batch whole, so grouping changes which rows train together)."""
+"""``group_by`` value: one tree per input row."""
 NOTHING_TRAINED = "nothing trained"
 """Drop reason of a row whose branches train no token (``TreeBuildStats.untrained_rows``)."""
 FORMATS = ("messages", "prompt/completion", "prompt/completions", "text")
@@ -261,8 +260,6 @@ def _tokenize_row(
         if prompt is None:
             out["_drop"] = "missing prompt"
             return out
-        if isinstance(prompt, str) and add_eos and tokenizer.eos_token:  # TRL's add_eos: "" + EOS trains the EOS
-            completions = [tokenizer.eos_token if completion == "" else completion for completion in completions]
         keep = [not is_empty_completion(c) for c in completions]
         if not any(keep):
             out["_drop"] = "empty completion" if data_format == "prompt/completion" else "no non-empty completion"
@@ -318,7 +315,9 @@ def _group_rows(
     """Kept row indices per group, groups in order of first appearance."""
     drops = tokenized["_drop"][:]
     kept = [i for i, reason in enumerate(drops) if not reason]
-    if group_by in (None, GROUP_BY_ROW):
+    if group_by is None:
+        group_by = GROUP_BY_ROW if data_format in ("messages", "text") else GROUP_BY_PROMPT_TOKENS
+    if group_by == GROUP_BY_ROW:
         return [[i] for i in kept]
     if group_by == GROUP_BY_PROMPT_TOKENS:
         keys = tokenized["_prompt_hash"][:]
@@ -330,8 +329,7 @@ def _group_rows(
         if not isinstance(key, str | int | float | bool):
             raise ValueError(
                 f"row {i}: group_by column {group_by!r} holds {key!r} ({type(key).__name__}); group keys must be "
-                f"strings or numbers (fill missing keys, or use group_by={GROUP_BY_PROMPT_TOKENS!r} to group by prompt "
-                "tokens)."
+                "strings or numbers (fill missing keys, or use group_by=None to group by prompt tokens)."
             )
         groups.setdefault(key, []).append(i)
     return list(groups.values())
@@ -366,10 +364,10 @@ def build_tree_dataset(
         dataset: the input ``datasets.Dataset``.
         tokenizer: tokenizer with the chat template for conversational rows.
         group_by: which rows merge into one tree: a column name (equal values merge),
-            ``GROUP_BY_PROMPT_TOKENS`` (identical prompt tokens merge; a text row's prompt is its whole text), or
-            ``GROUP_BY_ROW``/``None`` (one tree per row, the default: a trainer deals a tree to one micro-batch
-            whole, so merging across the dataset changes which rows share a batch; rows of one micro-batch merge
-            there anyway, ``merge_in_batch``).
+            ``GROUP_BY_PROMPT_TOKENS`` (identical prompt tokens merge; a text row's prompt is its whole text),
+            ``GROUP_BY_ROW`` (no merging), or ``None``: by prompt tokens for prompt rows, one tree per row for
+            ``messages`` and text rows. (``TreeSFTTrainer`` builds one tree per row unless asked: a trainer deals a
+            tree to one micro-batch whole, so grouping changes which rows share a batch.)
         num_proc: worker processes for both ``datasets.map`` passes.
         branch_fields: columns kept per branch under ``branch_fields`` (e.g. ``["reward", "advantage"]``):
             a row's value goes to each of its branches; in ``prompt/completions`` rows a list as long as

@@ -215,6 +215,18 @@ def untrained_row_slots(stats: TreeBuildStats, kept_trees: list[int] | None) -> 
     return [renumbered[tree] if tree >= 0 else -1 for tree in slots if tree < 0 or tree in renumbered]
 
 
+def eos_for_empty_completions(dataset: datasets.Dataset, eos_token: str | None, name: str) -> datasets.Dataset:
+    """Plain-text completions ``""`` replaced by ``eos_token``: TRL's ``SFTTrainer`` appends its EOS to every
+    completion and so trains a row whose completion is empty on the EOS alone (the builders would drop it)."""
+    if not eos_token or "" not in set(dataset["completion"][:]):
+        return dataset
+    return dataset.map(
+        lambda rows: {"completion": [eos_token if c == "" else c for c in rows["completion"]]},
+        batched=True,
+        desc=f"TRL's EOS for the empty completions of the {name} dataset",
+    )
+
+
 def train_every_token(row: dict) -> dict:
     """A tree row whose branches train every token after their first (TRL's ``completion_only_loss=False``): a
     shared prompt token is then trained with the weight of the branches that contain it."""
@@ -423,11 +435,13 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 dataset_name,
             )
         tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
+        if data_format == "prompt/completion" and dataset.features["completion"] == datasets.Value("string"):
+            dataset = eos_for_empty_completions(dataset, tokenizer.eos_token, dataset_name)
         with args.main_process_first(desc=f"building trees of the {dataset_name} dataset"):
             trees, stats = build_tree_dataset_with_stats(
                 dataset,
                 tokenizer,
-                group_by=args.group_by,
+                group_by=GROUP_BY_ROW if args.group_by is None else args.group_by,
                 num_proc=args.dataset_num_proc,
                 chat_template=self.chat_template,  # TRL's: its training template when assistant_only_loss needs one
                 train_on=args.train_on,
