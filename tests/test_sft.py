@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from trl import SFTConfig, SFTTrainer
 
 from hf_tree.assets import load_smollm2_tokenizer
-from hf_tree.builders import GROUP_BY_ROW
+from hf_tree.builders import GROUP_BY_PROMPT_TOKENS, GROUP_BY_ROW
 from hf_tree.collator import TreeDataCollator, pop_packing_stats
 from hf_tree.data.synthetic_agent import synthetic_agent_dataset
 from hf_tree.depth_first import DepthFirstConfig, depth_first_backward
@@ -419,7 +419,8 @@ def test_short_last_step_trains_as_trl(tmp_path, tokenizer):
     settings |= dict(train_sampling_strategy="sequential", bf16=False, use_cpu=True, max_length=None)
     runs = {}
     for name, (config, trainer) in {"trl": (SFTConfig, SFTTrainer), "tree": (TreeSFTConfig, TreeSFTTrainer)}.items():
-        args = config(**exact_sgd_args(str(tmp_path / name), **settings))
+        grouped = dict(group_by=GROUP_BY_PROMPT_TOKENS) if name == "tree" else {}  # each group one step, as TRL's
+        args = config(**exact_sgd_args(str(tmp_path / name), **settings), **grouped)
         model = tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float64, attn="sdpa")
         run = trainer(model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
         runs[name] = (run, train_and_measure_updates(run))

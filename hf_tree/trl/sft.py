@@ -480,16 +480,23 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             slots = untrained_row_slots(stats, kept_trees)
         if slots is None:
             return trees.shuffle(seed=args.seed) if args.shuffle_dataset else trees
+        trees, self.tree_row_slots = self._rows_with_untrained_slots(trees, slots, args)
+        return trees
+
+    def _rows_with_untrained_slots(
+        self, trees: datasets.Dataset, slots: list[int], args: TreeSFTConfig
+    ) -> tuple[datasets.Dataset, list[int]]:
+        """The training trees and ``tree_row_slots`` in TRL's row order (``shuffle_dataset``: TRL shuffles its rows,
+        the untrained ones included, so the same permutation of as many rows orders the slots)."""
         logger.warning(
             "hf_tree: %d rows of the train dataset train no token (one token each, e.g. a text row '' is TRL's "
             "[EOS]): no tree holds them, but each keeps its slot in TRL's batches, as TRL keeps such rows.",
             slots.count(-1),
         )
-        if args.shuffle_dataset:  # TRL shuffles its rows, these included: datasets' permutation of as many rows
-            order = datasets.Dataset.from_dict({"slot": range(len(slots))}).shuffle(seed=args.seed)["slot"][:]
-            slots = [slots[i] for i in order]
-            trees = trees.select([tree for tree in slots if tree >= 0])
-            renumber = itertools.count()
-            slots = [next(renumber) if tree >= 0 else -1 for tree in slots]
-        self.tree_row_slots = slots
-        return trees
+        if not args.shuffle_dataset:
+            return trees, slots
+        order = datasets.Dataset.from_dict({"slot": range(len(slots))}).shuffle(seed=args.seed)["slot"][:]
+        slots = [slots[i] for i in order]
+        trees = trees.select([tree for tree in slots if tree >= 0])
+        renumber = itertools.count()
+        return trees, [next(renumber) if tree >= 0 else -1 for tree in slots]
