@@ -131,6 +131,9 @@ class TreeRowBatchSampler(Sampler[list[TreePart]]):
             to the ranks in turn).
         ranks: the data-parallel ranks (``plan_row_batches``).
         shuffle, seed: see ``TreeOrder`` (``sampler``; accelerate calls its ``set_epoch``).
+        slot_trees: when given, ``num_rows`` counts dataset slots, not trees: the tree of each slot, or -1 for a row
+            that trains nothing but takes a batch slot, as in TRL's batches (``TreeSFTTrainer``: a text row of one
+            token). The slots are sampled and dealt; the batches hold the trees of theirs.
     """
 
     def __init__(
@@ -141,6 +144,7 @@ class TreeRowBatchSampler(Sampler[list[TreePart]]):
         shuffle: bool,
         seed: int,
         ranks: int = 1,
+        slot_trees: Sequence[int] | None = None,
     ) -> None:
         if rows_per_batch < 1 or batches_per_step < 1:
             raise ValueError(
@@ -149,6 +153,7 @@ class TreeRowBatchSampler(Sampler[list[TreePart]]):
             )
         self.num_rows = np.asarray(num_rows, dtype=np.int64)
         self.rows_per_batch, self.batches_per_step, self.ranks = rows_per_batch, batches_per_step, ranks
+        self.slot_trees = slot_trees
         self.sampler = TreeOrder(len(self.num_rows), shuffle, seed)
 
     def set_epoch(self, epoch: int) -> None:
@@ -156,9 +161,13 @@ class TreeRowBatchSampler(Sampler[list[TreePart]]):
 
     def batches(self) -> list[list[TreePart]]:
         """This epoch's micro-batches (deterministic in the seed and epoch)."""
-        return plan_row_batches(
+        batches = plan_row_batches(
             list(self.sampler), self.num_rows, self.rows_per_batch, self.batches_per_step, self.ranks
         )
+        if self.slot_trees is None:
+            return batches
+        trees = self.slot_trees
+        return [[part._replace(tree=trees[part.tree]) for part in batch if trees[part.tree] >= 0] for batch in batches]
 
     def __iter__(self) -> Iterator[list[TreePart]]:
         yield from self.batches()

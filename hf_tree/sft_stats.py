@@ -16,7 +16,6 @@ depth-first (``DepthFirstRunner.plan`` needs the model); the report plans the tr
 from __future__ import annotations
 
 import copy
-from types import SimpleNamespace
 from typing import Any
 
 import datasets
@@ -59,10 +58,10 @@ def sft_tree_rows(
             raise ValueError(f"eos_token={args.eos_token!r} is not in the tokenizer's vocabulary; pass one that is.")
         tokenizer.eos_token = args.eos_token
     training_template = args.assistant_only_loss and not has_generation_markers(tokenizer.chat_template)
-    # the trainer's method reads only these attributes of the trainer (and sets tree_build_stats)
-    trainer = SimpleNamespace(
-        chat_template=get_training_chat_template(tokenizer) if training_template else None, tree_build_stats=None
-    )
+    # the trainer's method reads only its chat_template (and sets tree_build_stats, tree_row_slots): a trainer object
+    # without the model, optimizer and accelerator its __init__ would build
+    trainer = TreeSFTTrainer.__new__(TreeSFTTrainer)
+    trainer.chat_template = get_training_chat_template(tokenizer) if training_template else None
     trees = TreeSFTTrainer._prepare_dataset(trainer, rows, tokenizer, args, args.packing, None, "train")
     return trees, trainer.tree_build_stats
 

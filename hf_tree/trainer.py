@@ -42,6 +42,7 @@ from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.batch_inputs import batch_model_inputs
 from hf_tree.collator import STATS_KEYS, pop_packing_stats
 from hf_tree.config import TreeArguments
+from hf_tree.dataset_drops import check_dataset_drops
 from hf_tree.depth_first_runner import DepthFirstRunner
 from hf_tree.distributed import enable_fsdp2_on_cpu
 from hf_tree.loss import TreeLosses, tree_losses
@@ -248,7 +249,8 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
                 "load-balancing loss is a mean over the whole batch. Set router_aux_loss_coef=0.0 (or "
                 "config.output_router_logits=False), or train without context parallel."
             )
-        # The whole training set, before the first step (the per-batch check in get_batch_samples stays).
+        # The whole training set, before the first step (the per-batch checks stay).
+        check_dataset_drops(self.data_collator, self.train_dataset)
         check_dataset_rope_lengths(self.model.config, self.data_collator, self.train_dataset)
         self.tree_depth_first = self._plan_depth_first()
 

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 from trl import SFTConfig, SFTTrainer
 
 from hf_tree.assets import load_smollm2_tokenizer
-from hf_tree.builders import GROUP_BY_ROW
+from hf_tree.builders import GROUP_BY_PROMPT_TOKENS, GROUP_BY_ROW
 from hf_tree.collator import TreeDataCollator, pop_packing_stats
 from hf_tree.data.synthetic_agent import synthetic_agent_dataset
 from hf_tree.depth_first import DepthFirstConfig, depth_first_backward
@@ -117,11 +117,13 @@ def test_depth_first_steps_equal_trl(tmp_path, tokenizer, loss_type):
     assert max_grad_relative_error(tree_updates, trl_updates) <= 1e-5
 
 
-def test_default_grouping_merges_completions_of_one_prompt(tmp_path, tokenizer):
+def test_completions_of_one_prompt_merge_in_their_batch(tmp_path, tokenizer):
+    """One tree per row by default (TRL's batches, tests/test_same_rows_as_trl.py); the rows of a batch that share a
+    prompt merge there."""
     trainer = trl_script(TreeSFTConfig, TreeSFTTrainer, tokenizer, prompt_completion_dataset(), str(tmp_path))
-    assert len(trainer.train_dataset) == 2  # 4 rows, 2 prompts
+    assert len(trainer.train_dataset) == 4  # 4 rows, 2 prompts
     log = next(h for h in trainer.state.log_history if "loss" in h)
-    assert log["dedup_ratio"] > 1.0 and log["trees_per_step"] == 2
+    assert log["dedup_ratio"] > 1.0 and log["trees_per_step"] == 4
 
 
 def test_agent_conversations_with_reasoning_and_tools_train(tmp_path, tokenizer):
@@ -239,7 +241,7 @@ TEXT_ROW_FIELDS = {
     "packing_strategy": "packing=True is refused",
     "tree_execution": "exact either way: test_depth_first_execution_trains_the_same_objective",
     "max_packed_tokens": "row size; trees larger than a row run depth-first or split exactly",
-    "group_by": "which rows share a tree: merging is exact (test_default_grouping_merges_completions_of_one_prompt)",
+    "group_by": "which rows share a tree across the dataset (logged): tests/test_same_rows_as_trl.py",
     "batch_unit": "which rows share a step (test_row_batches_*)",
     "shuffle_dataset": "order only",
     "dataset_kwargs": "skip_prepare_dataset=True takes tree rows as they are (test_tree_rows_pass_through_unchanged)",
@@ -417,7 +419,8 @@ def test_short_last_step_trains_as_trl(tmp_path, tokenizer):
     settings |= dict(train_sampling_strategy="sequential", bf16=False, use_cpu=True, max_length=None)
     runs = {}
     for name, (config, trainer) in {"trl": (SFTConfig, SFTTrainer), "tree": (TreeSFTConfig, TreeSFTTrainer)}.items():
-        args = config(**exact_sgd_args(str(tmp_path / name), **settings))
+        grouped = dict(group_by=GROUP_BY_PROMPT_TOKENS) if name == "tree" else {}  # each group one step, as TRL's
+        args = config(**exact_sgd_args(str(tmp_path / name), **settings), **grouped)
         model = tiny_model(vocab_size=SMOLLM2_VOCAB, dtype=torch.float64, attn="sdpa")
         run = trainer(model, args=args, train_dataset=datasets.Dataset.from_list(rows), processing_class=tokenizer)
         runs[name] = (run, train_and_measure_updates(run))

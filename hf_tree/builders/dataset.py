@@ -41,6 +41,8 @@ GROUP_BY_PROMPT_TOKENS = "<prompt tokens>"
 before the first assistant message, with the generation prompt)."""
 GROUP_BY_ROW = "<row>"
 """``group_by`` value: one tree per input row."""
+NOTHING_TRAINED = "nothing trained"
+"""Drop reason of a row whose branches train no token (``TreeBuildStats.untrained_rows``)."""
 FORMATS = ("messages", "prompt/completion", "prompt/completions", "text")
 TEXT_FIELD = "text"
 """The column of TRL's language-modeling rows (``SFTConfig.dataset_text_field``'s default)."""
@@ -70,6 +72,11 @@ class TreeBuildStats:
     """Branches over all trees (per-turn samples or completions)."""
     num_dropped_rows: dict[str, int] = field(default_factory=dict)
     """Input rows left out, by reason (e.g. ``"no assistant message"``, ``"empty completion"``)."""
+    dropped_rows: list[int] = field(default_factory=list)
+    """Indices of the input rows left out (any reason): with one tree per row, the k-th tree is the k-th other row."""
+    untrained_rows: list[int] = field(default_factory=list)
+    """Indices of the input rows left out because they train no token (``"nothing trained"``, e.g. a text row of one
+    token: ``""`` is TRL's ``[EOS]``), which TRL's ``SFTTrainer`` keeps in its batches (``TreeSFTTrainer`` too)."""
     num_dropped_completions: dict[str, int] = field(default_factory=dict)
     """``prompt/completions`` rows: single completions left out of a kept row, by reason."""
     num_boundary_merges: int = 0
@@ -235,8 +242,8 @@ def _tokenize_row(
         )
     elif data_format == "text":
         text = example[text_field]
-        if not isinstance(text, str) or not text:
-            out["_drop"] = "empty text"
+        if not isinstance(text, str):
+            out["_drop"] = "missing text"
             return out
         sequences = [text_branch(text, tokenizer, add_eos)]
         masks, prompt_ids = [[1] * len(sequences[0])], sequences[0]
@@ -268,7 +275,7 @@ def _tokenize_row(
         out["_dropped_completions"] = keep.count(False)
     spans = [mask_to_spans(m) for m in masks]
     if not any(spans):
-        out["_drop"] = "nothing trained"
+        out["_drop"] = NOTHING_TRAINED
         return out
     out.update(_sequences=sequences, _spans=spans, _prompt_hash=_hash_tokens(prompt_ids))
     for name in branch_fields:
@@ -359,7 +366,8 @@ def build_tree_dataset(
         group_by: which rows merge into one tree: a column name (equal values merge),
             ``GROUP_BY_PROMPT_TOKENS`` (identical prompt tokens merge; a text row's prompt is its whole text),
             ``GROUP_BY_ROW`` (no merging), or ``None``: by prompt tokens for prompt rows, one tree per row for
-            ``messages`` and text rows.
+            ``messages`` and text rows. (``TreeSFTTrainer`` builds one tree per row unless asked: a trainer deals a
+            tree to one micro-batch whole, so grouping changes which rows share a batch.)
         num_proc: worker processes for both ``datasets.map`` passes.
         branch_fields: columns kept per branch under ``branch_fields`` (e.g. ``["reward", "advantage"]``):
             a row's value goes to each of its branches; in ``prompt/completions`` rows a list as long as
@@ -522,9 +530,12 @@ def _build_stats(dataset: datasets.Dataset, tokenized: datasets.Dataset, trees: 
         num_tree_tokens=sum(trees["_num_tokens"][:]),
         num_branch_tokens=sum(trees["_num_branch_tokens"][:]),
     )
-    for reason, dropped in zip(tokenized["_drop"][:], tokenized["_dropped_completions"][:]):
+    for index, (reason, dropped) in enumerate(zip(tokenized["_drop"][:], tokenized["_dropped_completions"][:])):
         if reason:
             stats.num_dropped_rows[reason] = stats.num_dropped_rows.get(reason, 0) + 1
+            stats.dropped_rows.append(index)
+        if reason == NOTHING_TRAINED:
+            stats.untrained_rows.append(index)
         if dropped:
             stats.num_dropped_completions["empty completion"] = (
                 stats.num_dropped_completions.get("empty completion", 0) + dropped

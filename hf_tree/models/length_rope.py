@@ -22,9 +22,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import datasets
-import pyarrow.compute as pc
 import torch
 
+from hf_tree.dataset_drops import branch_lengths_by_row
 from hf_tree.packing import PackingConfig
 
 # HunYuan's rotary turns "dynamic" with a fixed ``alpha`` into static NTK-alpha frequencies: no switch.
@@ -123,20 +123,7 @@ def check_rope_lengths(config: Any, position_ids: torch.Tensor, where: str = "th
 
 def _longest_dataset_branch(dataset: datasets.Dataset) -> int:
     """The longest branch (tokens) of a dataset of ``Tree.to_dict()`` rows, read column-wise from Arrow."""
-    columns = dataset.select_columns(["node_tokens", "node_parents", "branch_end_nodes"]).with_format("arrow")
-    longest = 0
-    for table in columns.iter(batch_size=4096):
-        node_tokens = table.column("node_tokens").combine_chunks()
-        node_lengths = pc.list_value_length(node_tokens.flatten()).to_numpy().tolist()
-        node_offsets = node_tokens.offsets.to_numpy()
-        parents, ends = table.column("node_parents").to_pylist(), table.column("branch_end_nodes").to_pylist()
-        for row, (row_parents, row_ends) in enumerate(zip(parents, ends)):
-            lengths = node_lengths[node_offsets[row] : node_offsets[row + 1]]
-            end_depth: list[int] = []  # tokens from the root to each node's end; parents precede children (DFS)
-            for length, parent in zip(lengths, row_parents):
-                end_depth.append(length + (end_depth[parent] if parent >= 0 else 0))
-            longest = max(longest, max((end_depth[e] for e in row_ends), default=0))
-    return longest
+    return max((max(lengths, default=0) for (lengths,) in branch_lengths_by_row(dataset)), default=0)
 
 
 def check_dataset_rope_lengths(config: Any, collator: Any, dataset: Any) -> None:

@@ -16,7 +16,7 @@ from trl.extras.profiling import profiling_decorator
 
 from hf_tree.models.dropout import warn_if_dropout
 from hf_tree.models.quantization import log_quantized_base
-from hf_tree.trl.glue import TreeFusedHead, install_tree_heads, log_tree_stats
+from hf_tree.trl.glue import TreeFusedHead, install_tree_heads, log_tree_stats, warn_if_padding_numbered_positions
 from hf_tree.trl.shared_prompts import SharedPromptPolicyMixin
 
 
@@ -40,6 +40,7 @@ class TreeRolloutLogProbsMixin(SharedPromptPolicyMixin):
                 self, ("log_probs", "entropy"), temperature=self.temperature, cast_lm_head_to_fp32=cast_lm_head_to_fp32
             )
             warn_if_dropout(self.model, "set disable_dropout=True (it also zeroes LoRA's dropout)")
+            warn_if_padding_numbered_positions(self.model, type(self).__name__.removeprefix("Tree"))
         self._check_shared_prompts()  # tree_share_across_microbatches
 
     @profiling_decorator

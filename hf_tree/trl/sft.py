@@ -18,6 +18,7 @@ instead of being ignored.
 from __future__ import annotations
 
 import functools
+import itertools
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,8 +31,13 @@ from transformers.trainer_utils import seed_worker
 from trl import SFTConfig, SFTTrainer
 from trl.data_utils import maybe_convert_to_chatml
 
-from hf_tree.builders import MESSAGES_BRANCHES, TRAIN_ON, build_tree_dataset_with_stats
-from hf_tree.builders.dataset import check_messages_options, detect_format
+from hf_tree.builders import GROUP_BY_ROW, MESSAGES_BRANCHES, TRAIN_ON
+from hf_tree.builders.dataset import (
+    TreeBuildStats,
+    build_tree_dataset_with_stats,
+    check_messages_options,
+    detect_format,
+)
 from hf_tree.config import TreeArguments, packing_field
 from hf_tree.data.sources import is_tree_dataset
 from hf_tree.loss import TreeLosses
@@ -67,9 +73,11 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
     group_by: str | None = field(
         default=None,
         metadata={
-            "help": "Which rows merge into one tree: a column name (rows with equal values merge), '<prompt tokens>' "
-            "(identical prompt tokens merge), '<row>' (one tree per row), or None: by prompt tokens for prompt rows, "
-            "one tree per row for 'messages' rows."
+            "help": "Which rows merge into one tree across the dataset: None or '<row>' (default: one tree per row, so "
+            "micro-batches hold exactly TRL's rows; rows of a micro-batch that share a prefix still merge there, "
+            "merge_in_batch), a column name (rows with equal values merge) or '<prompt tokens>' (identical prompt "
+            "tokens merge). A tree is dealt to one micro-batch whole, so grouping changes which rows train together "
+            "(logged at start): batches then differ from TRL's."
         },
     )
     messages_branches: str = field(
@@ -160,6 +168,65 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
         return self.max_length
 
 
+def drop_rows_truncation_leaves_untrained(
+    trees: datasets.Dataset, max_length: int, name: str
+) -> tuple[datasets.Dataset, int, list[int] | None]:
+    """The tree rows without the branches (rows) that keep no trained token within their first ``max_length``
+    tokens, as TRL's ``SFTTrainer`` filters its truncated dataset before batching (so the sampler deals the rows TRL
+    deals), how many were dropped, and the indices of the trees kept (``None`` when all are); trees left with no
+    branch are removed. Warns with the count when any is dropped."""
+    spans = trees["branch_loss_spans"][:]
+    keeps = [[b for b, span in enumerate(row) if span and span[0] < max_length] for row in spans]
+    num_dropped = sum(len(row) - len(keep) for row, keep in zip(spans, keeps))
+    if not num_dropped:
+        return trees, 0, None
+    partial = {i for i, (row, keep) in enumerate(zip(spans, keeps)) if keep and len(keep) < len(row)}
+
+    def select(row: dict, index: int) -> dict:
+        return Tree.from_dict(row, row=index).select_branches(keeps[index]).to_dict() if index in partial else row
+
+    if partial:
+        trees = trees.map(select, with_indices=True, features=trees.features, desc=f"truncating the {name} dataset")
+    logger.warning(
+        "hf_tree: %d of %d rows of the %s dataset dropped before batching: no trained token within their first "
+        "max_length=%d tokens (TRL's SFTTrainer drops rows that truncation leaves fully masked, the same way).",
+        num_dropped,
+        sum(len(row) for row in spans),
+        name,
+        max_length,
+    )
+    kept = [i for i, keep in enumerate(keeps) if keep]
+    return trees.select(kept), num_dropped, kept
+
+
+def untrained_row_slots(stats: TreeBuildStats, kept_trees: list[int] | None) -> list[int] | None:
+    """TRL's rows in order, one tree per row: the tree of each row, or -1 for a row that trains no token
+    (``stats.untrained_rows``: TRL keeps it, so it takes a slot in a batch); ``None`` when there is no such row.
+    ``kept_trees``: the trees left after TRL's truncation filter (their rows only), or ``None`` for all of them."""
+    if not stats.untrained_rows:
+        return None
+    untrained = set(stats.untrained_rows)
+    skipped = set(stats.dropped_rows) - untrained
+    trees = iter(range(stats.num_trees))  # one tree per row: the k-th kept row is tree k
+    slots = [-1 if row in untrained else next(trees) for row in range(stats.num_rows) if row not in skipped]
+    if kept_trees is None:
+        return slots
+    renumbered = {tree: index for index, tree in enumerate(kept_trees)}
+    return [renumbered[tree] if tree >= 0 else -1 for tree in slots if tree < 0 or tree in renumbered]
+
+
+def eos_for_empty_completions(dataset: datasets.Dataset, eos_token: str | None, name: str) -> datasets.Dataset:
+    """Plain-text completions ``""`` replaced by ``eos_token``: TRL's ``SFTTrainer`` appends its EOS to every
+    completion and so trains a row whose completion is empty on the EOS alone (the builders would drop it)."""
+    if not eos_token or "" not in set(dataset["completion"][:]):
+        return dataset
+    return dataset.map(
+        lambda rows: {"completion": [eos_token if c == "" else c for c in rows["completion"]]},
+        batched=True,
+        desc=f"TRL's EOS for the empty completions of the {name} dataset",
+    )
+
+
 def train_every_token(row: dict) -> dict:
     """A tree row whose branches train every token after their first (TRL's ``completion_only_loss=False``): a
     shared prompt token is then trained with the weight of the branches that contain it."""
@@ -174,7 +241,13 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
     Same arguments as ``SFTTrainer``; ``args`` must be a ``TreeSFTConfig``. A model given by name is loaded
     with ``attn_implementation="tree_flash"``; a model instance is switched to it. Vision datasets (``messages`` with
     ``images``/``image`` columns) become image trees (``hf_tree.vision.sft``), packed by ``MediaTreeCollator``.
+
+    Attributes:
+        tree_row_slots: TRL's training rows in order when some train no token (``untrained_row_slots``: the tree of
+            each, -1 for those), so that the row sampler deals TRL's batches; ``None`` when every row is a tree.
     """
+
+    tree_row_slots: list[int] | None = None
 
     def __init__(
         self,
@@ -287,13 +360,17 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
         TRL's batch and step count."""
         if self.args.batch_unit == "trees" or not isinstance(self.train_dataset, datasets.Dataset):
             return super().get_train_dataloader()
+        num_rows = [len(ends) for ends in self.train_dataset["branch_end_nodes"]]
+        if self.tree_row_slots is not None:  # a row that trains nothing still takes its slot, as in TRL's batches
+            num_rows = [num_rows[tree] if tree >= 0 else 1 for tree in self.tree_row_slots]
         sampler = TreeRowBatchSampler(
-            [len(ends) for ends in self.train_dataset["branch_end_nodes"]],
+            num_rows,
             rows_per_batch=self.args.per_device_train_batch_size,
             batches_per_step=self.args.gradient_accumulation_steps * self.args.world_size,
             shuffle=self.args.train_sampling_strategy == "random",
             seed=self.args.data_seed if self.args.data_seed is not None else self.args.seed,
             ranks=self.args.world_size,
+            slot_trees=self.tree_row_slots,
         )
         num_rows, num_batches = int(sampler.num_rows.sum()), len(sampler)
         trl_batches = -(-num_rows // self.args.per_device_train_batch_size)  # ceil: TRL's micro-batches per epoch
@@ -301,7 +378,7 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
             "hf_tree: batch_unit='rows': %d rows in %d trees -> %d micro-batches per epoch (TRL: %d for %d rows at "
             "per_device_train_batch_size=%d)%s",
             num_rows,
-            len(sampler.num_rows),
+            len(self.train_dataset),
             num_batches,
             trl_batches,
             num_rows,
@@ -348,12 +425,23 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 args.train_on or "last_assistant",
                 "TRL's training template (assistant_only_loss=True)" if self.chat_template else "the chat template",
             )
+        if args.group_by not in (None, GROUP_BY_ROW):
+            logger.warning(
+                "hf_tree: group_by=%r merges rows of the %s dataset into trees before batching, and a tree is dealt to "
+                "one micro-batch whole: micro-batches then hold other rows than TRL's (the objective of each is still "
+                "exact). group_by=None keeps TRL's batches; rows of a batch that share a prefix merge there anyway "
+                "(merge_in_batch).",
+                args.group_by,
+                dataset_name,
+            )
         tokenizer = processing_class.tokenizer if isinstance(processing_class, ProcessorMixin) else processing_class
+        if data_format == "prompt/completion" and dataset.features["completion"] == datasets.Value("string"):
+            dataset = eos_for_empty_completions(dataset, tokenizer.eos_token, dataset_name)
         with args.main_process_first(desc=f"building trees of the {dataset_name} dataset"):
-            trees, self.tree_build_stats = build_tree_dataset_with_stats(  # the stats: hf_tree.sft_stats reports them
+            trees, stats = build_tree_dataset_with_stats(
                 dataset,
                 tokenizer,
-                group_by=args.group_by,
+                group_by=GROUP_BY_ROW if args.group_by is None else args.group_by,
                 num_proc=args.dataset_num_proc,
                 chat_template=self.chat_template,  # TRL's: its training template when assistant_only_loss needs one
                 train_on=args.train_on,
@@ -361,6 +449,7 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 assistant_only_loss=args.assistant_only_loss and args.messages_branches == "conversation",
                 text_field=args.dataset_text_field,
             )
+        self.tree_build_stats = stats  # hf_tree.sft_stats reports them
         if args.completion_only_loss is False:
             if per_turn:
                 raise ValueError(
@@ -370,4 +459,45 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
                 )
             if data_format not in ("messages", "text"):  # TRL ignores it on 'messages' rows; text trains every token
                 trees = trees.map(train_every_token, desc=f"training the prompts of the {dataset_name} dataset")
-        return trees.shuffle(seed=args.seed) if args.shuffle_dataset else trees
+        num_truncated, kept_trees = 0, None
+        if args.max_length is not None:
+            trees, num_truncated, kept_trees = drop_rows_truncation_leaves_untrained(
+                trees, args.max_length, dataset_name
+            )
+        if len(trees) == 0:
+            raise ValueError(
+                f"the {dataset_name} dataset has no row left to train: of its {stats.num_rows} rows, "
+                f"{sum(stats.num_dropped_rows.values())} were dropped when the trees were built "
+                f"({stats.num_dropped_rows or 'no reason'}) and {num_truncated} keep no trained token within their "
+                f"first max_length={args.max_length} tokens (TRL drops those too), so training would run on nothing. "
+                "Raise max_length (or set max_length=None) when truncation dropped them, else fix the rows."
+            )
+        # rows TRL trains every token of: one of a single token trains nothing, and TRL keeps it in its batches
+        every_token = data_format == "text" or (
+            data_format == "messages" and not (per_turn or args.assistant_only_loss)
+        )
+        slots = None
+        if dataset_name == "train" and every_token and args.group_by in (None, GROUP_BY_ROW):
+            slots = untrained_row_slots(stats, kept_trees)
+        if slots is None:
+            return trees.shuffle(seed=args.seed) if args.shuffle_dataset else trees
+        trees, self.tree_row_slots = self._rows_with_untrained_slots(trees, slots, args)
+        return trees
+
+    def _rows_with_untrained_slots(
+        self, trees: datasets.Dataset, slots: list[int], args: TreeSFTConfig
+    ) -> tuple[datasets.Dataset, list[int]]:
+        """The training trees and ``tree_row_slots`` in TRL's row order (``shuffle_dataset``: TRL shuffles its rows,
+        the untrained ones included, so the same permutation of as many rows orders the slots)."""
+        logger.warning(
+            "hf_tree: %d rows of the train dataset train no token (one token each, e.g. a text row '' is TRL's "
+            "[EOS]): no tree holds them, but each keeps its slot in TRL's batches, as TRL keeps such rows.",
+            slots.count(-1),
+        )
+        if not args.shuffle_dataset:
+            return trees, slots
+        order = datasets.Dataset.from_dict({"slot": range(len(slots))}).shuffle(seed=args.seed)["slot"][:]
+        slots = [slots[i] for i in order]
+        trees = trees.select([tree for tree in slots if tree >= 0])
+        renumber = itertools.count()
+        return trees, [next(renumber) if tree >= 0 else -1 for tree in slots]
