@@ -62,8 +62,8 @@ def chat_samples(num_chats: int, turns: int, system_words: int, seed: int = 0) -
 
 
 def example_config(folder: pathlib.Path, plugin: bool = True, **overrides: Any) -> dict[str, Any]:
-    """An Axolotl config (the YAML as a mapping) for the model, tokenizer and data of ``write_example``: LoRA-free
-    full fine-tuning in float32 on a CPU, SGD at a constant rate (so two runs' updates compare), ``overrides`` on top."""
+    """An Axolotl config (the YAML as a mapping) for the model, tokenizer and data of ``write_example``: full
+    fine-tuning in float32 on a CPU, SGD at a constant rate (so two runs' updates compare), ``overrides`` on top."""
     config: dict[str, Any] = {
         "base_model": str(folder / "model"),
         "tokenizer_config": str(folder / "model"),
