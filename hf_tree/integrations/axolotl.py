@@ -8,8 +8,8 @@ Axolotl tokenizes and masks each sample as it always does (``chat_template``/``m
 ``input_output``, ...; ``train_on_inputs``, ``roles_to_train``, ``train_on_eos``): the plugin takes its rows'
 ``input_ids`` and ``labels`` (``labels == -100`` is out of the loss), makes each row one branch and merges each
 micro-batch's rows into tries by their tokens (``AxolotlTreeCollator``), so rows sharing a system prompt or earlier
-turns compute them once; the trainer (``hf_tree.integrations.axolotl_trainer``) is Axolotl's own with hf_tree's tree loss,
-divisor and ``dedup_ratio`` logs, and trains Axolotl's update. Axolotl options that cannot combine with trees are
+turns compute them once; the trainer (``hf_tree.integrations.axolotl_trainer``) is Axolotl's own with hf_tree's tree
+loss, divisor and ``dedup_ratio`` logs, and trains Axolotl's update. Axolotl options that cannot combine with trees are
 refused at config validation (``TreeArgs``), naming the key and the fix (docs/axolotl.md).
 """
 
