@@ -1,8 +1,8 @@
 """Axolotl with and without hf_tree's plugin on a multi-turn chat config: dedup and step time, side by side in one run.
 
 The data is what chat logs exported per turn look like: chats that share one system prompt, each exported as one sample
-per assistant turn (sample t repeats turns 1..t-1), tokenized and masked by Axolotl (``type: chat_template``, its default
-``train_on_inputs: false``). Model: a random Llama (``--hidden_size``, 2 layers) with GPT-2's tokenizer
+per assistant turn (sample t repeats turns 1..t-1), tokenized and masked by Axolotl (``type: chat_template``, its
+default ``train_on_inputs: false``). Model: a random Llama (``--hidden_size``, 2 layers) with GPT-2's tokenizer
 (``hf_tree.integrations.axolotl_example``). Both runs take the same config (float32, SGD, the same seed, so the same
 micro-batches; the plugin's adds ``plugins: [hf_tree.integrations.axolotl.TreePlugin]``) through Axolotl's own
 ``train`` entry in this process. The step time is the wall time between the ends of consecutive optimizer steps (data
