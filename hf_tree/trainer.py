@@ -219,7 +219,7 @@ class TreeTrainerMixin(FSDPFullSaveMixin):
                 "remove it, or subclass and override compute_loss."
             )
         log_quantized_base(self.model)
-        if not self.args.average_tokens_across_devices:
+        if not self.args.average_tokens_across_devices and self.loss_is_scaled_for_ga:
             logger.warning(
                 "average_tokens_across_devices=False has no effect on tree trainers: the loss is always divided by "
                 "the sum over all micro-batches and ranks of the optimizer step (exactly one large batch)."
