@@ -48,6 +48,7 @@ SLOW_MARKERS = ("slow", "distributed")
 #   context parallel         test_context_parallel.py (the one-rank path)
 #   model zoo                test_model_zoo.py::test_fast_subset
 #   in-batch merging         test_in_batch_merging.py (SFT/DPO/KTO/Reward vs TRL and vs unmerged), test_sft_text.py
+#   Axolotl plugin           test_axolotl_collator.py (its collator + tree loss; test_axolotl.py in .ci/axolotl.sh)
 #   GRPO generation          test_group_generation.py (prefill once per group = TRL's completions)
 #   MLA, chunked attention   test_mla_chunked_attention.py, test_depth_first_mla_chunked.py
 #   later-step guards        test_check_guard.py (reload unit test, rebound ops), test_quantized.py (repack)
