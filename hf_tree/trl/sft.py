@@ -46,7 +46,7 @@ from hf_tree.versions import require_tested_trl
 from hf_tree.vision.forward import vision_family
 from hf_tree.vision.sft import is_vision_dataset, prepare_vision_sft
 
-require_tested_trl()  # TreeSFTTrainer overrides SFTTrainer._prepare_dataset
+require_tested_trl("TreeSFTTrainer")  # TreeSFTTrainer overrides SFTTrainer._prepare_dataset
 logger = logging.getLogger("hf_tree")
 
 
