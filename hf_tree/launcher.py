@@ -22,6 +22,9 @@ then CLI flags. The default job's LoRA layers apply to the offline model only, i
 
 from __future__ import annotations
 
+import hf_tree.trl  # noqa: F401  first: it names the fix when TRL is missing (this launcher trains TreeSFTTrainer)
+
+# isort: split
 import argparse
 import dataclasses
 import json

@@ -52,7 +52,7 @@ def require_tested_trl(user: str | None = None) -> None:
         import trl
     except ImportError:
         raise ImportError(
-            f"{who} subclass TRL's trainers, and trl is not installed. Install it: pip install 'hf_tree[trl]' (or "
+            f"{who} cannot run without TRL, which is not installed. Install it: pip install 'hf_tree[trl]' (or "
             f"pip install '{pip_range(tested)}'). The core (Tree, TreeDataCollator, tree_flash, TreeTrainer) needs "
             "no TRL."
         ) from None
