@@ -4,9 +4,9 @@ TRL 1.9, Axolotl's pin, to 1.16)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
-import re
 from pathlib import Path
 
 import pytest
