@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # CI, the oldest end of the supported TRL range (issue 51): hf_tree installed under Axolotl 0.19's pins (trl 1.9.0,
 # transformers 5.16.1, peft, accelerate, datasets) in a fresh virtual environment, running the fast tier of the core's
-# tests and each TRL trainer's exactness against TRL once: TreeSFTTrainer and TreeRewardTrainer (GRPO, RLOO, DPO and KTO
-# need trl>=1.16, hf_tree.versions.TRAINER_TRL: their refusal by name is tested in tests/test_versions.py). .ci/run
-# tests the newest end with every tier. Under CI=true (the default here) a skip for a missing install fails.
+# tests, the launcher (hf-tree train) and each TRL trainer's exactness against TRL once: TreeSFTTrainer and
+# TreeRewardTrainer (GRPO, RLOO, DPO and KTO need trl>=1.16, hf_tree.versions.TRAINER_TRL: their refusal by name is
+# tested in tests/test_versions.py). .ci/run tests the newest end with every tier. Under CI=true (the default here) a
+# skip for a missing install fails.
 set -euo pipefail
 export CI="${CI:-true}"
 cd "$(dirname "$0")/.."
@@ -28,6 +29,8 @@ python -m pytest -q -p no:cacheprovider \
   tests/test_tree.py tests/test_packing.py tests/test_loss_equivalence.py tests/test_trainer.py \
   tests/test_sft.py::test_class_name_swap_trains_the_same_objective tests/test_sft_messages.py \
   "tests/test_reward.py::test_one_step_matches_trl" \
+  tests/test_launch.py::test_no_arguments_is_the_offline_lora_default \
+  tests/test_launch.py::test_full_fine_tuning_run_in_process \
   --deselect "tests/test_loss_equivalence.py::test_low_precision_tree_loss_within_twice_per_branch[bfloat16]"
 status=$?
 set -e

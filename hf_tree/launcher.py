@@ -50,6 +50,7 @@ from transformers import (
     HfArgumentParser,
     Trainer,
     TrainerCallback,
+    TrainingArguments,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.utils import (
@@ -139,6 +140,12 @@ def peft_config(model_args: ModelConfig, layers: LoraLayerArguments, model: torc
     return dataclasses.replace(config, target_modules=targets, layers_to_transform=layers.lora_layers_to_transform)
 
 
+# transformers 5.16 names it gradient_checkpointing; later releases activation_checkpointing, the old name a deprecated
+# alias that counts only while the new one is unset
+CHECKPOINTING = next(
+    (f.name for f in dataclasses.fields(TrainingArguments) if f.name == "activation_checkpointing"),
+    "gradient_checkpointing",
+)
 # The no-argument run, sized for ~1-8 minutes on a 2-core CPU (idle to loaded) including model loading: 24
 # trajectories (two user turns, one tool call each, ~1k tokens per tree), one tree per step, LoRA on the top 4 of
 # SmolLM2's 30 layers (backward stops there). Flags and --config refine it.
@@ -158,7 +165,7 @@ DEFAULT_RUN: dict[str, Any] = {
     "logging_steps": 4,
     "save_strategy": "no",
     "report_to": "none",
-    "activation_checkpointing": False,  # TRL's SFTConfig sets the deprecated gradient_checkpointing=True
+    CHECKPOINTING: False,  # TRL's SFTConfig sets gradient_checkpointing=True
     "max_packed_tokens": 4096,
     "max_length": None,  # no per-sample limit below the row capacity
     "seed": 0,
@@ -229,10 +236,11 @@ def parse_arguments(argv: list[str]) -> tuple[ModelConfig, DataArguments, LoraLa
     cuda = torch.cuda.is_available()
     defaults = {"output_dir": "outputs/tree-sft", "bf16": cuda, "dataloader_pin_memory": cuda}
     if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true":  # set by accelerate launch
-        defaults["activation_checkpointing"] = False
+        defaults[CHECKPOINTING] = False
     config = {**defaults, **specific, **config, "model_name_or_path": model, "dataset_name": dataset}
-    if "gradient_checkpointing" in config or "--gradient_checkpointing" in [a.split("=")[0] for a in rest]:
-        config.pop("activation_checkpointing")  # the deprecated name counts only while the new one is unset
+    old_name_given = "gradient_checkpointing" in config or "--gradient_checkpointing" in [a.split("=")[0] for a in rest]
+    if CHECKPOINTING != "gradient_checkpointing" and old_name_given:
+        config.pop(CHECKPOINTING)  # the deprecated name counts only while the new one is unset
     parser.set_defaults(**config)
     *parsed, unknown = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
     if unknown:
