@@ -406,6 +406,7 @@ except ImportError as error:
 """
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch, transformers and Trainer, training a step (~12 s)
 def test_the_core_trains_without_trl():
     output = run_fresh(WITHOUT_TRL)
     assert "refused: hf_tree's TRL trainers cannot run without TRL, which is not installed" in output, output
