@@ -50,7 +50,6 @@ from transformers import (
     HfArgumentParser,
     Trainer,
     TrainerCallback,
-    TrainingArguments,
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 from transformers.utils import (
@@ -83,6 +82,7 @@ from hf_tree.data.sources import (
 )
 from hf_tree.data.synthetic_agent import MAIN_JOB_CONVERSATIONS, MAIN_JOB_OPTIONS
 from hf_tree.stats import plan_rows
+from hf_tree.training_arguments import CHECKPOINTING
 from hf_tree.tree import dedup_ratio
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 
@@ -140,12 +140,6 @@ def peft_config(model_args: ModelConfig, layers: LoraLayerArguments, model: torc
     return dataclasses.replace(config, target_modules=targets, layers_to_transform=layers.lora_layers_to_transform)
 
 
-# transformers 5.16 names it gradient_checkpointing; later releases activation_checkpointing, the old name a deprecated
-# alias that counts only while the new one is unset
-CHECKPOINTING = next(
-    (f.name for f in dataclasses.fields(TrainingArguments) if f.name == "activation_checkpointing"),
-    "gradient_checkpointing",
-)
 # The no-argument run, sized for ~1-8 minutes on a 2-core CPU (idle to loaded) including model loading: 24
 # trajectories (two user turns, one tool call each, ~1k tokens per tree), one tree per step, LoRA on the top 4 of
 # SmolLM2's 30 layers (backward stops there). Flags and --config refine it.
@@ -520,8 +514,9 @@ def train_and_summarize(trainer: TreeSFTTrainer, evaluation: datasets.Dataset | 
             announce_evaluation(len(evaluation), "after training")
         summary["eval_loss"] = trainer.evaluate()["eval_loss"]
     # The last step that needs the other processes: end the trackers and the process group (on gloo a group left
-    # alive at interpreter exit can abort the process after a finished run: docs/training.md, clean exit).
-    trainer.end()
+    # alive at interpreter exit can abort the process after a finished run: docs/training.md, clean exit). What
+    # Trainer.end() does; transformers 5.16 has no Trainer.end.
+    trainer.accelerator.end_training()
     tree_logs = [log for log in trainer.state.log_history if "tree_tokens_per_second" in log]
     summary.update(
         train_loss=result.training_loss,
