@@ -118,13 +118,14 @@ def test_with_trl_1_9_the_fused_head_trainers_refuse_by_name_and_the_others_impo
         assert f"hf_tree.trl.{name} refused: {trainer} replaces TRL's fused LM head" in out, out
 
 
-def test_sft_loss_type_adapts_trl_1_9s_default_and_refuses_untested_smoothing(monkeypatch):
+def test_sft_loss_type_adapts_trl_1_9s_default_and_refuses_untested_losses(monkeypatch):
     from hf_tree.trl.compat import sft_loss_type
 
     monkeypatch.setattr(trl, "__version__", "1.9.0")
     assert sft_loss_type("chunked_nll", 0.0) == "nll"  # TRL 1.9's default: nll on the trained tokens, in chunks
-    assert sft_loss_type("dft", 0.0) == "dft"
+    with pytest.raises(ValueError, match=r"loss_type='dft' with trl 1\.9\.0.*Set loss_type='nll'"):
+        sft_loss_type("dft", 0.0)
     with pytest.raises(ValueError, match=r"label_smoothing_factor=0\.1 with trl 1\.9\.0.*label_smoothing_factor=0\.0"):
         sft_loss_type("nll", 0.1)
     monkeypatch.setattr(trl, "__version__", "1.16.0")
-    assert sft_loss_type("nll", 0.1) == "nll"
+    assert sft_loss_type("nll", 0.1) == "nll" and sft_loss_type("dft", 0.0) == "dft"
