@@ -35,7 +35,9 @@ for run in files nodes; do
       "tests/test_reward.py::test_one_step_matches_trl[full-margin-centered]"
       tests/test_launch.py::test_no_arguments_is_the_offline_lora_default
       tests/test_launch.py::test_full_fine_tuning_run_in_process
-      tests/test_imports.py::test_the_core_trains_without_trl)
+      tests/test_imports.py::test_the_core_trains_without_trl
+      "tests/test_trl_cli.py::test_trl_script_parser_gets_the_tree_config[sft]"
+      "tests/test_trl_cli.py::test_trl_script_parser_gets_the_tree_config[reward]")
   fi
   set +e
   python -m pytest -q -p no:cacheprovider "${tests[@]}"
