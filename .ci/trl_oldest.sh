@@ -9,6 +9,7 @@ set -euo pipefail
 export CI="${CI:-true}"
 cd "$(dirname "$0")/.."
 venv="$(mktemp -d)/venv"
+trap 'rm -rf "$(dirname "$venv")"' EXIT  # ~2 GB
 python3 -m venv "$venv"
 . "$venv/bin/activate"
 python -m pip install --quiet --upgrade pip
