@@ -76,15 +76,14 @@ def load_smollm2_model(
 
     Each call loads a fresh model (~20-40 s on a busy 2-core CPU: GGUF parsing and dequantisation).
     ``GgufConfig(dequantize=True)`` makes it a plain dense model: without it transformers (5.23) leaves a
-    non-trainable GGUF quantizer attached (``is_quantized=True``) and ``Trainer`` refuses full fine-tuning.
+    non-trainable GGUF quantizer attached (``is_quantized=True``) and ``Trainer`` refuses full fine-tuning;
+    transformers 5.16, which has no ``GgufConfig``, always dequantises.
     """
     path = smollm2_gguf_path()
+    has_gguf_config = hasattr(transformers, "GgufConfig")
+    dense = {"quantization_config": transformers.GgufConfig(dequantize=True)} if has_gguf_config else {}
     return transformers.AutoModelForCausalLM.from_pretrained(
-        str(path.parent),
-        gguf_file=path.name,
-        dtype=dtype,
-        attn_implementation=attn_implementation,
-        quantization_config=transformers.GgufConfig(dequantize=True),
+        str(path.parent), gguf_file=path.name, dtype=dtype, attn_implementation=attn_implementation, **dense
     )
 
 

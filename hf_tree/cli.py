@@ -347,9 +347,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         os.environ[DEBUG_ENV] = "1"  # launched training processes inherit it
     with one_line_errors(f"hf-tree {args.command}"):
         if args.command in TRL_COMMANDS:
-            from trl.cli.commands.base import CommandContext
-
-            from hf_tree.trl.cli import TreeTrainingCommand
+            from hf_tree.trl.cli import CommandContext, TreeTrainingCommand  # hf_tree.trl names the fix without TRL
 
             raise SystemExit(TreeTrainingCommand(args.command).run(args, CommandContext(argv=argv)))
         if args.command == "train":

@@ -22,6 +22,9 @@ then CLI flags. The default job's LoRA layers apply to the offline model only, i
 
 from __future__ import annotations
 
+import hf_tree.trl  # noqa: F401  first: it names the fix when TRL is missing (this launcher trains TreeSFTTrainer)
+
+# isort: split
 import argparse
 import dataclasses
 import json
@@ -79,6 +82,7 @@ from hf_tree.data.sources import (
 )
 from hf_tree.data.synthetic_agent import MAIN_JOB_CONVERSATIONS, MAIN_JOB_OPTIONS
 from hf_tree.stats import plan_rows
+from hf_tree.training_arguments import CHECKPOINTING
 from hf_tree.tree import dedup_ratio
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
 
@@ -155,7 +159,7 @@ DEFAULT_RUN: dict[str, Any] = {
     "logging_steps": 4,
     "save_strategy": "no",
     "report_to": "none",
-    "activation_checkpointing": False,  # TRL's SFTConfig sets the deprecated gradient_checkpointing=True
+    CHECKPOINTING: False,  # TRL's SFTConfig sets gradient_checkpointing=True
     "max_packed_tokens": 4096,
     "max_length": None,  # no per-sample limit below the row capacity
     "seed": 0,
@@ -228,10 +232,11 @@ def parse_arguments(argv: list[str]) -> tuple[ModelConfig, DataArguments, LoraLa
     cuda = torch.cuda.is_available()
     defaults = {"output_dir": "outputs/tree-sft", "bf16": cuda, "dataloader_pin_memory": cuda}
     if os.environ.get("FSDP_ACTIVATION_CHECKPOINTING", "false").lower() == "true":  # set by accelerate launch
-        defaults["activation_checkpointing"] = False
+        defaults[CHECKPOINTING] = False
     config = {**defaults, **specific, **config, "model_name_or_path": model, "dataset_name": dataset}
-    if "gradient_checkpointing" in config or "--gradient_checkpointing" in [a.split("=")[0] for a in rest]:
-        config.pop("activation_checkpointing")  # the deprecated name counts only while the new one is unset
+    old_name_given = "gradient_checkpointing" in config or "--gradient_checkpointing" in [a.split("=")[0] for a in rest]
+    if CHECKPOINTING != "gradient_checkpointing" and old_name_given:
+        config.pop(CHECKPOINTING)  # the deprecated name counts only while the new one is unset
     parser.set_defaults(**config)
     *parsed, unknown = parser.parse_args_into_dataclasses(args=rest, return_remaining_strings=True)
     if unknown:
@@ -511,8 +516,9 @@ def train_and_summarize(trainer: TreeSFTTrainer, evaluation: datasets.Dataset | 
             announce_evaluation(len(evaluation), "after training")
         summary["eval_loss"] = trainer.evaluate()["eval_loss"]
     # The last step that needs the other processes: end the trackers and the process group (on gloo a group left
-    # alive at interpreter exit can abort the process after a finished run: docs/training.md, clean exit).
-    trainer.end()
+    # alive at interpreter exit can abort the process after a finished run: docs/training.md, clean exit). What
+    # Trainer.end() does; transformers 5.16 has no Trainer.end.
+    trainer.accelerator.end_training()
     tree_logs = [log for log in trainer.state.log_history if "tree_tokens_per_second" in log]
     summary.update(
         train_loss=result.training_loss,

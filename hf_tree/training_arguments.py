@@ -7,6 +7,7 @@ tree batches. The table in docs/training.md lists every field; tests/test_traini
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from typing import Any
 
@@ -15,6 +16,12 @@ from transformers import TrainingArguments
 
 logger = logging.getLogger("hf_tree")
 
+# The switch of activation checkpointing: transformers 5.16 names it gradient_checkpointing; later releases
+# activation_checkpointing, the old name a deprecated alias that counts only while the new one is unset.
+CHECKPOINTING = next(
+    (f.name for f in dataclasses.fields(TrainingArguments) if f.name == "activation_checkpointing"),
+    "gradient_checkpointing",
+)
 # Samplers that order rows by a length: Trainer infers it from an ``input_ids`` column, which tree rows lack.
 LENGTH_SAMPLING_STRATEGIES = ("group_by_length", "batch_rebalance")
 

@@ -9,6 +9,7 @@ under the names the tests use.
 
 from __future__ import annotations
 
+import importlib.metadata
 import importlib.resources
 import json
 import os
@@ -50,6 +51,7 @@ from hf_tree.testing import (  # noqa: F401  (re-exported: the oracle, see hf_tr
     tiny_model,
 )
 from hf_tree.testing import own_attention_name as own_attention  # noqa: F401  (a name: "sdpa" or "eager")
+from hf_tree.versions import FUSED_HEAD_TRL, is_tested, pip_range
 
 # The gradient measures under the names the tests use: ``hf_tree.testing.max_grad_error`` with the float64 floor,
 # with the floor of float32 internals (hybrids), and per tensor against its own norm (state dicts, saved files).
@@ -183,6 +185,13 @@ TRL_TOLERANCE = 1e-9
 # rows (TRL: every position of the padded batch; tree: the scored ones). TRL itself moves by ~3e-8 when only its
 # padding changes (pad_to_multiple_of); a missing, doubled or misplaced token changes updates by > 1e-3.
 TRL_STEP_TOLERANCE = 1e-6
+# Tests of what is built on TRL's fused LM head (GRPO, RLOO, DPO, KTO, the tree fused head) skip, saying why, where an
+# older TRL of the supported range is installed (.ci/trl_oldest.sh runs TRL 1.9, which has no fused head).
+needs_fused_head_trl = pytest.mark.skipif(
+    not is_tested(importlib.metadata.version("trl"), FUSED_HEAD_TRL),
+    reason=f"needs {pip_range(FUSED_HEAD_TRL)} (TRL's fused LM head); trl {importlib.metadata.version('trl')} is "
+    "installed",
+)
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:

@@ -326,3 +326,88 @@ def test_text_trainer_imports_no_vision_module():
     assert "hf_tree.batch_inputs" in reached and "hf_tree.depth_first_runner" in reached  # the closure is followed
     vision = sorted(name for name in reached if name == "hf_tree.vision" or name.startswith("hf_tree.vision."))
     assert not vision, f"hf_tree.trainer imports {vision}; let hf_tree.vision register its hooks instead."
+
+
+# ------------------------------------------------------------------------------------ the core without TRL (issue 51)
+# TRL is the `trl` extra: the core (trees, collator, tree_flash, TreeTrainer, the data builders) imports none of it,
+# so hf_tree installs beside a framework that pins another TRL. Only hf_tree.trl (the TRL trainers) and the launcher
+# (which trains TreeSFTTrainer) may import TRL at module level.
+MAY_IMPORT_TRL = ("hf_tree.trl", "hf_tree.launcher")
+
+
+def module_level_trl_imports() -> list[str]:
+    """hf_tree's modules outside ``MAY_IMPORT_TRL`` that import ``trl`` at module level."""
+    found = []
+    for path in sorted(PACKAGE_DIR.rglob("*.py")):
+        module = _module_name(path)
+        if module.startswith(MAY_IMPORT_TRL):
+            continue
+        pending: list[ast.stmt] = list(ast.parse(path.read_text()).body)
+        while pending:
+            node = pending.pop()
+            if isinstance(node, ast.If | ast.Try | ast.With | ast.ExceptHandler):
+                pending.extend(ast.iter_child_nodes(node))
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom) and not node.level:
+                names = [node.module or ""]
+            if any(name == "trl" or name.startswith("trl.") for name in names):
+                found.append(module)
+    return found
+
+
+def test_the_core_imports_no_trl_at_module_level():
+    found = module_level_trl_imports()
+    assert not found, (
+        f"{found} import trl at module level: the core must install and run without TRL (the trl extra). Import it "
+        "inside the function that needs it, or move the code into hf_tree.trl."
+    )
+
+
+# A fresh interpreter in which `import trl` fails as it does where TRL is not installed: TreeTrainer trains one SGD step
+# of a tiny float64 Llama on two trees, its loss that of the branches run one by one (each shared token computed once
+# in the tree); nothing imported TRL, and the TRL trainers refuse with the fix.
+WITHOUT_TRL = """
+import importlib.abc, sys
+
+class NoTRL(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name == "trl" or name.startswith("trl."):
+            raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+sys.meta_path.insert(0, NoTRL())
+import tempfile
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from hf_tree import Tree, TreeTrainer
+from hf_tree.trainer import TreeTrainingArguments
+
+torch.manual_seed(0)
+config = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=2, max_position_embeddings=64)
+model = LlamaForCausalLM(config).to(torch.float64)
+groups = [[[5, 6, 7, 8, 9], [5, 6, 7, 10, 11, 12]], [[13, 14, 15], [13, 16, 17, 18]]]
+rows = [Tree.from_sequences(branches).to_dict() for branches in groups]
+with torch.no_grad():  # the oracle: every branch alone, token loss over all trained tokens of the step
+    losses = [model(torch.tensor([b]), labels=torch.tensor([b])).loss * (len(b) - 1) for g in groups for b in g]
+    expected = float(sum(losses) / sum(len(b) - 1 for g in groups for b in g))
+with tempfile.TemporaryDirectory() as out:
+    args = TreeTrainingArguments(output_dir=out, max_steps=1, per_device_train_batch_size=2, learning_rate=0.1,
+                                 optim="sgd", logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
+                                 max_packed_tokens=32, disable_tqdm=True)
+    trainer = TreeTrainer(model=model, args=args, train_dataset=rows)
+    trainer.train()
+loss = trainer.state.log_history[0]["loss"]
+assert abs(loss - expected) <= 1e-6 * expected, (loss, expected)
+assert not [m for m in sys.modules if m == "trl" or m.startswith("trl.")]
+try:
+    import hf_tree.trl.sft
+except ImportError as error:
+    print("refused:", error)
+"""
+
+
+@pytest.mark.slow  # a fresh interpreter importing torch, transformers and Trainer, training a step (~12 s)
+def test_the_core_trains_without_trl():
+    output = run_fresh(WITHOUT_TRL)
+    assert "refused: hf_tree's TRL trainers cannot run without TRL, which is not installed" in output, output
+    assert "pip install 'hf_tree[trl]'" in output, output

@@ -23,6 +23,7 @@ from tests.helpers import (
     float64_norms,
     grads_of,
     max_grad_relative_error,
+    needs_fused_head_trl,
     per_branch_loss,
     relative_error,
     tiny_model,
@@ -290,6 +291,7 @@ def test_head_with_a_transform_before_the_vocabulary_projection_is_refused():
         tree_causal_lm_loss(model, batch)
 
 
+@needs_fused_head_trl
 @pytest.mark.parametrize("family", sorted(SCALED_HEADS))
 def test_trl_log_prob_head_applies_the_models_logit_scaling(family):
     """The tree fused log-prob head against TRL's own fused head on the same weights (own attention)."""

@@ -84,6 +84,18 @@ def _tokenizer(template: str):
     return tokenizer
 
 
+def skip_where_assistant_masks_overrun(template: str) -> None:
+    """Skip where transformers' ``return_assistant_tokens_mask`` runs past a ``{% generation %}`` span that ends on
+    whitespace the pre-tokenizer strips (transformers#47325, fixed after 5.16.1: there the next user turn of these
+    templates is marked as assistant tokens, so TRL's ``assistant_only_loss`` and hf_tree's 'conversation' branches,
+    which read that mask, train it, and 'per_turn' differs from them)."""
+    tokenizer = _tokenizer(template)
+    encoded = tokenizer.apply_chat_template(ROWS[0], return_dict=True, return_assistant_tokens_mask=True)
+    trained = tokenizer.decode([t for t, m in zip(encoded["input_ids"], encoded["assistant_masks"]) if m]).split()
+    if "w12" in trained:  # the second user turn
+        pytest.skip("transformers' assistant mask runs past a generation span ending on stripped whitespace (#47325)")
+
+
 def _dataset() -> datasets.Dataset:
     return datasets.Dataset.from_list([{"messages": m} for m in ROWS])
 
@@ -143,6 +155,8 @@ def test_default_messages_branches_train_trls_objective(path, trl_runs, template
 def test_per_turn_branches_equal_trl_only_without_history_rewriting(path, trl_runs, template):
     """'per_turn' trains each assistant turn once in the context of its own turn: TRL's assistant_only_loss=True
     objective when the template renders earlier turns unchanged, a different one when it rewrites them."""
+    if template == "plain":
+        skip_where_assistant_masks_overrun(PLAIN)
     trl, trl_updates = trl_runs(template, True)
     tree, tree_updates = _run(
         TreeSFTTrainer,
@@ -198,6 +212,7 @@ def test_max_length_is_validated_as_the_depth_first_branch_limit():
 
 def test_conversation_branch_is_trls_tokenization():
     """One rendering: the template's tokens, all trained or only the {% generation %} tokens."""
+    skip_where_assistant_masks_overrun(REWRITING)
     tokenizer = _tokenizer(REWRITING)
     messages = ROWS[0]
     encoded = tokenizer.apply_chat_template(

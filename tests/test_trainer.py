@@ -14,6 +14,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from hf_tree import Tree, TreeDataCollator
 from hf_tree.trainer import STEP_SUM_KEYS, TreeTrainer, TreeTrainingArguments, use_tree_attention
+from hf_tree.training_arguments import CHECKPOINTING
 from tests.helpers import (
     VOCAB,
     branch_loss_func,
@@ -208,7 +209,7 @@ def test_gradient_checkpointing_gives_the_same_update(tmp_path):
     with float64_norms():
         plain, _ = train_tree(tmp_path / "a", groups, "token", batch_size=2, accumulation=1)
         checkpointed, _ = train_tree(
-            tmp_path / "b", groups, "token", batch_size=2, accumulation=1, activation_checkpointing=True
+            tmp_path / "b", groups, "token", batch_size=2, accumulation=1, **{CHECKPOINTING: True}
         )
     assert max_param_relative_error(checkpointed, plain) <= TOLERANCE
 

@@ -30,7 +30,6 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import datasets
-from trl.data_utils import extract_prompt
 
 from hf_tree.builders.dataset import detect_format
 
@@ -163,6 +162,8 @@ def to_builder_rows(records: Sequence[Mapping[str, Any]], where: str = "records"
                 row["tools"] = json.dumps(row["tools"])
         elif user_format == "preference":
             if "prompt" not in record:
+                from trl.data_utils import extract_prompt  # TRL's split of an implicit prompt (the trl extra)
+
                 row.update(extract_prompt({"chosen": record["chosen"], "rejected": record["rejected"]}))
             row["prompt"] = _prompt(row["prompt"], at)
             row["completions"] = [_completion(row.pop("chosen"), at), _completion(row.pop("rejected"), at)]

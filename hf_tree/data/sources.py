@@ -343,7 +343,7 @@ def load_tree_rows(
     )
     if is_tree_dataset(rows):
         return LoadedTrees(rows)
-    from hf_tree.vision.sft import is_vision_dataset  # here: it imports TRL, which reading tree rows never needs
+    from hf_tree.vision.sft import is_vision_dataset  # here: reading tree rows never needs the vision builders
 
     if is_vision_dataset(rows):  # the text builders would drop the images
         raise ValueError(

@@ -104,17 +104,21 @@ def gathered_head(head: torch.nn.Module) -> contextlib.AbstractContextManager:
     """The head's weight (and bias) whole for a read outside its module's forward, as TRL's fused head reads it.
 
     Under DeepSpeed ZeRO-3 every parameter is an empty shard outside its module's forward; the tree loss and log-prob
-    heads apply ``head.weight`` to gathered hidden states themselves, so they gather it for the duration (TRL's
-    ``maybe_gather_lm_head_ctx``: a null context without ZeRO-3 or when the weight is already whole, e.g. tied to the
-    embeddings). Gradients computed inside reach ZeRO-3's reduction as a whole-parameter gradient.
+    heads apply ``head.weight`` to gathered hidden states themselves, so they gather it for the duration (as TRL's
+    ``maybe_gather_lm_head_ctx``, without needing TRL: a null context without ZeRO-3 or when the weight is already
+    whole, e.g. tied to the embeddings, whose active-submodule tracking a re-partition on exit would break). Gradients
+    computed inside reach ZeRO-3's reduction as a whole-parameter gradient.
     """
     from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-    if not is_deepspeed_zero3_enabled():  # checked first: TRL's trainer utilities are not imported otherwise
+    if not is_deepspeed_zero3_enabled():
         return contextlib.nullcontext()
-    from trl.trainer.utils import maybe_gather_lm_head_ctx
+    import deepspeed
+    from deepspeed.runtime.zero.partition_parameters import ZeroParamStatus
 
-    return maybe_gather_lm_head_ctx(head.weight, getattr(head, "bias", None))
+    params = (head.weight, getattr(head, "bias", None))
+    partitioned = [p for p in params if p is not None and p.ds_status != ZeroParamStatus.AVAILABLE]
+    return deepspeed.zero.GatheredParameters(partitioned) if partitioned else contextlib.nullcontext()
 
 
 def forward_then_score(

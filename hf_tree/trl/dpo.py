@@ -20,6 +20,9 @@ from trl import DPOConfig, DPOTrainer
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.arguments import InBatchMergeArguments, TreeLogProbArguments
 from hf_tree.trl.preference_logprobs import TreePreferenceLogProbsMixin
+from hf_tree.versions import require_tested_trl
+
+require_tested_trl("TreeDPOTrainer")  # the TRL versions its overrides were tested with (hf_tree.versions)
 
 # Per-token fields TRL's DPO reads from the policy's fused head (``DPOTrainer.__init__``); the reference needs only
 # ``log_probs``.

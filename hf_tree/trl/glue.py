@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
-from trl.trainer.utils import FusedCausalLMOutput, get_config_model_id
+from trl.trainer.utils import get_config_model_id
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
 from hf_tree.models.check import check_model_for_trees, self_check_setting
@@ -22,12 +22,13 @@ from hf_tree.models.check_guard import keep_training_kernels
 from hf_tree.models.introspection import causal_lm_of
 from hf_tree.packing import check_max_packed_tokens
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
+from hf_tree.trl.compat import fused_causal_lm_output
 from hf_tree.trl.logprobs import FUSED_OUTPUTS, layout_scored_rows, scatter_to_rows, tree_token_log_probs
 from hf_tree.trl.tree_forward import TreeForward
 from hf_tree.versions import require_tested_trl
 from hf_tree.vision.rows import ROW_FAMILIES, ROW_IMAGE_INPUTS, RowMedia
 
-require_tested_trl()  # TRL internals below (FusedCausalLMOutput, the fused_lm_head call contract) change between minors
+require_tested_trl()  # TRL internals below (the fused_lm_head call contract) change between minors: hf_tree.trl.compat
 # Inputs of a fused-head call that are ignored (``None`` values, e.g. from PEFT's forward, are ignored too).
 IGNORED_INPUTS = ("use_cache", "return_dict")
 logger = logging.getLogger("hf_tree")
@@ -134,7 +135,7 @@ class TreeFusedHead(TreeForward):
         tokens_per_forward: int | None,
         router_chunk_rows: int | None,
         other_inputs: dict[str, Any],
-    ) -> FusedCausalLMOutput:
+    ) -> Any:  # TRL's FusedCausalLMOutput
         settings = self.settings
         output_router_logits = bool(other_inputs.pop("output_router_logits", False))
         media = RowMedia.from_rows(model, input_ids, other_inputs)  # takes the image inputs out of other_inputs
@@ -188,7 +189,7 @@ class TreeFusedHead(TreeForward):
         loss = -per_token["log_probs"].sum() / divisor
         if aux_loss is not None:  # as TRL's fused head: plus the config's coefficient times the router loss
             loss = loss + getattr(model.config.get_text_config(), "router_aux_loss_coef", 0.0) * aux_loss
-        return FusedCausalLMOutput(loss=loss, label_mask=label_mask, aux_loss=aux_loss, **per_token)
+        return fused_causal_lm_output(loss=loss, label_mask=label_mask, aux_loss=aux_loss, **per_token)
 
 
 def add_tree_fused_lm_head(

@@ -34,7 +34,6 @@ from typing import Any
 import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import (
-    DummyLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionAndFullAttentionLayer,
@@ -50,13 +49,18 @@ logger = logging.getLogger("hf_tree")
 # Layers whose every state is indexed by batch row and expanded exactly by ``reorder_cache`` (index_select on dim 0);
 # ``DummyLayer`` (a layer without a token mixer, e.g. Nemotron-H's MLP layers) holds nothing.
 EXPANDABLE_LAYERS = (
-    DummyLayer,
     DynamicLayer,
     DynamicSlidingWindowLayer,
     LinearAttentionLayer,
     LinearAttentionAndFullAttentionLayer,
     LinearAttentionAndSlidingWindowAttentionLayer,
 )
+try:  # transformers 5.16 has no DummyLayer (its caches hold no layer without a token mixer)
+    from transformers.cache_utils import DummyLayer
+
+    EXPANDABLE_LAYERS += (DummyLayer,)
+except ImportError:
+    pass
 
 
 PREFILL_SAVED_METRIC = "tree/prefill_tokens_saved"

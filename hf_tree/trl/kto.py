@@ -23,6 +23,9 @@ from trl import KTOConfig, KTOTrainer
 from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.arguments import InBatchMergeArguments, TreeLogProbArguments
 from hf_tree.trl.preference_logprobs import TreePreferenceLogProbsMixin
+from hf_tree.versions import require_tested_trl
+
+require_tested_trl("TreeKTOTrainer")  # the TRL versions its overrides were tested with (hf_tree.versions)
 
 
 @dataclass

@@ -36,7 +36,6 @@ import numpy as np
 import torch
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
-from trl.kernels import ChunkedLogProbFunction
 
 from hf_tree.models.head import LogitHead, detect_logit_head, gathered_head
 from hf_tree.models.introspection import backbone_of
@@ -44,9 +43,8 @@ from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import tree_router_loss
 from hf_tree.packing import PackingStats, pack_and_place
 from hf_tree.tree import Tree
-from hf_tree.versions import require_tested_trl
+from hf_tree.trl.compat import chunked_log_prob_function
 
-require_tested_trl()  # TRL's ChunkedLogProbFunction (the kernel below) changes between minors
 # Vocabulary tile of TRL's fused head (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``): the same tiling keeps the
 # float32 online-logsumexp of the kernel bit-compatible with TRL's.
 VOCAB_CHUNK_SIZE = 32768
@@ -302,7 +300,7 @@ def fused_head_values(
     # reduce-scatters the root's parameters once; a second piece arriving later stayed local to each rank). Under
     # ZeRO-3 the head is gathered for the call, as TRL's head does (the kernel gathers it again in its backward).
     with autocast, gathered_head(head):
-        kernel_values = ChunkedLogProbFunction.apply(
+        kernel_values = chunked_log_prob_function().apply(
             hidden,
             weight,
             bias,

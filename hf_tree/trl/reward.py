@@ -28,6 +28,9 @@ from hf_tree.saving import FSDPFullSaveMixin
 from hf_tree.trl.arguments import InBatchMergeArguments, TreeTRLArguments, deprecated_switch_field
 from hf_tree.trl.glue import log_tree_stats, prepare_trl_args
 from hf_tree.trl.reward_head import TreeRewardForward, add_tree_reward_forward
+from hf_tree.versions import require_tested_trl
+
+require_tested_trl("TreeRewardTrainer")  # the TRL versions its overrides were tested with (hf_tree.versions)
 
 
 @dataclass

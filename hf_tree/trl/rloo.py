@@ -23,6 +23,9 @@ from hf_tree.trl.glue import prepare_trl_args
 from hf_tree.trl.group_generation import GroupPrefillGenerationMixin
 from hf_tree.trl.rollout_logprobs import TreeRolloutLogProbsMixin
 from hf_tree.trl.shared_prompts import TreeRolloutArguments
+from hf_tree.versions import require_tested_trl
+
+require_tested_trl("TreeRLOOTrainer")  # the TRL versions its overrides were tested with (hf_tree.versions)
 
 
 @dataclass

@@ -48,11 +48,12 @@ from hf_tree.sft_losses import sft_token_loss
 from hf_tree.sft_metrics import MeteredTokenLoss
 from hf_tree.trainer import STEP_SUM_KEYS, TreeTrainerMixin
 from hf_tree.tree import Tree
+from hf_tree.trl.compat import sft_loss_type
 from hf_tree.versions import require_tested_trl
 from hf_tree.vision.forward import vision_family
 from hf_tree.vision.sft import is_vision_dataset, prepare_vision_sft
 
-require_tested_trl()  # TreeSFTTrainer overrides SFTTrainer._prepare_dataset
+require_tested_trl("TreeSFTTrainer")  # TreeSFTTrainer overrides SFTTrainer._prepare_dataset
 logger = logging.getLogger("hf_tree")
 
 
@@ -125,7 +126,7 @@ class TreeSFTConfig(TreeArguments, SFTConfig):
                 f"padding_free=True cannot apply: {why} padding-free batches (whose flattened sequences cannot "
                 "share prefixes); set padding_free=False."
             )
-        sft_token_loss(self.loss_type, self.label_smoothing_factor)  # validates both
+        sft_token_loss(sft_loss_type(self.loss_type, self.label_smoothing_factor), self.label_smoothing_factor)
         if self.batch_unit not in BATCH_UNITS:
             raise ValueError(f"batch_unit={self.batch_unit!r} must be one of {BATCH_UNITS}.")
         if self.batch_unit == "rows" and self.train_sampling_strategy not in ("random", "sequential"):
@@ -302,7 +303,8 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
         return args
 
     def _init_tree_training(self) -> None:
-        self.tree_token_loss = sft_token_loss(self.args.loss_type, self.args.label_smoothing_factor)
+        loss_type = sft_loss_type(self.args.loss_type, self.args.label_smoothing_factor)  # TRL 1.9's: compat
+        self.tree_token_loss = sft_token_loss(loss_type, self.args.label_smoothing_factor)
         # TRL's entropy / mean_token_accuracy count each branch's trained tokens: the edge weights under "token"
         self.tree_token_metrics = None
         if self.args.normalization == "token":

@@ -18,8 +18,6 @@ from typing import Any
 
 import datasets
 from transformers import ProcessorMixin
-from trl.chat_template_utils import get_training_chat_template, has_generation_markers
-from trl.data_utils import prepare_multimodal_messages
 
 from hf_tree.builders.chat import conversation_branch, conversation_branches
 from hf_tree.packing import packed_fallback
@@ -81,6 +79,8 @@ class ProcessorTemplate:
 
 def row_messages(row: dict[str, Any]) -> list[dict]:
     """The row's messages with its images in their image parts (TRL's ``prepare_multimodal_messages``)."""
+    from trl.data_utils import prepare_multimodal_messages  # here: is_vision_dataset and the core need no TRL
+
     images = row.get("images") if "images" in row else ([row["image"]] if row.get("image") is not None else [])
     return prepare_multimodal_messages(row["messages"], images=images or None)
 
@@ -182,6 +182,8 @@ def image_lengths(messages: list[dict], processor: ProcessorMixin, ids: list[int
 def training_chat_template(processor: ProcessorMixin, assistant_only_loss: bool) -> str | None:
     """TRL's ``SFTTrainer.chat_template``: its training template (``{% generation %}`` markers) when
     ``assistant_only_loss`` needs one and the processor's own template lacks them, else ``None``."""
+    from trl.chat_template_utils import get_training_chat_template, has_generation_markers
+
     if assistant_only_loss and not has_generation_markers(processor.chat_template):
         return get_training_chat_template(processor)
     return None
