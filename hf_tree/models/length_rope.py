@@ -24,7 +24,6 @@ from typing import Any
 import datasets
 import torch
 
-from hf_tree.dataset_drops import branch_lengths_by_row
 from hf_tree.packing import PackingConfig
 
 # HunYuan's rotary turns "dynamic" with a fixed ``alpha`` into static NTK-alpha frequencies: no switch.
@@ -123,6 +122,8 @@ def check_rope_lengths(config: Any, position_ids: torch.Tensor, where: str = "th
 
 def _longest_dataset_branch(dataset: datasets.Dataset) -> int:
     """The longest branch (tokens) of a dataset of ``Tree.to_dict()`` rows, read column-wise from Arrow."""
+    from hf_tree.dataset_drops import branch_lengths_by_row  # a trainer-level module: models sit below it
+
     return max((max(lengths, default=0) for (lengths,) in branch_lengths_by_row(dataset)), default=0)
 
 
