@@ -498,8 +498,9 @@ def train_and_summarize(trainer: TreeSFTTrainer, evaluation: datasets.Dataset | 
     """Train, save (checked on the main process), evaluate the held-out rows and end the run's process group.
 
     Returns ``train_loss``, ``train_runtime`` (Trainer's clock, the evaluations inside ``train()`` included),
-    ``train_eval_seconds`` (those evaluations), the mean ``tree_tokens_per_second`` and ``branch_tokens_per_second``
-    of the training logs, and with held-out rows ``eval_loss_before`` and ``eval_loss``.
+    ``train_eval_seconds`` (those evaluations), the mean ``tree_tokens_per_second``, ``branch_tokens_per_second`` and
+    ``train_dedup_ratio`` (the micro-batches as trained: each one's rows merged into one trie) of the training logs,
+    and with held-out rows ``eval_loss_before`` and ``eval_loss``.
     """
     config = trainer.args
     main_process = trainer.is_world_process_zero()
@@ -524,6 +525,7 @@ def train_and_summarize(trainer: TreeSFTTrainer, evaluation: datasets.Dataset | 
         train_loss=result.training_loss,
         tree_tokens_per_second=sum(x["tree_tokens_per_second"] for x in tree_logs) / max(len(tree_logs), 1),
         branch_tokens_per_second=sum(x["branch_tokens_per_second"] for x in tree_logs) / max(len(tree_logs), 1),
+        train_dedup_ratio=sum(x["dedup_ratio"] for x in tree_logs) / max(len(tree_logs), 1),
         train_runtime=result.metrics["train_runtime"],
         train_eval_seconds=sum(log["eval_runtime"] for log in eval_logs),
     )
@@ -551,7 +553,8 @@ def report_run(
     print(
         f"hf_tree: trained {trainer.state.global_step} steps: train_runtime {summary['train_runtime']:.0f} s{during}; "
         f"{summary['tree_tokens_per_second']:.0f} tree tokens/s = {summary['branch_tokens_per_second']:.0f} "
-        f"branch tokens/s (what per-branch training would have to process); {'LoRA adapter' if peft else 'model'} "
+        f"branch tokens/s (what per-branch training would have to process; dedup in training "
+        f"{summary['train_dedup_ratio']:.2f}, each micro-batch's rows merged); {'LoRA adapter' if peft else 'model'} "
         f"saved to {os.path.abspath(output_dir)}; {summary['total_seconds']:.0f} s in all (loading, training, "
         "evaluation, saving)",
         flush=True,
