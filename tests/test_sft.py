@@ -435,11 +435,12 @@ def test_short_last_step_trains_as_trl(tmp_path, tokenizer):
 def test_swapped_epoch_has_trls_optimizer_steps(tmp_path, tokenizer):
     rows = [{"prompt": f"Question {q}?", "completion": f" answer {a}."} for q in range(5) for a in range(4)]
     dataset = datasets.Dataset.from_list(rows)
-    # 20 rows at batch 4: TRL's 5 steps; batch_unit="trees" (the explicit tree unit): 4 trees (16 rows) per batch
+    # 20 rows at batch 4: TRL's 5 steps; batch_unit="trees" (the explicit tree unit) over trees grouped by prompt (asked
+    # for: one tree per row is the default): 4 trees (16 rows) per batch
     for cls, config, extra, steps in (
         (SFTTrainer, SFTConfig, {}, 5),
         (TreeSFTTrainer, TreeSFTConfig, {}, 5),
-        (TreeSFTTrainer, TreeSFTConfig, {"batch_unit": "trees"}, 2),
+        (TreeSFTTrainer, TreeSFTConfig, {"batch_unit": "trees", "group_by": GROUP_BY_PROMPT_TOKENS}, 2),
     ):
         args = config(
             output_dir=str(tmp_path / cls.__name__),
