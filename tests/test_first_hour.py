@@ -89,6 +89,10 @@ def test_a_hub_id_the_hub_does_not_give_names_the_local_path_too(tmp_path):
 
 
 def test_hf_tree_sft_refuses_a_missing_local_dataset_before_launching(tmp_path, monkeypatch):
+    import trl
+
+    for kind in ("Config", "Trainer"):  # the command swaps the tree classes into trl: monkeypatch restores TRL's
+        monkeypatch.setattr(trl, "SFT" + kind, getattr(trl, "SFT" + kind))
     monkeypatch.chdir(tmp_path)
     argv = ["sft", "--model_name_or_path", "unused", "--dataset_name", "./missing", "--bf16", "False"]
     with pytest.raises(SystemExit, match=r"^hf-tree sft: data './missing' does not exist \(no such file or folder"):
