@@ -368,9 +368,15 @@ def test_cuda_rule_picks_varlen_for_long_segments_else_flash_attn_or_flex(monkey
     assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads, strict=True))
 
 
-def test_varlen_is_a_forceable_backend(monkeypatch):
-    monkeypatch.setenv("HF_TREE_ATTENTION_BACKEND", "varlen")
-    assert select_backend(torch.device("cuda")) == "varlen" and ENGINES["varlen"] is torch_varlen_tree_attention
+@pytest.mark.parametrize(
+    "backend, engine",
+    [("varlen", torch_varlen_tree_attention), ("flash_attn", flash_module.flash_tree_attention)],
+    ids=["varlen", "flash_attn"],
+)
+def test_cuda_varlen_engines_are_forceable_backends(monkeypatch, backend, engine):
+    """``HF_TREE_ATTENTION_BACKEND`` forces either CUDA varlen engine; unset, CUDA takes the auto rule's engine."""
+    monkeypatch.setenv("HF_TREE_ATTENTION_BACKEND", backend)
+    assert select_backend(torch.device("cuda")) == backend and ENGINES[backend] is engine
     monkeypatch.delenv("HF_TREE_ATTENTION_BACKEND")
     assert ENGINES[select_backend(torch.device("cuda"))] is cuda_tree_attention
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_tree.attention import ENGINES, TreeAttentionOptions, dense_tree_mask, reference_tree_attention, select_backend
+from hf_tree.attention import TreeAttentionOptions, dense_tree_mask, reference_tree_attention
 from hf_tree.attention import flash as flash_module
 from hf_tree.attention.cuda import cuda_tree_attention
 from hf_tree.attention.flash import (
@@ -142,13 +142,6 @@ def test_cuda_engine_runs_flash_where_it_is_exact_else_flex(monkeypatch):
     out, grads = run(cuda_tree_attention, q, k, v, kv_end, position_ids, **options)
     assert relative_error(out, ref_out) <= TOLERANCE
     assert all(relative_error(g, r) <= TOLERANCE for g, r in zip(grads, ref_grads, strict=True))
-
-
-def test_flash_attn_is_a_forceable_backend(monkeypatch):
-    monkeypatch.setenv("HF_TREE_ATTENTION_BACKEND", "flash_attn")
-    assert select_backend(torch.device("cuda")) == "flash_attn" and ENGINES["flash_attn"] is flash_tree_attention
-    monkeypatch.delenv("HF_TREE_ATTENTION_BACKEND")
-    assert ENGINES[select_backend(torch.device("cuda"))] is cuda_tree_attention
 
 
 @pytest.mark.gpu
