@@ -95,10 +95,11 @@ def _training_config(args: argparse.Namespace):
 
 
 def _load(args: argparse.Namespace):
-    """(trees, drop counts by reason, the training config) of the DATA argument: the trees ``hf-tree sft`` trains
-    with the same flags (``hf_tree.sft_stats``); the tokenizer is loaded only if DATA needs it."""
+    """(trees, drop counts by reason, the training config, the trainer's micro-batching or None with
+    --trees_per_batch) of the DATA argument: the trees ``hf-tree sft`` trains with the same flags and how it deals
+    them (``hf_tree.sft_stats``); the tokenizer is loaded only if DATA needs it."""
     from hf_tree.data.sources import load_tree_rows, tree_rows_summary  # the resolver launch/train.py uses too
-    from hf_tree.sft_stats import sft_tree_rows
+    from hf_tree.sft_stats import sft_tree_rows, trainer_batching
 
     if args.data and args.dataset_name and args.data != args.dataset_name:
         raise ValueError("pass the data once: DATA or --dataset_name.")
@@ -106,6 +107,12 @@ def _load(args: argparse.Namespace):
     if args.data is None:
         raise ValueError("no data: pass DATA (or --dataset_name), e.g. `hf-tree stats train.jsonl`.")
     config = _training_config(args)
+    slots: list[list[int] | None] = [None]  # the trainer's tree_row_slots (rows that train nothing keep a slot)
+
+    def build(rows, tokenizer, template):
+        trees, stats, slots[0] = sft_tree_rows(rows, tokenizer, template, config)
+        return trees, stats
+
     loaded = load_tree_rows(
         args.data,
         lambda: _load_tokenizer(args.tokenizer),
@@ -114,12 +121,13 @@ def _load(args: argparse.Namespace):
         limit=args.limit,
         split=args.dataset_train_split,
         dataset_config=args.dataset_config,
-        build=lambda rows, tokenizer, template: sft_tree_rows(rows, tokenizer, template, config),
+        build=build,
     )
     if getattr(args, "save_trees", None):
         loaded.trees.save_to_disk(args.save_trees)
     trees = [Tree.from_dict(row, row=i) for i, row in enumerate(loaded.trees)]
-    return trees, tree_rows_summary(loaded), config
+    batching = None if args.trees_per_batch is not None else trainer_batching(config, slots[0])
+    return trees, tree_rows_summary(loaded), config, batching
 
 
 # Fields of TreeSFTConfig that decide which trees train and how they are batched: the flags of `hf-tree stats` (with
@@ -151,19 +159,12 @@ def _bool(text: str) -> bool:
     return string_to_bool(text)
 
 
-def _batching(args: argparse.Namespace, config):
-    """The trainer's micro-batches (``TrainerBatching``), or None with --trees_per_batch."""
-    from hf_tree.sft_stats import trainer_batching
-
-    return None if args.trees_per_batch is not None else trainer_batching(config)
-
-
 def _stats(args: argparse.Namespace) -> None:
     """Print what tree packing saves on DATA and what packing at --max-packed-tokens does in hf-tree sft's
     micro-batches."""
     from hf_tree.stats import ModelShape, compute_stats, format_report
 
-    trees, dropped, config = _load(args)
+    trees, dropped, config, batching = _load(args)
     if args.tokenizer == DEFAULT_TOKENIZER:
         shape, source = ModelShape(), "SmolLM2-135M-Instruct's shape (the offline default)"
     else:
@@ -174,7 +175,7 @@ def _stats(args: argparse.Namespace) -> None:
         stats = compute_stats(
             trees,
             config.packing_config(),
-            batching=_batching(args, config),
+            batching=batching,
             trees_per_batch=args.trees_per_batch,
             model_shape=shape,
             model_shape_source=source,
@@ -195,8 +196,7 @@ def _show(args: argparse.Namespace) -> None:
     from hf_tree.plots import plot_packed_row
     from hf_tree.stats import plan_batches, plan_rows, trainer_batches
 
-    trees, _, config = _load(args)
-    batching = _batching(args, config)
+    trees, _, config, batching = _load(args)
     if batching is None:
         plan = plan_rows(trees, config.packing_config(), trees_per_batch=args.trees_per_batch)
     else:

@@ -131,9 +131,9 @@ class TreeRowBatchSampler(Sampler[list[TreePart]]):
             to the ranks in turn).
         ranks: the data-parallel ranks (``plan_row_batches``).
         shuffle, seed: see ``TreeOrder`` (``sampler``; accelerate calls its ``set_epoch``).
-        slot_trees: when given, ``num_rows`` counts dataset slots, not trees: the tree of each slot, or -1 for a row
-            that trains nothing but takes a batch slot, as in TRL's batches (``TreeSFTTrainer``: a text row of one
-            token). The slots are sampled and dealt; the batches hold the trees of theirs.
+        slot_trees: when given, the dataset's slots in order: the tree of each, or -1 for a row that trains nothing
+            but takes a batch slot, as in TRL's batches (``TreeSFTTrainer.tree_row_slots``: a text row of one
+            token). The slots are sampled and dealt (one row for a -1 slot); the batches hold the trees of theirs.
     """
 
     def __init__(
@@ -151,7 +151,9 @@ class TreeRowBatchSampler(Sampler[list[TreePart]]):
                 f"rows_per_batch={rows_per_batch} and batches_per_step={batches_per_step} must be >= 1 "
                 "(per_device_train_batch_size, gradient_accumulation_steps)."
             )
-        self.num_rows = np.asarray(num_rows, dtype=np.int64)
+        if slot_trees is not None:
+            num_rows = [num_rows[tree] if tree >= 0 else 1 for tree in slot_trees]
+        self.num_rows = np.asarray(num_rows, dtype=np.int64)  # of each tree, or each slot
         self.rows_per_batch, self.batches_per_step, self.ranks = rows_per_batch, batches_per_step, ranks
         self.slot_trees = slot_trees
         self.sampler = TreeOrder(len(self.num_rows), shuffle, seed)

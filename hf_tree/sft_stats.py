@@ -6,7 +6,8 @@
   ``shuffle_dataset``), given the tokenizer as TRL's ``SFTTrainer.__init__`` leaves it (``eos_token``; the training
   template ``assistant_only_loss`` swaps in).
 - The packing options are the config's ``packing_config()`` (``max_branch_tokens`` derived from ``max_length``).
-- The micro-batches are its ``TreeRowBatchSampler``'s (``hf_tree.stats.trainer_batches`` with ``trainer_batching``).
+- The micro-batches are its ``TreeRowBatchSampler``'s (``hf_tree.stats.trainer_batches`` with ``trainer_batching``),
+  with the batch slots of rows that train nothing (``tree_row_slots``) as the trainer deals them.
 
 So every ``TreeSFTConfig`` default and every flag of ``hf-tree sft`` that changes what trains changes the report the
 same way. One difference stays: ``tree_execution="auto"`` falls back to packed rows for a model that cannot run
@@ -39,8 +40,9 @@ def sft_config(**fields: Any) -> TreeSFTConfig:
 
 def sft_tree_rows(
     rows: datasets.Dataset, tokenizer: PreTrainedTokenizerBase, chat_template: str | None, args: TreeSFTConfig
-) -> tuple[datasets.Dataset, TreeBuildStats | None]:
-    """(the tree rows ``TreeSFTTrainer`` trains on ``rows``, what building them did; None for tree rows).
+) -> tuple[datasets.Dataset, TreeBuildStats | None, list[int] | None]:
+    """(the tree rows ``TreeSFTTrainer`` trains on ``rows``, what building them did (None for tree rows), its
+    ``tree_row_slots``: TRL's rows when some train no token but take a batch slot, else None).
 
     A copy of ``tokenizer`` is set up as TRL's ``SFTTrainer.__init__`` sets it up before preparing the dataset:
     ``chat_template`` (the text of ``chat_template_path``; None keeps the tokenizer's), then ``eos_token``.
@@ -63,11 +65,12 @@ def sft_tree_rows(
     trainer = TreeSFTTrainer.__new__(TreeSFTTrainer)
     trainer.chat_template = get_training_chat_template(tokenizer) if training_template else None
     trees = TreeSFTTrainer._prepare_dataset(trainer, rows, tokenizer, args, args.packing, None, "train")
-    return trees, trainer.tree_build_stats
+    return trees, trainer.tree_build_stats, trainer.tree_row_slots
 
 
-def trainer_batching(args: TreeSFTConfig) -> TrainerBatching:
-    """How ``TreeSFTTrainer.get_train_dataloader`` deals ``args``'s rows (``batch_unit="rows"``, one process)."""
+def trainer_batching(args: TreeSFTConfig, slot_trees: list[int] | None = None) -> TrainerBatching:
+    """How ``TreeSFTTrainer.get_train_dataloader`` deals ``args``'s rows (``batch_unit="rows"``, one process), with
+    ``slot_trees`` its ``tree_row_slots`` (``sft_tree_rows``)."""
     if args.batch_unit != "rows":
         raise ValueError(f"batch_unit={args.batch_unit!r}: hf-tree stats plans batch_unit='rows' (TRL's unit) only.")
     return TrainerBatching(
@@ -75,6 +78,7 @@ def trainer_batching(args: TreeSFTConfig) -> TrainerBatching:
         gradient_accumulation_steps=args.gradient_accumulation_steps,
         shuffle=args.train_sampling_strategy == "random",
         seed=args.data_seed if args.data_seed is not None else args.seed,
+        slot_trees=None if slot_trees is None else tuple(slot_trees),
     )
 
 

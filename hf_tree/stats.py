@@ -171,6 +171,9 @@ class TrainerBatching:
     """TRL's ``train_sampling_strategy="random"`` (trees in a seeded random order); False: ``"sequential"``."""
     seed: int = 42
     """``data_seed``, else ``seed``: the order of epoch 0 (``TreeOrder``)."""
+    slot_trees: tuple[int, ...] | None = None
+    """TRL's rows when some train no token but take a batch slot (``TreeSFTTrainer.tree_row_slots``: the tree of
+    each, -1 for those); None: one slot per tree."""
 
 
 def trainer_batches(trees: Sequence[Tree], batching: TrainerBatching) -> list[list[Tree]]:
@@ -187,6 +190,7 @@ def trainer_batches(trees: Sequence[Tree], batching: TrainerBatching) -> list[li
         batches_per_step=batching.gradient_accumulation_steps,
         shuffle=batching.shuffle,
         seed=batching.seed,
+        slot_trees=batching.slot_trees,
     )
     return [
         [

@@ -109,6 +109,13 @@ def test_stats_reports_the_dedup_the_trainer_logs(model, data_format, strategy, 
     assert report["training_dedup_ratio"] > 1.0  # rows share the system prompt: merging in batch is the saving
     assert report["num_branches"] == 11  # one per row: TRL's rows (messages rows: the conversation, not its turns)
 
+    logged, tokens = _train(model, data, strategy, tmp_path)
+    assert logged == steps  # exactly: the same trees and micro-batches, merged and packed the same way
+    assert tokens[-1] == report["packing"]["num_branch_tokens"]  # every row of the epoch trained once
+
+
+def _train(model: str, data: str, strategy: str, tmp_path: Path) -> tuple[list[float], list[float]]:
+    """(each step's logged dedup_ratio, num_tokens) of a real epoch at the stats tests' batch flags."""
     args = TreeSFTConfig(
         output_dir=str(tmp_path / "out"),
         use_cpu=True,
@@ -125,10 +132,26 @@ def test_stats_reports_the_dedup_the_trainer_logs(model, data_format, strategy, 
     dataset = datasets.load_dataset("json", data_files=str(Path(data) / "train.jsonl"), split="train")
     trainer = TreeSFTTrainer(model=model, args=args, train_dataset=dataset)
     trainer.train()
-    logged = [log["dedup_ratio"] for log in trainer.state.log_history if "loss" in log]
-    assert logged == steps  # exactly: the same trees and micro-batches, merged and packed the same way
-    tokens = [log["num_tokens"] for log in trainer.state.log_history if "loss" in log]
-    assert tokens[-1] == report["packing"]["num_branch_tokens"]  # every row of the epoch trained once
+    logs = [log for log in trainer.state.log_history if "loss" in log]
+    return [log["dedup_ratio"] for log in logs], [log["num_tokens"] for log in logs]
+
+
+@pytest.mark.slow  # the slots of rows that train nothing; the default dealing is the fast test above
+def test_stats_deals_rows_that_train_nothing_into_their_slots(model, tmp_path, capsys):
+    """Text rows "" are TRL's [EOS] alone: no trained token, a batch slot each (TreeSFTTrainer.tree_row_slots).
+    Without the slots stats dealt 9 rows where the trainer deals 11: other micro-batches, other per-step dedup."""
+    rows = _rows("text", 11)
+    for empty in (1, 6):
+        rows[empty] = {"text": ""}
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "train.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    batch = ["--per_device_train_batch_size", "3", "--gradient_accumulation_steps", "2"]
+    main(["stats", str(data), "--model_name_or_path", model, *batch, "--max_packed_tokens", "30", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    assert report["num_batches"] == 4 and report["num_branches"] == 9  # TRL's 4 micro-batches of 11 rows
+    logged, _ = _train(model, str(data), "random", tmp_path)
+    assert logged == report["step_dedup_ratios"]
 
 
 def test_stats_follows_the_training_flags(model, tmp_path, capsys):

@@ -362,11 +362,8 @@ class TreeSFTTrainer(TreeTrainerMixin, SFTTrainer):
         TRL's batch and step count."""
         if self.args.batch_unit == "trees" or not isinstance(self.train_dataset, datasets.Dataset):
             return super().get_train_dataloader()
-        num_rows = [len(ends) for ends in self.train_dataset["branch_end_nodes"]]
-        if self.tree_row_slots is not None:  # a row that trains nothing still takes its slot, as in TRL's batches
-            num_rows = [num_rows[tree] if tree >= 0 else 1 for tree in self.tree_row_slots]
         sampler = TreeRowBatchSampler(
-            num_rows,
+            [len(ends) for ends in self.train_dataset["branch_end_nodes"]],
             rows_per_batch=self.args.per_device_train_batch_size,
             batches_per_step=self.args.gradient_accumulation_steps * self.args.world_size,
             shuffle=self.args.train_sampling_strategy == "random",
