@@ -81,7 +81,8 @@ from hf_tree.data.sources import (
     read_rows,
 )
 from hf_tree.data.synthetic_agent import MAIN_JOB_CONVERSATIONS, MAIN_JOB_OPTIONS
-from hf_tree.stats import plan_rows
+from hf_tree.sft_stats import trainer_batching
+from hf_tree.stats import plan_batches, plan_rows, trainer_batches
 from hf_tree.training_arguments import CHECKPOINTING
 from hf_tree.tree import dedup_ratio
 from hf_tree.trl.sft import TreeSFTConfig, TreeSFTTrainer
@@ -479,16 +480,28 @@ def load_datasets(data_args: DataArguments) -> tuple[datasets.Dataset, datasets.
 
 
 def check_and_report_trees(trainer: TreeSFTTrainer, num_rows: int) -> float:
-    """Plan the training trees' rows as the collator will (an overlong branch stops the run here, not mid-way) and
-    print how the rows merged (main process); returns the dedup ratio."""
+    """Plan the training micro-batches as the sampler and collator will (an overlong branch stops the run here, not
+    mid-way) and print how the rows merged (main process): into trees, and within the planned micro-batches (the
+    dedup training gets, ``hf-tree stats``'s "dedup in training"); returns the trees' dedup ratio."""
     trees = [Tree.from_dict(row) for row in trainer.train_dataset]
     branch_tokens, tree_tokens = sum(t.num_branch_tokens for t in trees), sum(t.num_tokens for t in trees)
     ratio = dedup_ratio(branch_tokens, tree_tokens)
-    plan_rows(trees, trainer.args.packing_config())
+    packing = trainer.args.packing_config()
+    if trainer.args.batch_unit == "rows":
+        plan = plan_batches(trainer_batches(trees, trainer_batching(trainer.args, trainer.tree_row_slots)), packing)
+        merged = f"; planned dedup in training {plan.stats.dedup_ratio:.2f} (each micro-batch's rows merged)"
+        if plan.stats.dedup_ratio < ratio - 0.005:  # rows of one prompt fall into other micro-batches
+            merged += (
+                f": rows merge only within a micro-batch of per_device_train_batch_size="
+                f"{trainer.args.per_device_train_batch_size} rows; a larger batch merges more"
+            )
+    else:
+        plan_rows(trees, packing)
+        merged = ""
     if trainer.is_world_process_zero():
         print(
             f"hf_tree: {num_rows} rows -> {len(trees)} trees, dedup ratio {ratio:.2f} "
-            f"({branch_tokens} branch tokens computed as {tree_tokens} tree tokens)",
+            f"({branch_tokens} branch tokens computed as {tree_tokens} tree tokens){merged}",
             flush=True,
         )
     return ratio

@@ -350,8 +350,9 @@ def test_launcher_and_hf_tree_stats_build_the_same_trees(tmp_path, capsys, data)
     if data == "file":
         path = tmp_path / "agent.jsonl"
         path.write_text("\n".join(json.dumps(r) for r in TOOL_CALL_RECORDS) + "\n")
-        cli_main(["stats", str(path), "--chat-template", "qwen3", "--json", "--save-trees", str(saved)])
-        argv += ["--dataset_name", str(path)]  # both at TreeSFTConfig's defaults: TRL's rows
+        batch = ["--per_device_train_batch_size", "2"]  # the launcher's default 1 merges no rows in training
+        cli_main(["stats", str(path), "--chat-template", "qwen3", "--json", "--save-trees", str(saved), *batch])
+        argv += ["--dataset_name", str(path), *batch]  # both at TreeSFTConfig's defaults: TRL's rows
     else:
         cli_main(["stats", train.SYNTHETIC_DATASET, "--json", "--save-trees", str(saved)])
     reported = json.loads(capsys.readouterr().out)
@@ -375,6 +376,9 @@ def test_launcher_and_hf_tree_stats_build_the_same_trees(tmp_path, capsys, data)
     assert reported["dedup_ratio"] == pytest.approx(
         sum(t.num_branch_tokens for t in trees) / sum(t.num_tokens for t in trees), rel=1e-12
     )
+    train.check_and_report_trees(trainer, num_rows=len(rows))  # main()'s start-up line: TRL's micro-batches too
+    planned = f"planned dedup in training {reported['training_dedup_ratio']:.2f}"
+    assert (planned in capsys.readouterr().out) == (config.batch_unit == "rows")  # the default job deals trees
 
 
 def test_builtin_datasets_and_their_template_in_the_launcher():
