@@ -27,7 +27,9 @@ TRL_MODULES = (
     "hf_tree.trl.glue",
     "hf_tree.trl.cli",
 )
-FUSED_HEAD_TRAINERS = ("TreeGRPOTrainer", "TreeRLOOTrainer", "TreeDPOTrainer", "TreeKTOTrainer")
+# The trainers tested at both ends of the range, and those that still need TRL's fused LM head (1.16).
+WHOLE_RANGE_TRAINERS = ("TreeSFTTrainer", "TreeRewardTrainer", "TreeGRPOTrainer", "TreeRLOOTrainer")
+FUSED_HEAD_TRAINERS = ("TreeDPOTrainer", "TreeKTOTrainer")
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
@@ -59,11 +61,12 @@ def test_a_trl_outside_the_tested_range_is_refused_with_the_fix(monkeypatch, ver
 
 
 @pytest.mark.parametrize("version", ["1.9.0", "1.9.1", "1.12.0", "1.16.2"])
-def test_sft_and_reward_accept_the_whole_range(monkeypatch, version):
+def test_the_whole_range_trainers_accept_it(monkeypatch, version):
     monkeypatch.setattr(trl, "__version__", version)
     require_tested_trl()
-    require_tested_trl("TreeSFTTrainer")
-    require_tested_trl("TreeRewardTrainer")
+    for trainer in (*WHOLE_RANGE_TRAINERS, "the tree fused LM head"):
+        assert TRAINER_TRL[trainer] == TESTED_TRL
+        require_tested_trl(trainer)
 
 
 @pytest.mark.parametrize("trainer", FUSED_HEAD_TRAINERS)
@@ -75,7 +78,7 @@ def test_fused_head_trainers_refuse_an_older_trl_by_name_with_the_upgrade(monkey
     message = str(refusal.value)
     assert message.startswith(f"{trainer} replaces TRL's fused LM head"), message
     assert "trl 1.9.0 is installed" in message and "pip install 'trl>=1.16.0,<1.17.0'" in message, message
-    assert "TreeSFTTrainer and TreeRewardTrainer work with trl>=1.9.0,<1.17.0" in message, message
+    assert f"{', '.join(WHOLE_RANGE_TRAINERS)} work with trl>=1.9.0,<1.17.0" in message, message
 
 
 def test_without_trl_the_trainers_name_the_extra(monkeypatch):
@@ -109,12 +112,12 @@ def test_every_trl_based_module_refuses_to_import_with_an_untested_trl():
 
 @pytest.mark.slow  # a fresh interpreter importing every TRL stack (~5 s)
 def test_with_trl_1_9_the_fused_head_trainers_refuse_by_name_and_the_others_import():
-    """TRL's 1.9 reporting (on whatever TRL is installed): SFT, reward, the CLI and the shared modules import; the
-    fused-head trainers refuse, each by name."""
+    """TRL's 1.9 reporting (on whatever TRL is installed): SFT, reward, GRPO, RLOO, the CLI and the shared modules
+    import; the fused-head trainers refuse, each by name."""
     out = import_each("1.9.0")
-    for name in ("hf_tree.trl.sft", "hf_tree.trl.reward", "hf_tree.trl.glue", "hf_tree.trl.cli"):
-        assert f"{name} imported" in out, out
-    for name, trainer in zip(("grpo", "rloo", "dpo", "kto"), FUSED_HEAD_TRAINERS):
+    for name in ("sft", "reward", "grpo", "rloo", "logprobs", "glue", "cli"):
+        assert f"hf_tree.trl.{name} imported" in out, out
+    for name, trainer in zip(("dpo", "kto"), FUSED_HEAD_TRAINERS):
         assert f"hf_tree.trl.{name} refused: {trainer} replaces TRL's fused LM head" in out, out
 
 
