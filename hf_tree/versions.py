@@ -5,7 +5,7 @@ override private methods: ``TreeSFTTrainer`` ``_prepare_dataset``, ``TreeRewardT
 ``RewardTrainer.compute_loss``, ``TreeGRPOTrainer``/``TreeRLOOTrainer`` ``_get_per_token_logps_and_entropies``,
 ``TreeDPOTrainer``/``TreeKTOTrainer`` ``_precompute_ref_logps``; the last four replace TRL's fused LM head
 (``trl.trainer.utils.add_fused_lm_head``, ``FusedCausalLMOutput``, ``trl.kernels.ChunkedLogProbFunction``), which TRL
-1.9 does not have: GRPO and RLOO run the tree head there too (``hf_tree.trl.compat``), DPO and KTO need it
+1.9 does not have: GRPO, RLOO and DPO run the tree head there too (``hf_tree.trl.compat``), KTO needs it
 (``FUSED_HEAD_TRL``). Each TRL-based module refuses to import outside the range its trainer was tested with
 (``TRAINER_TRL``; ``TESTED_TRL`` is the ``trl`` extra of ``pyproject.toml``), naming the trainer and the fix.
 ``TESTED_ACCELERATE`` bounds the accelerate versions whose ``AcceleratorState`` set-up ``hf_tree.distributed``
@@ -26,7 +26,7 @@ TRAINER_TRL = {
     "TreeRewardTrainer": TESTED_TRL,
     "TreeGRPOTrainer": TESTED_TRL,
     "TreeRLOOTrainer": TESTED_TRL,
-    "TreeDPOTrainer": FUSED_HEAD_TRL,
+    "TreeDPOTrainer": TESTED_TRL,
     "TreeKTOTrainer": FUSED_HEAD_TRL,
     "the tree fused LM head": TESTED_TRL,  # hf_tree.trl.glue.add_tree_fused_lm_head, used alone
 }

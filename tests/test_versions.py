@@ -28,8 +28,8 @@ TRL_MODULES = (
     "hf_tree.trl.cli",
 )
 # The trainers tested at both ends of the range, and those that still need TRL's fused LM head (1.16).
-WHOLE_RANGE_TRAINERS = ("TreeSFTTrainer", "TreeRewardTrainer", "TreeGRPOTrainer", "TreeRLOOTrainer")
-FUSED_HEAD_TRAINERS = ("TreeDPOTrainer", "TreeKTOTrainer")
+WHOLE_RANGE_TRAINERS = ("TreeSFTTrainer", "TreeRewardTrainer", "TreeGRPOTrainer", "TreeRLOOTrainer", "TreeDPOTrainer")
+FUSED_HEAD_TRAINERS = ("TreeKTOTrainer",)
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
@@ -112,12 +112,12 @@ def test_every_trl_based_module_refuses_to_import_with_an_untested_trl():
 
 @pytest.mark.slow  # a fresh interpreter importing every TRL stack (~5 s)
 def test_with_trl_1_9_the_fused_head_trainers_refuse_by_name_and_the_others_import():
-    """TRL's 1.9 reporting (on whatever TRL is installed): SFT, reward, GRPO, RLOO, the CLI and the shared modules
-    import; the fused-head trainers refuse, each by name."""
+    """TRL's 1.9 reporting (on whatever TRL is installed): SFT, reward, GRPO, RLOO, DPO, the CLI and the shared
+    modules import; the fused-head trainers refuse, each by name."""
     out = import_each("1.9.0")
-    for name in ("sft", "reward", "grpo", "rloo", "logprobs", "glue", "cli"):
+    for name in ("sft", "reward", "grpo", "rloo", "dpo", "logprobs", "glue", "cli"):
         assert f"hf_tree.trl.{name} imported" in out, out
-    for name, trainer in zip(("dpo", "kto"), FUSED_HEAD_TRAINERS):
+    for name, trainer in zip(("kto",), FUSED_HEAD_TRAINERS):
         assert f"hf_tree.trl.{name} refused: {trainer} replaces TRL's fused LM head" in out, out
 
 
