@@ -233,7 +233,8 @@ def every_real_token(input_ids: torch.Tensor, attention_mask: torch.Tensor | Non
 def add_tree_fused_lm_head(
     model: PreTrainedModel, settings: TreeHeadSettings | None = None, name: str = "model"
 ) -> TreeFusedHead:
-    """Replace the fused head that TRL's ``add_fused_lm_head`` installed on ``model`` by the tree one.
+    """Replace the fused head that TRL's ``add_fused_lm_head`` installed on ``model`` (on a TRL without one, TRL 1.9:
+    the model's forward) by the tree one.
 
     ``model(..., labels=labels, fused_lm_head=True)`` then returns a ``FusedCausalLMOutput`` with the same fields
     and layout as TRL's, computed on packed trees; it also accepts ``tree_tokens_per_forward=`` (packed tokens per
@@ -241,7 +242,8 @@ def add_tree_fused_lm_head(
     load-balancing loss of the padded batch, each packed token weighted by the rows that contain it
     (``hf_tree.models.router_loss``); ``tree_router_chunk_rows=`` gives the mean over chunks of that many rows, as TRL's
     GRPO computes one per forward chunk. Without ``fused_lm_head`` the previous forward runs (generation is
-    unchanged). Calling it again replaces the head (and its settings).
+    unchanged), except for the uncached calls that ``TreeHeadSettings.logits_forward`` answers. Calling it again
+    replaces the head (and its settings).
 
     Args:
         model: the causal LM (the base model of a PEFT model), loaded with ``attn_implementation="tree_flash"``.
