@@ -13,6 +13,10 @@ tree trainers use, at the point of use, so that each TRL-based module imports on
     call that scores nothing runs the model's own forward for a zero connected to it (``unscored_fused_output``).
   - DPO and KTO read ``model(...).logits`` in TRL's own code: the tree head answers those plain calls with the
     logits of the packed trees gathered back to the padded rows (``TreeHeadSettings.logits_forward``).
+
+  Where TRL 1.9 scores a completion's padding (from the padding), the tree passes give zero, as TRL 1.16 does: its
+  loss masks those values out. GRPO's, RLOO's, DPO's and KTO's configs have no field that only TRL 1.9 has; the
+  defaults that differ (``router_aux_loss_coef``, GRPO's ``use_bias_correction_kl``) are read by TRL's own loss.
 """
 
 from __future__ import annotations
