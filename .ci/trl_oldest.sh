@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # CI, the oldest end of the supported TRL range (issue 51): hf_tree installed under Axolotl 0.19's pins (trl 1.9.0,
 # transformers 5.16.1, peft, accelerate, datasets) in a fresh virtual environment, running the fast tier of the core's
-# tests, the launcher (hf-tree train) and each TRL trainer's exactness against TRL once: TreeSFTTrainer and
-# TreeRewardTrainer (GRPO, RLOO, DPO and KTO need trl>=1.16, hf_tree.versions.TRAINER_TRL: their refusal by name is
-# tested in tests/test_versions.py). .ci/run tests the newest end with every tier. Under CI=true (the default here) a
-# skip for a missing install fails.
+# tests, the launcher (hf-tree train) and each TRL trainer's exactness against TRL 1.9 (SFT, reward, GRPO, RLOO, DPO,
+# KTO: one step each, plus the passes TRL 1.9 reaches differently, hf_tree/trl/compat.py). .ci/run tests the newest
+# end with every tier. Under CI=true (the default here) a skip for a missing install fails.
 set -euo pipefail
 export CI="${CI:-true}"
 cd "$(dirname "$0")/.."
@@ -34,6 +33,14 @@ for run in files nodes; do
   else
     tests=(tests/test_sft.py::test_class_name_swap_trains_the_same_objective
       "tests/test_reward.py::test_one_step_matches_trl[full-margin-centered]"
+      "tests/test_grpo.py::test_one_step_matches_trl[full]"
+      tests/test_grpo.py::test_a_pass_that_scores_nothing_works
+      "tests/test_rloo.py::test_one_step_matches_trl[full]"
+      tests/test_rloo.py::test_logprobs_match_trl
+      "tests/test_dpo.py::test_one_step_matches_trl[full-ref_model]"
+      tests/test_dpo.py::test_plain_calls_get_the_models_logits
+      "tests/test_kto.py::test_one_step_matches_trl[full-ref_model]"
+      "tests/test_kto.py::test_one_step_matches_trl[lora-precomputed_ref]"
       tests/test_launch.py::test_no_arguments_is_the_offline_lora_default
       tests/test_launch.py::test_full_fine_tuning_run_in_process
       tests/test_imports.py::test_the_core_trains_without_trl

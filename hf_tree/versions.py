@@ -5,10 +5,10 @@ override private methods: ``TreeSFTTrainer`` ``_prepare_dataset``, ``TreeRewardT
 ``RewardTrainer.compute_loss``, ``TreeGRPOTrainer``/``TreeRLOOTrainer`` ``_get_per_token_logps_and_entropies``,
 ``TreeDPOTrainer``/``TreeKTOTrainer`` ``_precompute_ref_logps``; the last four replace TRL's fused LM head
 (``trl.trainer.utils.add_fused_lm_head``, ``FusedCausalLMOutput``, ``trl.kernels.ChunkedLogProbFunction``), which TRL
-1.9 does not have. Each TRL-based module refuses to import outside the range its trainer was tested with
-(``TRAINER_TRL``; ``TESTED_TRL`` is the ``trl`` extra of ``pyproject.toml``), naming the trainer and the fix.
-``TESTED_ACCELERATE`` bounds the accelerate versions whose ``AcceleratorState`` set-up ``hf_tree.distributed``
-adjusts for FSDP2 on CPU.
+1.9 does not have (``FUSED_HEAD_TRL``): there they compute the same values without it (``hf_tree.trl.compat``). Each
+TRL-based module refuses to import outside the range its trainer was tested with (``TRAINER_TRL``; ``TESTED_TRL`` is
+the ``trl`` extra of ``pyproject.toml``), naming the trainer and the fix. ``TESTED_ACCELERATE`` bounds the accelerate
+versions whose ``AcceleratorState`` set-up ``hf_tree.distributed`` adjusts for FSDP2 on CPU.
 """
 
 from __future__ import annotations
@@ -18,16 +18,16 @@ from packaging.version import Version
 # [low, high): the versions these overrides were read from and tested against (TRL: at both ends, 1.9 and 1.16).
 TESTED_ACCELERATE = (Version("1.10.0"), Version("2.0.0"))
 TESTED_TRL = (Version("1.9.0"), Version("1.17.0"))
-# The trainers built on TRL's fused LM head, which TRL added after 1.9: tested with 1.16.
+# TRL's fused LM head, which TRL added after 1.9 (hf_tree.trl.compat.has_fused_lm_head): tested with 1.16.
 FUSED_HEAD_TRL = (Version("1.16.0"), Version("1.17.0"))
 TRAINER_TRL = {
     "TreeSFTTrainer": TESTED_TRL,
     "TreeRewardTrainer": TESTED_TRL,
-    "TreeGRPOTrainer": FUSED_HEAD_TRL,
-    "TreeRLOOTrainer": FUSED_HEAD_TRL,
-    "TreeDPOTrainer": FUSED_HEAD_TRL,
-    "TreeKTOTrainer": FUSED_HEAD_TRL,
-    "the tree fused LM head": FUSED_HEAD_TRL,  # hf_tree.trl.glue.add_tree_fused_lm_head, used alone
+    "TreeGRPOTrainer": TESTED_TRL,
+    "TreeRLOOTrainer": TESTED_TRL,
+    "TreeDPOTrainer": TESTED_TRL,
+    "TreeKTOTrainer": TESTED_TRL,
+    "the tree fused LM head": TESTED_TRL,  # hf_tree.trl.glue.add_tree_fused_lm_head, used alone
 }
 
 
@@ -58,17 +58,8 @@ def require_tested_trl(user: str | None = None) -> None:
         ) from None
     if is_tested(trl.__version__, tested):
         return
-    older = tested is FUSED_HEAD_TRL and Version(trl.__version__) < tested[0]
-    if older:
-        why = "replaces TRL's fused LM head (trl.trainer.utils.add_fused_lm_head), which this TRL lacks, and was"
-    else:
-        why = "override private TRL methods and were" if user is None else "overrides private TRL methods and was"
-    also = (
-        f" (TreeSFTTrainer and TreeRewardTrainer work with {pip_range(TESTED_TRL)}, this one included)"
-        if older and is_tested(trl.__version__, TESTED_TRL)
-        else ""
-    )
+    why = "override private TRL methods and were" if user is None else "overrides private TRL methods and was"
     raise ImportError(
         f"{who} {why} tested with {pip_range(tested)}, but trl {trl.__version__} is installed. Install a "
-        f"tested version: pip install '{pip_range(tested)}'{also}."
+        f"tested version: pip install '{pip_range(tested)}'."
     )

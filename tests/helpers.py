@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 import transformers
 from tokenizers import Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
 import hf_tree  # noqa: F401  (registers tree_flash)
 from hf_tree.attention import TreeAttentionOptions
@@ -51,6 +51,7 @@ from hf_tree.testing import (  # noqa: F401  (re-exported: the oracle, see hf_tr
     tiny_model,
 )
 from hf_tree.testing import own_attention_name as own_attention  # noqa: F401  (a name: "sdpa" or "eager")
+from hf_tree.trl.compat import has_fused_lm_head
 from hf_tree.versions import FUSED_HEAD_TRL, is_tested, pip_range
 
 # The gradient measures under the names the tests use: ``hf_tree.testing.max_grad_error`` with the float64 floor,
@@ -185,13 +186,30 @@ TRL_TOLERANCE = 1e-9
 # rows (TRL: every position of the padded batch; tree: the scored ones). TRL itself moves by ~3e-8 when only its
 # padding changes (pad_to_multiple_of); a missing, doubled or misplaced token changes updates by > 1e-3.
 TRL_STEP_TOLERANCE = 1e-6
-# Tests of what is built on TRL's fused LM head (GRPO, RLOO, DPO, KTO, the tree fused head) skip, saying why, where an
-# older TRL of the supported range is installed (.ci/trl_oldest.sh runs TRL 1.9, which has no fused head).
+# Tests that compare against TRL's fused LM head itself (``model(..., fused_lm_head=True)`` of a model TRL equipped)
+# skip, saying why, where an older TRL of the supported range is installed (.ci/trl_oldest.sh runs TRL 1.9, which has
+# none; there the tree trainers are compared with TRL's trainers, which score from the model's logits).
 needs_fused_head_trl = pytest.mark.skipif(
     not is_tested(importlib.metadata.version("trl"), FUSED_HEAD_TRL),
     reason=f"needs {pip_range(FUSED_HEAD_TRL)} (TRL's fused LM head); trl {importlib.metadata.version('trl')} is "
     "installed",
 )
+
+
+def on_completions(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``values [B, K]`` of the last ``K`` columns where ``mask [B, T]`` marks real tokens, zero elsewhere: TRL 1.9
+    scores a completion's padding from the padding (what its loss masks out), TRL 1.16 and the tree pass score it
+    zero, so values are compared where the loss reads them."""
+    return values * mask[:, -values.shape[1] :]
+
+
+def add_trl_fused_head(model: PreTrainedModel, **settings) -> None:
+    """TRL's fused LM head on ``model`` (``add_fused_lm_head(model, **settings)``) where TRL has one; TRL 1.9's
+    trainers score from the model's logits, so there is nothing to install."""
+    if has_fused_lm_head():
+        from trl.trainer.utils import add_fused_lm_head
+
+        add_fused_lm_head(model, **settings)
 
 
 def word_tokenizer() -> PreTrainedTokenizerFast:
@@ -284,6 +302,13 @@ def varied_reward(completion_ids, **_) -> list[float]:
     return [float(sum(ids) % 7) for ids in completion_ids]
 
 
+def seed_before_the_adapter(args) -> None:
+    """``transformers.set_seed(args.seed)`` before a trainer is built: TRL 1.16's trainers seed before creating a LoRA
+    adapter (randomly initialized), TRL 1.9's after it or never, so on 1.9 two trainers built in a row start from the
+    same adapter only when seeded first."""
+    transformers.set_seed(args.seed)
+
+
 def one_step(cls, config_cls, path: str, peft: bool, rollout: bool = True, **overrides):
     """``one_step_trainer`` trained: ``(trainer, its updates)``."""
     trainer = one_step_trainer(cls, config_cls, path, peft, rollout, **overrides)
@@ -311,6 +336,7 @@ def one_step_trainer(
 
     settings = dict(gradient_accumulation_steps=2, num_iterations=2, max_steps=1, learning_rate=1.0)
     args = trainer_args(config_cls, path, torch.float64, **{**settings, **overrides})
+    seed_before_the_adapter(args)
     return cls(
         path,
         varied_reward,

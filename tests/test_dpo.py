@@ -13,20 +13,24 @@ from datasets import Dataset
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM
 from trl import DPOConfig, DPOTrainer
-from trl.trainer.utils import add_fused_lm_head
 
 from hf_tree.trl.dpo import POLICY_OUTPUTS, TreeDPOConfig, TreeDPOTrainer
+from hf_tree.trl.glue import TreeHeadSettings, add_tree_fused_lm_head
 from tests.helpers import (
     TRL_TOLERANCE,
+    add_trl_fused_head,
     assert_same_step_as_trl,
     float64_norms,
+    needs_fused_head_trl,
     relative_error,
     saved_tiny_model,
+    seed_before_the_adapter,
     tiny_model,
     tiny_trl_config,
     train_and_measure_updates,
     word_tokenizer,
 )
+from tests.workloads import padded_batch, scenario
 
 # Two pairs share a prompt (and so does one chosen/rejected start), prompts and responses of unequal lengths.
 PAIRS = {
@@ -42,9 +46,11 @@ def dpo_args(cls, path: str, dtype: torch.dtype, **overrides):
 
 
 def make_trainer(cls, config_cls, path: str, dtype: torch.dtype, peft: bool = False, **overrides):
+    args = dpo_args(config_cls, path, dtype, **overrides)
+    seed_before_the_adapter(args)
     return cls(
         path,
-        args=dpo_args(config_cls, path, dtype, **overrides),
+        args=args,
         train_dataset=Dataset.from_dict(PAIRS),
         processing_class=word_tokenizer(),
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
@@ -60,6 +66,7 @@ def fused_outputs(model, batch):
         )
 
 
+@needs_fused_head_trl  # TRL 1.9 has no fused-head values: test_plain_calls_get_the_models_logits
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32], ids=["float64", "float32"])
 def test_per_token_values_match_trl(tmp_path, dtype):
     path = saved_tiny_model(tmp_path, dtype)
@@ -78,11 +85,34 @@ def test_per_token_values_match_trl(tmp_path, dtype):
         assert torch.equal(ours.is_top1, theirs.is_top1)
     else:  # no worse than twice TRL's own float32 error against its float64 twin (same weights)
         twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
-        add_fused_lm_head(twin, outputs=POLICY_OUTPUTS + ("log_sum_sq_probs",))
+        add_trl_fused_head(twin, outputs=POLICY_OUTPUTS + ("log_sum_sq_probs",))
         exact = fused_outputs(twin, batch)
         truths = [getattr(exact, f) for f in FIELDS] + [exact.log_probs]
         for (ours_value, theirs_value), truth in zip(pairs, truths):
             assert relative_error(ours_value, truth) <= 2 * relative_error(theirs_value, truth) + 1e-7
+
+
+def test_plain_calls_get_the_models_logits():
+    """``TreeHeadSettings.logits_forward`` (TRL 1.9's DPO and KTO read ``model(...).logits`` themselves): the logits
+    that predict each real token after a row's first equal the model's own, the rest are zero, prompts are computed
+    once, gradients flow, and generation (a cached call) is the model's own."""
+    reference, model = tiny_model(attn="sdpa"), tiny_model()
+    head = add_tree_fused_lm_head(model, TreeHeadSettings(logits_forward=True))
+    ids, mask, _ = padded_batch(*scenario("several_prompts"))
+    with float64_norms():
+        with torch.no_grad():
+            theirs = reference(input_ids=ids, attention_mask=mask).logits
+        ours = model(input_ids=ids, attention_mask=mask, use_cache=False).logits
+    assert head.layout_stats.num_tree_tokens < int(mask.sum()), "the plain call did not share prompts"
+    predicting = torch.cat([(mask[:, :-1] != 0) & (mask[:, 1:] != 0), torch.zeros_like(mask[:, :1], dtype=bool)], 1)
+    assert ours.shape == theirs.shape
+    assert relative_error(ours[predicting], theirs[predicting]) <= TRL_TOLERANCE
+    assert not ours[~predicting].any()
+    ours[predicting].logsumexp(-1).sum().backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(model.generate(prompt, **kwargs), reference.generate(prompt, **kwargs))
 
 
 def one_step(cls, config_cls, path: str, peft: bool, precompute: bool):

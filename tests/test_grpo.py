@@ -13,14 +13,16 @@ from accelerate import Accelerator
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from trl import GRPOConfig, GRPOTrainer
-from trl.trainer.utils import add_fused_lm_head
 
 from hf_tree.trl.glue import TreeHeadSettings, add_tree_fused_lm_head, log_tree_stats
 from hf_tree.trl.grpo import TreeGRPOConfig, TreeGRPOTrainer
 from tests.helpers import (
     TRL_TOLERANCE,
+    add_trl_fused_head,
     assert_same_step_as_trl,
     float64_norms,
+    needs_fused_head_trl,
+    on_completions,
     one_step,
     relative_error,
     saved_tiny_model,
@@ -70,19 +72,21 @@ def test_logprobs_and_entropies_match_trl(trainers, name):
     stats = tree.tree_head.layout_stats
     assert stats.num_tree_tokens < int(mask.sum()), "the tree pass did not share the prompts"
     assert logps.shape == trl_logps.shape == (ids.shape[0], keep)
-    assert torch.equal(logps == 0, trl_logps == 0)  # padding scores exactly zero in both
-    pairs = [(logps, trl_logps), (entropy, trl_entropy), (ref_tree, ref_trl)]
+    assert torch.equal(logps == 0, on_completions(trl_logps, mask) == 0)  # the tree scores padding exactly zero
+    pairs = [(logps, on_completions(trl_logps, mask)), (entropy, on_completions(trl_entropy, mask))]
+    pairs.append((ref_tree, on_completions(ref_trl, mask)))
     if tree.model.dtype == torch.float64:
         for ours, theirs in pairs:
             assert relative_error(ours, theirs) <= TRL_TOLERANCE
     else:  # float32: no worse than twice TRL's own float32 error against float64 (same weights)
         twin = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float64)
-        add_fused_lm_head(twin, outputs=("log_probs", "entropy"))
+        add_trl_fused_head(twin, outputs=("log_probs", "entropy"))
         with torch.no_grad(), float64_norms():
             truth, truth_entropy, _ = trl._get_per_token_logps_and_entropies(
                 twin, ids, mask, keep, compute_entropy=True
             )
         for (ours, theirs), exact in zip(pairs, (truth, truth_entropy, truth)):
+            exact = on_completions(exact, mask)
             assert relative_error(ours, exact) <= 2 * relative_error(theirs, exact) + 1e-7
 
 
@@ -105,11 +109,12 @@ def test_high_entropy_mask_is_taken_over_trls_tokens(trainers, name):
         assert torch.equal(tree.get_high_entropy_mask(ours, completion_mask, 1 - quantile), expected), quantile
 
 
+@needs_fused_head_trl
 def test_split_trees_and_chunked_forwards_match_trl():
     """Row capacity below one group (trees split by completions) and one packed row per backbone call."""
     reference, model = tiny_model(attn="sdpa"), tiny_model()
-    add_fused_lm_head(reference, temperature=0.7, outputs=("log_probs", "entropy"))
-    add_fused_lm_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
+    add_trl_fused_head(reference, temperature=0.7, outputs=("log_probs", "entropy"))
+    add_trl_fused_head(model, temperature=0.7, outputs=("log_probs", "entropy"))
     settings = TreeHeadSettings(temperature=0.7, outputs=("log_probs", "entropy"), max_packed_tokens=24)
     head = add_tree_fused_lm_head(model, settings)
     ids, mask, keep = padded_batch(*scenario("several_prompts"))
@@ -126,18 +131,19 @@ def test_split_trees_and_chunked_forwards_match_trl():
 
 def test_generation_is_unchanged():
     model, twin = tiny_model(), tiny_model(attn="sdpa")
-    add_fused_lm_head(model)
+    add_trl_fused_head(model)
     add_tree_fused_lm_head(model)
     prompt = torch.tensor([[5, 6, 7, 8]])
     kwargs = dict(max_new_tokens=5, do_sample=False, pad_token_id=0)
     assert torch.equal(model.generate(prompt, **kwargs), twin.generate(prompt, **kwargs))
 
 
+@needs_fused_head_trl  # the forward wrapped is TRL's head
 def test_installing_again_replaces_the_head():
     """A second head wraps the forward the first replaced (TRL's), not the first head; its state stays on the head
     objects, none on the model."""
     model = tiny_model()
-    add_fused_lm_head(model, outputs=("log_probs", "entropy"))
+    add_trl_fused_head(model, outputs=("log_probs", "entropy"))
     trls = model.forward
     first = add_tree_fused_lm_head(model)
     second = add_tree_fused_lm_head(model, TreeHeadSettings(outputs=("log_probs", "entropy")))
@@ -223,7 +229,7 @@ def test_a_pass_that_scores_nothing_works(tmp_path):
     mask[:, -keep:] = 0  # every completion truncated and masked, as TRL's mask_truncated_completions does
     theirs, their_entropy, _ = trl._get_per_token_logps_and_entropies(trl.model, ids, mask, keep, compute_entropy=True)
     ours, entropy, _ = tree._get_per_token_logps_and_entropies(tree.model, ids, mask, keep, compute_entropy=True)
-    assert torch.equal(ours, theirs) and not ours.any()
+    assert torch.equal(ours, on_completions(theirs, mask)) and not ours.any()
     assert torch.equal(entropy * 0, their_entropy * 0)
     log_tree_stats(tree)  # as DPO's compute_loss does after every pass
     assert logged() == 1  # nothing packed, nothing (stale) logged

@@ -18,8 +18,10 @@ from tests.helpers import (
     TRL_TOLERANCE,
     assert_same_step_as_trl,
     float64_norms,
+    needs_fused_head_trl,
     relative_error,
     saved_tiny_model,
+    seed_before_the_adapter,
     tiny_trl_config,
     train_and_measure_updates,
     word_tokenizer,
@@ -30,9 +32,11 @@ FIELDS = ("log_probs", "entropy", "mean_logits")
 
 
 def make_trainer(cls, config_cls, path: str, peft: bool = False, **overrides):
+    args = tiny_trl_config(config_cls, path, torch.float64, per_device_train_batch_size=3, **overrides)
+    seed_before_the_adapter(args)
     return cls(
         path,
-        args=tiny_trl_config(config_cls, path, torch.float64, per_device_train_batch_size=3, **overrides),
+        args=args,
         train_dataset=Dataset.from_dict(KTO_ROWS),
         processing_class=word_tokenizer(),
         peft_config=LoraConfig(r=4, target_modules=["q_proj", "v_proj"]) if peft else None,
@@ -47,6 +51,7 @@ def fused_outputs(model, batch, prefix: str = ""):
         return model(input_ids=ids, attention_mask=batch[f"{prefix}attention_mask"], labels=labels, fused_lm_head=True)
 
 
+@needs_fused_head_trl  # TRL 1.9 has no fused-head values: tests/test_dpo.py::test_plain_calls_get_the_models_logits
 def test_per_token_values_match_trl(tmp_path):
     path = saved_tiny_model(tmp_path, torch.float64)
     trl = make_trainer(KTOTrainer, KTOConfig, path)

@@ -14,7 +14,7 @@ import trl
 from packaging.requirements import Requirement
 from packaging.version import Version
 
-from hf_tree.versions import FUSED_HEAD_TRL, TESTED_TRL, TRAINER_TRL, is_tested, require_tested_trl
+from hf_tree.versions import TESTED_TRL, TRAINER_TRL, is_tested, require_tested_trl
 
 TRL_MODULES = (
     "hf_tree.trl.sft",
@@ -27,7 +27,14 @@ TRL_MODULES = (
     "hf_tree.trl.glue",
     "hf_tree.trl.cli",
 )
-FUSED_HEAD_TRAINERS = ("TreeGRPOTrainer", "TreeRLOOTrainer", "TreeDPOTrainer", "TreeKTOTrainer")
+TRAINERS = (
+    "TreeSFTTrainer",
+    "TreeRewardTrainer",
+    "TreeGRPOTrainer",
+    "TreeRLOOTrainer",
+    "TreeDPOTrainer",
+    "TreeKTOTrainer",
+)
 PYPROJECT = Path(__file__).resolve().parents[1] / "pyproject.toml"
 
 
@@ -59,23 +66,15 @@ def test_a_trl_outside_the_tested_range_is_refused_with_the_fix(monkeypatch, ver
 
 
 @pytest.mark.parametrize("version", ["1.9.0", "1.9.1", "1.12.0", "1.16.2"])
-def test_sft_and_reward_accept_the_whole_range(monkeypatch, version):
+def test_every_trainer_accepts_the_whole_range(monkeypatch, version):
+    """Including GRPO, RLOO, DPO and KTO, which replace TRL's fused LM head: on TRL 1.9, which has none, they compute
+    the same values without it (hf_tree.trl.compat)."""
     monkeypatch.setattr(trl, "__version__", version)
     require_tested_trl()
-    require_tested_trl("TreeSFTTrainer")
-    require_tested_trl("TreeRewardTrainer")
-
-
-@pytest.mark.parametrize("trainer", FUSED_HEAD_TRAINERS)
-def test_fused_head_trainers_refuse_an_older_trl_by_name_with_the_upgrade(monkeypatch, trainer):
-    assert TRAINER_TRL[trainer] == FUSED_HEAD_TRL
-    monkeypatch.setattr(trl, "__version__", "1.9.0")
-    with pytest.raises(ImportError) as refusal:
+    assert set(TRAINER_TRL) == {*TRAINERS, "the tree fused LM head"}
+    for trainer in TRAINER_TRL:
+        assert TRAINER_TRL[trainer] == TESTED_TRL
         require_tested_trl(trainer)
-    message = str(refusal.value)
-    assert message.startswith(f"{trainer} replaces TRL's fused LM head"), message
-    assert "trl 1.9.0 is installed" in message and "pip install 'trl>=1.16.0,<1.17.0'" in message, message
-    assert "TreeSFTTrainer and TreeRewardTrainer work with trl>=1.9.0,<1.17.0" in message, message
 
 
 def test_without_trl_the_trainers_name_the_extra(monkeypatch):
@@ -108,14 +107,11 @@ def test_every_trl_based_module_refuses_to_import_with_an_untested_trl():
 
 
 @pytest.mark.slow  # a fresh interpreter importing every TRL stack (~5 s)
-def test_with_trl_1_9_the_fused_head_trainers_refuse_by_name_and_the_others_import():
-    """TRL's 1.9 reporting (on whatever TRL is installed): SFT, reward, the CLI and the shared modules import; the
-    fused-head trainers refuse, each by name."""
+def test_with_trl_1_9_every_trl_based_module_imports():
+    """TRL 1.9's reporting (on whatever TRL is installed): every trainer, the CLI and the shared modules import."""
     out = import_each("1.9.0")
-    for name in ("hf_tree.trl.sft", "hf_tree.trl.reward", "hf_tree.trl.glue", "hf_tree.trl.cli"):
+    for name in TRL_MODULES:
         assert f"{name} imported" in out, out
-    for name, trainer in zip(("grpo", "rloo", "dpo", "kto"), FUSED_HEAD_TRAINERS):
-        assert f"hf_tree.trl.{name} refused: {trainer} replaces TRL's fused LM head" in out, out
 
 
 def test_sft_loss_type_adapts_trl_1_9s_default_and_refuses_untested_losses(monkeypatch):

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 from transformers import PreTrainedModel
+from transformers.modeling_outputs import MoeCausalLMOutputWithPast
 from trl.trainer.utils import get_config_model_id
 
 from hf_tree.attention.names import TREE_ATTENTION_NAME
@@ -22,8 +23,14 @@ from hf_tree.models.check_guard import keep_training_kernels
 from hf_tree.models.introspection import causal_lm_of
 from hf_tree.packing import check_max_packed_tokens
 from hf_tree.trainer import tree_model_init_kwargs, use_tree_attention
-from hf_tree.trl.compat import fused_causal_lm_output
-from hf_tree.trl.logprobs import FUSED_OUTPUTS, layout_scored_rows, scatter_to_rows, tree_token_log_probs
+from hf_tree.trl.compat import fused_causal_lm_output, unscored_fused_output
+from hf_tree.trl.logprobs import (
+    FUSED_OUTPUTS,
+    layout_scored_rows,
+    scatter_to_rows,
+    tree_logits,
+    tree_token_log_probs,
+)
 from hf_tree.trl.tree_forward import TreeForward
 from hf_tree.versions import require_tested_trl
 from hf_tree.vision.rows import ROW_FAMILIES, ROW_IMAGE_INPUTS, RowMedia
@@ -70,6 +77,10 @@ class TreeHeadSettings:
         self_check: run ``hf_tree.models.check``'s refusals and probe before the first tree pass (``None``: on
             unless ``HF_TREE_SELF_CHECK=0``).
         merge_in_batch: merge the call's rows into tries by their tokens; ``False``: each row a tree of its own.
+        logits_forward: also answer plain calls (``model(input_ids, attention_mask)``, no labels, no cache) from the
+            packed trees, with the logits of every real token gathered back to the padded rows (``tree_logits``):
+            TRL 1.9's DPO and KTO read ``outputs.logits`` themselves (``hf_tree.trl.compat``). Generation, which
+            passes a cache, runs the previous forward.
     """
 
     outputs: tuple[str, ...] = ("log_probs",)
@@ -78,6 +89,7 @@ class TreeHeadSettings:
     max_packed_tokens: int | None = None
     self_check: bool | None = None
     merge_in_batch: bool = True
+    logits_forward: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "outputs", tuple(self.outputs))
@@ -107,7 +119,8 @@ class TreeFusedHead(TreeForward):
         tree_router_chunk_rows: int | None = None,
         **kwargs: Any,
     ) -> Any:
-        if not fused_lm_head:
+        plain_logits = not fused_lm_head and self._answers_plain_call(input_ids, labels, kwargs)
+        if not fused_lm_head and not plain_logits:
             for key, value in (("labels", labels), ("num_items_in_batch", num_items_in_batch)):
                 if value is not None:
                     kwargs[key] = value
@@ -123,7 +136,14 @@ class TreeFusedHead(TreeForward):
             tree_tokens_per_forward,
             tree_router_chunk_rows,
             kwargs,
+            plain_logits,
         )
+
+    def _answers_plain_call(self, input_ids: torch.Tensor | None, labels: Any, inputs: dict[str, Any]) -> bool:
+        """Whether a call without ``fused_lm_head`` gets tree logits (``TreeHeadSettings.logits_forward``): token
+        ids, no labels (a loss) and no cache (generation) asked for."""
+        cached = inputs.get("cache") is not None or inputs.get("past_key_values") is not None
+        return self.settings.logits_forward and input_ids is not None and labels is None and not cached
 
     def _fused_call(
         self,
@@ -135,7 +155,8 @@ class TreeFusedHead(TreeForward):
         tokens_per_forward: int | None,
         router_chunk_rows: int | None,
         other_inputs: dict[str, Any],
-    ) -> Any:  # TRL's FusedCausalLMOutput
+        plain_logits: bool = False,
+    ) -> Any:  # TRL's FusedCausalLMOutput; with plain_logits a MoeCausalLMOutputWithPast
         settings = self.settings
         output_router_logits = bool(other_inputs.pop("output_router_logits", False))
         media = RowMedia.from_rows(model, input_ids, other_inputs)  # takes the image inputs out of other_inputs
@@ -152,6 +173,8 @@ class TreeFusedHead(TreeForward):
                 "hf_tree.vision's models; no position_ids, shift_labels or other vision inputs). Set "
                 "tree_forward=False to use TRL's own forward."
             )
+        if plain_logits:  # every real token with a real predecessor, in one forward as the plain call
+            labels = every_real_token(input_ids, attention_mask)
         if labels is None:
             raise ValueError("fused_lm_head=True needs labels (-100 where no token is scored).")
         # First call: refuse models the tree passes would get wrong; the original forward, not the model, runs the
@@ -165,11 +188,17 @@ class TreeFusedHead(TreeForward):
         layout = layout_scored_rows(rows, attention_mask, labels, capacity, router_chunk_rows, settings.merge_in_batch)
         # the last call's packing, for the trainers' logs; None when nothing is packed (no stale ratio to log)
         self.layout_stats = layout.stats if layout.num_scored else None
-        if layout.num_scored == 0:  # nothing to score: TRL's forward keeps the zero output connected to the model
-            router_inputs = {"output_router_logits": True} if output_router_logits else {}
-            return self.previous_forward(
-                input_ids=input_ids, attention_mask=attention_mask, labels=labels, fused_lm_head=True, **router_inputs
+        router_inputs = {"output_router_logits": True} if output_router_logits else {}
+        if layout.num_scored == 0 and plain_logits:  # rows of one token: the model's own call
+            return self.previous_forward(input_ids=input_ids, attention_mask=attention_mask, **router_inputs)
+        if layout.num_scored == 0:  # nothing to score: the model's forward keeps the zero output connected to it
+            return unscored_fused_output(
+                self.previous_forward, input_ids, attention_mask, labels, settings.outputs, router_inputs
             )
+        model_inputs = None if media is None else media.model_inputs
+        if plain_logits:
+            logits, aux_loss = tree_logits(model, layout, logit_head, tokens_per_forward, model_inputs)
+            return MoeCausalLMOutputWithPast(logits=logits, aux_loss=aux_loss)  # aux_loss: None without MoE
         values = tree_token_log_probs(
             model,
             layout,
@@ -178,7 +207,7 @@ class TreeFusedHead(TreeForward):
             tokens_per_forward,
             settings.cast_lm_head_to_fp32,
             logit_head,
-            model_inputs=None if media is None else media.model_inputs,
+            model_inputs=model_inputs,
         )
         aux_loss = values.pop("aux_loss", None)
         per_token = {
@@ -192,10 +221,20 @@ class TreeFusedHead(TreeForward):
         return fused_causal_lm_output(loss=loss, label_mask=label_mask, aux_loss=aux_loss, **per_token)
 
 
+def every_real_token(input_ids: torch.Tensor, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """``[B, T]`` labels that score every real token (``attention_mask`` 1, or all without one) except each row's
+    first, which has no predecessor; ``-100`` elsewhere."""
+    real = torch.ones_like(input_ids, dtype=torch.bool) if attention_mask is None else attention_mask != 0
+    labels = input_ids.masked_fill(~real, -100)
+    labels[torch.arange(labels.shape[0]), real.int().argmax(1)] = -100
+    return labels
+
+
 def add_tree_fused_lm_head(
     model: PreTrainedModel, settings: TreeHeadSettings | None = None, name: str = "model"
 ) -> TreeFusedHead:
-    """Replace the fused head that TRL's ``add_fused_lm_head`` installed on ``model`` by the tree one.
+    """Replace the fused head that TRL's ``add_fused_lm_head`` installed on ``model`` (on a TRL without one, TRL 1.9:
+    the model's forward) by the tree one.
 
     ``model(..., labels=labels, fused_lm_head=True)`` then returns a ``FusedCausalLMOutput`` with the same fields
     and layout as TRL's, computed on packed trees; it also accepts ``tree_tokens_per_forward=`` (packed tokens per
@@ -203,7 +242,8 @@ def add_tree_fused_lm_head(
     load-balancing loss of the padded batch, each packed token weighted by the rows that contain it
     (``hf_tree.models.router_loss``); ``tree_router_chunk_rows=`` gives the mean over chunks of that many rows, as TRL's
     GRPO computes one per forward chunk. Without ``fused_lm_head`` the previous forward runs (generation is
-    unchanged). Calling it again replaces the head (and its settings).
+    unchanged), except for the uncached calls that ``TreeHeadSettings.logits_forward`` answers. Calling it again
+    replaces the head (and its settings).
 
     Args:
         model: the causal LM (the base model of a PEFT model), loaded with ``attn_implementation="tree_flash"``.
@@ -279,6 +319,7 @@ def install_tree_heads(
     policy_outputs: Sequence[str],
     temperature: float = 1.0,
     cast_lm_head_to_fp32: bool = False,
+    logits_forward: bool = False,
 ) -> TreeFusedHead:
     """Put the tree fused head on a TRL trainer's policy (the base model of a PEFT policy) and reference model.
 
@@ -287,6 +328,7 @@ def install_tree_heads(
             ``__init__`` installed its own heads (its ``args`` carry ``max_packed_tokens`` and ``tree_self_check``).
         policy_outputs: per-token fields the policy pass computes (the reference computes ``log_probs`` only).
         temperature, cast_lm_head_to_fp32: as TRL gives them to its ``add_fused_lm_head``.
+        logits_forward: plain calls get tree logits too (``TreeHeadSettings.logits_forward``).
 
     Returns:
         The policy's head (the trainer logs its packing).
@@ -298,6 +340,7 @@ def install_tree_heads(
         cast_lm_head_to_fp32=cast_lm_head_to_fp32,
         # the preference configs declare it (InBatchMergeArguments); the online RL trainers always merge
         merge_in_batch=getattr(trainer.args, "merge_in_batch", True),
+        logits_forward=logits_forward,
     )
     policy = causal_lm_of(trainer.model)
     head = add_tree_fused_lm_head(policy, replace(settings, outputs=tuple(policy_outputs)))

@@ -132,21 +132,22 @@ def generate_prefilling_once(
             index[tuple(values)] = len(firsts)
             firsts.append(row)
         inverse.append(index[tuple(values)])
-    if width < 2 or len(firsts) == batch or kwargs.get("cache") is not None:
+    causal_lm = causal_lm_of(model)  # PEFT: the model it wraps
+    cache_name = cache_keyword(causal_lm)
+    if width < 2 or len(firsts) == batch or kwargs.get(cache_name) is not None:
         return generate(input_ids=input_ids, attention_mask=attention_mask, **kwargs)
     distinct = torch.tensor(firsts, device=input_ids.device)
     ids, mask = input_ids[distinct], attention_mask[distinct]
     # generate's own rule (GenerationMixin._prepare_position_ids_for_generation)
     positions = (mask.long().cumsum(-1) - 1).masked_fill(mask == 0, 0)
     cache = DynamicCache(config=_text_config(model))
-    causal_lm = causal_lm_of(model)  # PEFT: the model it wraps
     last_only = {"logits_to_keep": 1} if "logits_to_keep" in inspect.signature(causal_lm.forward).parameters else {}
     with torch.no_grad():
         model(
             input_ids=ids[:, :-1],
             attention_mask=mask[:, :-1],
             position_ids=positions[:, :-1],
-            cache=cache,
+            **{cache_name: cache},
             use_cache=True,
             **last_only,  # the prefill's logits are not used
         )
@@ -158,7 +159,14 @@ def generate_prefilling_once(
         stats.distinct_prompts += len(firsts)
         stats.prefill_tokens += len(firsts) * (width - 1) + batch
         stats.trl_prefill_tokens += batch * width
-    return generate(input_ids=input_ids, attention_mask=attention_mask, cache=cache, **kwargs)
+    return generate(input_ids=input_ids, attention_mask=attention_mask, **{cache_name: cache}, **kwargs)
+
+
+def cache_keyword(causal_lm: torch.nn.Module) -> str:
+    """The keyword of the KV cache in ``causal_lm``'s forward and ``generate``: ``cache`` from transformers 5.24 on,
+    ``past_key_values`` before (transformers 5.16, Axolotl's pin beside TRL 1.9)."""
+    parameters = inspect.signature(type(causal_lm).forward).parameters
+    return "cache" if "cache" in parameters else "past_key_values"
 
 
 @contextlib.contextmanager

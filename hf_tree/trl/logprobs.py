@@ -43,7 +43,7 @@ from hf_tree.models.length_rope import check_rope_lengths
 from hf_tree.models.router_loss import tree_router_loss
 from hf_tree.packing import PackingStats, pack_and_place
 from hf_tree.tree import Tree
-from hf_tree.trl.compat import chunked_log_prob_function
+from hf_tree.trl.compat import chunked_log_prob_values
 
 # Vocabulary tile of TRL's fused head (``trl.trainer.utils._CHUNKED_LOGPROB_CHUNK_SIZE``): the same tiling keeps the
 # float32 online-logsumexp of the kernel bit-compatible with TRL's.
@@ -247,12 +247,54 @@ def tree_token_log_probs(
         ``layout.router_weights``, also ``aux_loss``: the 0-dim router load-balancing loss of the padded batch (the
         mean over its row chunks, ``hf_tree.models.router_loss``).
     """
+    if logit_head is None:
+        logit_head = detect_logit_head(model)
+    predicting, aux_loss = predicting_states(model, layout, tokens_per_forward, model_inputs)
+    values = fused_head_values(
+        model, predicting, layout.targets, temperature, outputs, cast_lm_head_to_fp32, logit_head
+    )
+    if aux_loss is not None:
+        values["aux_loss"] = aux_loss
+    return values
+
+
+def tree_logits(
+    model: PreTrainedModel,
+    layout: ScoredLayout,
+    logit_head: LogitHead,
+    tokens_per_forward: int | None = None,
+    model_inputs: ModelInputs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The model's logits of the padded batch, computed on the packed rows: ``[B, T, vocab]``, column ``j`` of a row
+    the logits that predict its column ``j + 1`` where that is scored in ``layout``, zeros elsewhere (float32 for a
+    half-precision model, ``LogitHead.logits``); differentiable through the gather. With ``layout.router_weights``,
+    also the router loss (else ``None``). Arguments as ``tree_token_log_probs``."""
+    predicting, aux_loss = predicting_states(model, layout, tokens_per_forward, model_inputs)
+    head = model.get_output_embeddings()  # read after the backbone ran (FSDP2, see fused_head_values)
+    with gathered_head(head):
+        logits = logit_head.logits(head, predicting)
+    batch_size, shifted = layout.output_shape
+    # TRL's shifted [B, T - 1] index -> the [B, T] rows: row * (T - 1) + column -> row * T + column
+    index = layout.output_index.to(logits.device)
+    rows = logits.new_zeros(batch_size * (shifted + 1), logits.shape[-1]).index_copy(
+        0, index + index // shifted, logits
+    )
+    return rows.view(batch_size, shifted + 1, -1), aux_loss
+
+
+def predicting_states(
+    model: PreTrainedModel,
+    layout: ScoredLayout,
+    tokens_per_forward: int | None = None,
+    model_inputs: ModelInputs | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The backbone on the packed rows of ``layout``, in chunks of ``tokens_per_forward`` tokens: ``[M, D]`` hidden
+    states that predict each scored token (in ``layout.predictor_index`` order) and, with ``layout.router_weights``,
+    the 0-dim router loss of the padded batch (else ``None``). Arguments as ``tree_token_log_probs``."""
     device = model.get_input_embeddings().weight.device
     batch = {k: v.to(device) for k, v in layout.batch.items()}
     num_rows, row_length = batch["input_ids"].shape
     rows_per_forward = num_rows if tokens_per_forward is None else max(1, tokens_per_forward // row_length)
-    if logit_head is None:
-        logit_head = detect_logit_head(model)
     # Rows [r0, r1) own the scored tokens [lo, hi) of the ascending predictor index.
     row_starts = np.arange(0, num_rows + rows_per_forward, rows_per_forward).clip(max=num_rows)
     bounds = np.searchsorted(layout.predictor_index.numpy(), row_starts * row_length).tolist()
@@ -263,13 +305,11 @@ def tree_token_log_probs(
         chunk = {k: v[r0:r1] for k, v in batch.items()}
         hidden = backbone_hidden_states(model, chunk, router_logits, model_inputs)
         predicting.append(hidden.index_select(0, predictor_index[lo:hi] - int(r0) * row_length))
-    values = fused_head_values(
-        model, torch.cat(predicting), layout.targets, temperature, outputs, cast_lm_head_to_fp32, logit_head
-    )
+    aux_loss = None
     if router_logits is not None:  # the loss is a product of batch means: over all forwards' logits at once
         whole = tuple(torch.cat(layer) for layer in zip(*router_logits))
-        values["aux_loss"] = tree_router_loss(model, whole, layout.router_weights)
-    return values
+        aux_loss = tree_router_loss(model, whole, layout.router_weights)
+    return torch.cat(predicting), aux_loss
 
 
 def fused_head_values(
@@ -300,7 +340,7 @@ def fused_head_values(
     # reduce-scatters the root's parameters once; a second piece arriving later stayed local to each rank). Under
     # ZeRO-3 the head is gathered for the call, as TRL's head does (the kernel gathers it again in its backward).
     with autocast, gathered_head(head):
-        kernel_values = chunked_log_prob_function().apply(
+        kernel_values = chunked_log_prob_values(
             hidden,
             weight,
             bias,

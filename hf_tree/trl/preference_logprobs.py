@@ -13,6 +13,7 @@ from datasets import Dataset
 from hf_tree.models.dropout import warn_if_dropout
 from hf_tree.models.quantization import log_quantized_base
 from hf_tree.trainer import use_tree_attention
+from hf_tree.trl.compat import has_fused_lm_head
 from hf_tree.trl.glue import TreeFusedHead, install_tree_heads, log_tree_stats, prepare_trl_args
 
 
@@ -54,7 +55,8 @@ class TreePreferenceLogProbsMixin:
             return
         # Image prompts: the fused head splits TRL's image inputs per image (hf_tree.vision.rows) and refuses
         # families outside ROW_FAMILIES (check_tree_model) and image inputs it does not know, before any pass.
-        self.tree_head = install_tree_heads(self, self._tree_policy_outputs())
+        # TRL 1.9 reads the logits of plain calls itself: the heads answer those from the trees (hf_tree.trl.compat)
+        self.tree_head = install_tree_heads(self, self._tree_policy_outputs(), logits_forward=not has_fused_lm_head())
 
     def compute_loss(
         self, model: Any, inputs: dict[str, Any], return_outputs: bool = False, num_items_in_batch: Any = None
