@@ -44,6 +44,7 @@ for run in files nodes; do
       tests/test_launch.py::test_no_arguments_is_the_offline_lora_default
       tests/test_launch.py::test_full_fine_tuning_run_in_process
       tests/test_imports.py::test_the_core_trains_without_trl
+      tests/test_vision_forward.py::test_a_forward_without_encoder_outputs_is_refused
       "tests/test_trl_cli.py::test_trl_script_parser_gets_the_tree_config[sft]"
       "tests/test_trl_cli.py::test_trl_script_parser_gets_the_tree_config[reward]")
   fi

@@ -10,15 +10,19 @@ sliding-window layers).
 
 from __future__ import annotations
 
+import inspect
 import types
 
 import pytest
 import torch
+import transformers
+from packaging.version import Version
 
 from hf_tree import Tree
 from hf_tree.attention import set_attention_backend
 from hf_tree.loss import tree_causal_lm_loss
 from hf_tree.vision import MediaTree, MediaTreeCollator, tree_vision_lm_loss, vision_family, vision_model_inputs
+from hf_tree.vision.forward import ENCODER_OUTPUTS_TRANSFORMERS
 from hf_tree.vision.media_tree import MEDIA_TOKEN_BASE
 from tests.helpers import (
     FLOAT32_FLOOR,
@@ -277,3 +281,18 @@ def test_image_features_follow_the_rows_of_each_image():
         image_features(entries, {**batch, "image_rows": torch.tensor([2, 2])})
     grids = {"image_inputs": {"image_grid_thw": torch.tensor([[1, 2, 2]] * 5)}, "image_rows": torch.tensor([4] * 5)}
     assert len(image_features(entries, grids)) == 5  # Qwen: rows are patches, one entry per image
+
+
+def test_a_forward_without_encoder_outputs_is_refused():
+    """Image trees hand the images' features through ``mm_encoder_outputs``, which transformers' vision-language
+    forwards take from 5.18 on; before (5.16.1, Axolotl's pin: .ci/trl_oldest.sh runs this test there) the keyword
+    fell into ``**kwargs`` and the packed rows trained without their images (the vision tower got no gradient, loss
+    off by 1.9e-3 relative). Refused by name there, accepted here."""
+    model = tiny_vlm("qwen2_vl")
+    takes_it = "mm_encoder_outputs" in inspect.signature(type(model).forward).parameters
+    assert takes_it == (Version(transformers.__version__) >= Version(ENCODER_OUTPUTS_TRANSFORMERS))
+    if takes_it:
+        assert vision_family(model).mrope
+    else:
+        with pytest.raises(ValueError, match=r"takes no mm_encoder_outputs in transformers .* 'transformers>=5\.18"):
+            vision_family(model)

@@ -13,12 +13,14 @@ to the tree mask. Models not listed in ``SUPPORTED`` are refused.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+import transformers
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel
 
@@ -127,11 +129,25 @@ REFUSED = {
 }
 
 
+# The transformers release whose vision-language forwards take ``mm_encoder_outputs`` (5.17 and older ignore the
+# keyword in their **kwargs: the packed rows would train on the placeholder tokens' embeddings, without the images).
+ENCODER_OUTPUTS_TRANSFORMERS = "5.18.0"
+
+
 def vision_family(model: torch.nn.Module) -> VisionFamily:
-    """The ``VisionFamily`` of ``model`` (may be PEFT-wrapped), or ``ValueError`` naming the model and why."""
+    """The ``VisionFamily`` of ``model`` (may be PEFT-wrapped), or ``ValueError`` naming the model and why: a family
+    not in ``SUPPORTED``, or a forward that takes no ``mm_encoder_outputs`` (transformers before
+    ``ENCODER_OUTPUTS_TRANSFORMERS``)."""
     causal_lm = causal_lm_of(model)
     model_type = causal_lm.config.model_type
     if model_type in SUPPORTED:
+        if "mm_encoder_outputs" not in inspect.signature(type(causal_lm).forward).parameters:
+            raise ValueError(
+                f"{type(causal_lm).__name__}.forward takes no mm_encoder_outputs in transformers "
+                f"{transformers.__version__}: image trees hand each image's features to the model through it, and "
+                "this version would leave the images out. Upgrade: pip install "
+                f"'transformers>={ENCODER_OUTPUTS_TRANSFORMERS}', or train this model on flat sequences."
+            )
         return SUPPORTED[model_type]
     reason = REFUSED.get(model_type, "this family was not tested against per-branch training")
     raise ValueError(
