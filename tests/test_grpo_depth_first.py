@@ -299,8 +299,9 @@ def test_recurrent_hybrids_match_trl(tmp_path, monkeypatch, family, peft):
     assert float32_floor_grad_error(skipped, trl_updates) > 1e-2
 
 
-@pytest.mark.parametrize("peft", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["full", "lora"])
-@pytest.mark.parametrize("clipping", [0.0, pytest.param(1.0, marks=pytest.mark.slow)], ids=["unclipped", "clipped"])
+@pytest.mark.slow  # the shared-prompt passes RLOO shares with GRPO, whose fast test is test_shared_prompts_match_trl
+@pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])
+@pytest.mark.parametrize("clipping", [0.0, 1.0], ids=["unclipped", "clipped"])
 def test_rloo_shared_prompts_match_trl(path, monkeypatch, peft, clipping):
     """RLOO shares the mixin; it samples its own completions (same seed, same logits: the same ones). With TRL's
     default clipping (max_grad_norm=1.0) too."""

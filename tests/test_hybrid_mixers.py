@@ -276,6 +276,7 @@ def test_lfm2_is_exact_in_float64(max_packed_tokens):
     assert max_grad_relative_error(tree_grads, ref_grads) <= 1e-9
 
 
+@pytest.mark.slow  # the oracle's own teeth; the fast tier checks the tree mixers themselves
 def test_without_tree_mixers_the_same_check_fails(monkeypatch):
     """The oracle has teeth: with the models' own mixers (the row seen as one sequence) siblings leak; the first-use
     self-check refuses such a model, and with the check off the gradients are visibly wrong."""

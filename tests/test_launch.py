@@ -406,6 +406,7 @@ def test_builtin_datasets_and_their_template_in_the_launcher():
     assert train.default_chat_template_path(model_args, data_args) is None  # the model's own template
 
 
+@pytest.mark.slow  # the vision trees' exactness is tests/test_vision_*.py's; this is the launcher's plumbing
 def test_vision_language_model_on_builtin_shapes(tmp_path, monkeypatch):
     """A vision-language checkpoint (LLaVA, saved with its processor) on the offline image questions: the launcher
     loads the model and processor, builds one tree per image (``--group_by image_id``), each image stored once,
@@ -441,6 +442,7 @@ def test_vision_language_model_on_builtin_shapes(tmp_path, monkeypatch):
         load_tree_rows("builtin:shapes", load_smollm2_tokenizer, limit=1)
 
 
+@pytest.mark.slow  # depth-first's exactness is tests/test_depth_first.py's; this is the launcher's plumbing
 def test_trees_larger_than_a_row_run_depth_first_from_the_launcher(tmp_path, tiny_model_dir, monkeypatch):
     """``--tree_execution auto`` reaches the trainer: agent trees longer than ``--max_packed_tokens`` run depth-first
     (every tree is trained, none split), and the run trains and saves."""

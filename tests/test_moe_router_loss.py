@@ -179,7 +179,7 @@ def assert_same_moe_step(trl, trl_updates, tree, tree_updates) -> None:
     assert any(u.norm() > 0 for u in trl_updates.values())
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_5_moe_text"])
+@pytest.mark.parametrize("family", ["mixtral", pytest.param("qwen3_5_moe_text", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("coef", [None, 0.5], ids=["trl_default", "coef_by_hand"])
 def test_sft_trains_trls_router_loss(tmp_path, family, coef):
     path = saved_tiny_model(tmp_path, torch.float64, family)
