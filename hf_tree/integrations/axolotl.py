@@ -9,8 +9,11 @@ Axolotl tokenizes and masks each sample as it always does (``chat_template``/``m
 ``input_ids`` and ``labels`` (``labels == -100`` is out of the loss), makes each row one branch and merges each
 micro-batch's rows into tries by their tokens (``AxolotlTreeCollator``), so rows sharing a system prompt or earlier
 turns compute them once; the trainer (``hf_tree.integrations.axolotl_trainer``) is Axolotl's own with hf_tree's tree
-loss, divisor and ``dedup_ratio`` logs, and trains Axolotl's update. Axolotl options that cannot combine with trees are
-refused at config validation (``TreeArgs``), naming the key and the fix (docs/axolotl.md).
+loss, divisor and ``dedup_ratio`` logs, and trains Axolotl's update. With ``rl: dpo`` the trainer stays Axolotl's
+``AxolotlDPOTrainer`` and the plugin puts hf_tree's tree head on its policy and reference once it is created
+(``install_dpo_tree_heads``: each pair's prompt computed once, TRL 1.9 computes the loss). Axolotl options that cannot
+combine with trees, other ``rl:`` trainers among them, are refused at config validation (``TreeArgs``), naming the key
+and the fix (docs/axolotl.md).
 """
 
 from __future__ import annotations
@@ -168,7 +171,8 @@ class TreeArgs(BaseModel):
 
 
 class TreePlugin(BasePlugin):
-    """``plugins: [hf_tree.integrations.axolotl.TreePlugin]``: Axolotl's SFT on merged tries (docs/axolotl.md)."""
+    """``plugins: [hf_tree.integrations.axolotl.TreePlugin]``: Axolotl's SFT and DPO on merged tries
+    (docs/axolotl.md)."""
 
     def get_input_args(self) -> str:
         return f"{__name__}.TreeArgs"

@@ -206,7 +206,6 @@ def install_dpo_tree_heads(trainer: Any, cfg: Any) -> Any:
     Returns:
         The policy's ``hf_tree.trl.glue.TreeFusedHead`` (also ``trainer.tree_head``).
     """
-    from hf_tree.trl.dpo import POLICY_OUTPUTS
     from hf_tree.trl.glue import install_tree_heads
 
     use_tree_attention(trainer.model)
@@ -218,8 +217,8 @@ def install_dpo_tree_heads(trainer: Any, cfg: Any) -> Any:
         merge_in_batch=cfg.tree_merge_in_batch is not False,
     )
     host = TreeDPOHeadHost(model=trainer.model, ref_model=trainer.ref_model, args=arguments)
-    # TRL 1.9's DPO reads every field from the logits itself: the policy's per-token outputs are not used
-    trainer.tree_head = install_tree_heads(host, POLICY_OUTPUTS, logits_forward=True)
+    # TRL 1.9's DPO computes every per-token field from the logits itself: no fused outputs beyond the default
+    trainer.tree_head = install_tree_heads(host, ("log_probs",), logits_forward=True)
     trainer.add_callback(TreeStatsCallback(trainer))
     warn_if_dropout(trainer.model, "keep Axolotl's DPO default (dropout disabled) and set lora_dropout: 0")
     return trainer.tree_head
