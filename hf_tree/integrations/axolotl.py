@@ -9,8 +9,11 @@ Axolotl tokenizes and masks each sample as it always does (``chat_template``/``m
 ``input_ids`` and ``labels`` (``labels == -100`` is out of the loss), makes each row one branch and merges each
 micro-batch's rows into tries by their tokens (``AxolotlTreeCollator``), so rows sharing a system prompt or earlier
 turns compute them once; the trainer (``hf_tree.integrations.axolotl_trainer``) is Axolotl's own with hf_tree's tree
-loss, divisor and ``dedup_ratio`` logs, and trains Axolotl's update. Axolotl options that cannot combine with trees are
-refused at config validation (``TreeArgs``), naming the key and the fix (docs/axolotl.md).
+loss, divisor and ``dedup_ratio`` logs, and trains Axolotl's update. With ``rl: dpo`` the trainer stays Axolotl's
+``AxolotlDPOTrainer`` and the plugin puts hf_tree's tree head on its policy and reference once it is created
+(``install_dpo_tree_heads``: each pair's prompt computed once, TRL 1.9 computes the loss). Axolotl options that cannot
+combine with trees, other ``rl:`` trainers among them, are refused at config validation (``TreeArgs``), naming the key
+and the fix (docs/axolotl.md).
 """
 
 from __future__ import annotations
@@ -37,11 +40,6 @@ _REFUSED_KEYS: dict[str, tuple[str, str]] = {
         "streamed pretraining concatenates samples in its own collator, outside the plugin's trees",
         "tokenize the data as a regular dataset (datasets:), or remove the plugin",
     ),
-    "rl": (
-        "the plugin covers Axolotl's SFT trainer only; Axolotl's preference trainers are TRL 1.9's, which hf_tree's "
-        "tree trainers (hf_tree.TreeDPOTrainer, ...) do not subclass",
-        "remove the plugin for this run, or train DPO with `hf-tree dpo` (TRL's flags, trees built for you)",
-    ),
     "reward_model": ("reward models pool one score per sequence in TRL's RewardTrainer", "remove the plugin"),
     "process_reward_model": ("process reward models score tokens with a classification head", "remove the plugin"),
     "orpo_alpha": ("ORPO's odds-ratio loss is computed by Axolotl on padded pairs", "remove orpo_alpha or the plugin"),
@@ -66,6 +64,19 @@ _REFUSED_KEYS: dict[str, tuple[str, str]] = {
     "unsloth_cross_entropy_loss": ("it patches the loss, the plugin computes the tree loss", "set it to false"),
 }
 _PARALLEL_KEYS = ("context_parallel_size", "sequence_parallel_degree")
+# The one ``rl:`` trainer the plugin trees (Axolotl's AxolotlDPOTrainer, TRL 1.9's DPOTrainer), and the DPO keys it
+# refuses there: (why, fix).
+DPO = "dpo"
+_REFUSED_DPO_KEYS: dict[str, tuple[str, str]] = {
+    "dpo_use_liger_kernel": (
+        "Liger's fused DPO loss runs the backbone and head itself, never the model's forward the tree head answers",
+        "set dpo_use_liger_kernel: false",
+    ),
+    "dpo_padding_free": (
+        "padding-free pairs have no place for a tree mask (TRL 1.9 turns it off anyway); the plugin packs pairs itself",
+        "set dpo_padding_free: false",
+    ),
+}
 
 
 def refused_setting(config: dict[str, Any]) -> str | None:
@@ -75,12 +86,40 @@ def refused_setting(config: dict[str, Any]) -> str | None:
         value = config.get(key)
         if value not in (None, False, 0, "", [], {}):
             return f"{key}={value!r} cannot combine with hf_tree's Axolotl plugin: {why}. Fix: {fix}."
+    rl_message = refused_rl_setting(config)
+    if rl_message is not None:
+        return rl_message
     for key in _PARALLEL_KEYS:
         value = config.get(key)
         if value not in (None, 1):
             return (
                 f"{key}={value!r} cannot combine with hf_tree's Axolotl plugin: Axolotl's ring attention shards "
                 f"padded rows with a causal mask, not trees. Fix: set {key}: 1."
+            )
+    return None
+
+
+def rl_of(config: Any) -> str | None:
+    """The ``rl:`` value of a config (the raw YAML's string or Axolotl's ``RLType``) as a string; ``None`` if unset."""
+    rl = config.get("rl")
+    return None if rl in (None, False, "") else str(getattr(rl, "value", rl))
+
+
+def refused_rl_setting(config: dict[str, Any]) -> str | None:
+    """The ``ValueError`` message for an ``rl:`` trainer other than DPO, or a DPO option the tree head cannot honour;
+    ``None`` for SFT and for tree-able DPO."""
+    rl = rl_of(config)
+    if rl is None:
+        return None
+    if rl != DPO:
+        return (
+            f"rl={rl!r} cannot combine with hf_tree's Axolotl plugin: of Axolotl's preference trainers it trees DPO "
+            f"only (TRL 1.9's other trainers are not tree-exact through it). Fix: set rl: {DPO}, or remove the plugin."
+        )
+    for key, (why, fix) in _REFUSED_DPO_KEYS.items():
+        if config.get(key):
+            return (
+                f"{key}={config[key]!r} cannot combine with hf_tree's Axolotl plugin under rl: dpo: {why}. Fix: {fix}."
             )
     return None
 
@@ -132,18 +171,31 @@ class TreeArgs(BaseModel):
 
 
 class TreePlugin(BasePlugin):
-    """``plugins: [hf_tree.integrations.axolotl.TreePlugin]``: Axolotl's SFT on merged tries (docs/axolotl.md)."""
+    """``plugins: [hf_tree.integrations.axolotl.TreePlugin]``: Axolotl's SFT and DPO on merged tries
+    (docs/axolotl.md)."""
 
     def get_input_args(self) -> str:
         return f"{__name__}.TreeArgs"
 
-    def get_trainer_cls(self, cfg: Any) -> type:
+    def get_trainer_cls(self, cfg: Any) -> type | None:
+        """SFT: Axolotl's trainer with the tree loss. DPO: ``None``, Axolotl's own trainer (its RL builder passes a
+        plugin's class no model), treed in ``post_trainer_create``."""
         from hf_tree.integrations.axolotl_trainer import tree_trainer_class
 
         message = refused_setting(dict(cfg))  # also for a cfg built in code, which skips the YAML validation
         if message is not None:
             raise ValueError(message)
+        if rl_of(cfg) == DPO:
+            return None
         return tree_trainer_class(self_check=cfg.tree_self_check is not False)
+
+    def post_trainer_create(self, cfg: Any, trainer: Any) -> None:
+        """DPO: the tree head on Axolotl's trainer's policy and reference (``install_dpo_tree_heads``)."""
+        # Axolotl's plugin registry is process-wide and calls this hook for every later run, listed or not
+        if rl_of(cfg) == DPO and f"{__name__}.{type(self).__name__}" in (cfg.plugins or ()):
+            from hf_tree.integrations.axolotl_trainer import install_dpo_tree_heads
+
+            install_dpo_tree_heads(trainer, cfg)
 
     def get_collator_cls_and_kwargs(self, cfg: Any, is_eval: bool = False) -> tuple[type, dict[str, Any]]:
         from hf_tree.integrations.axolotl_trainer import AxolotlTreeCollator

