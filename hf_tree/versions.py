@@ -27,7 +27,6 @@ TRAINER_TRL = {
     "TreeRLOOTrainer": TESTED_TRL,
     "TreeDPOTrainer": TESTED_TRL,
     "TreeKTOTrainer": TESTED_TRL,
-    "the tree fused LM head": TESTED_TRL,  # hf_tree.trl.glue.add_tree_fused_lm_head, used alone
 }
 
 

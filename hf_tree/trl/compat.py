@@ -30,9 +30,7 @@ from packaging.version import Version
 from transformers.utils import ModelOutput
 
 from hf_tree.trl.plain_logprobs import plain_log_prob_values
-from hf_tree.versions import FUSED_HEAD_TRL, require_tested_trl
-
-FUSED_HEAD_USER = "the tree fused LM head"
+from hf_tree.versions import FUSED_HEAD_TRL
 
 
 def has_fused_lm_head() -> bool:
@@ -60,7 +58,6 @@ class TreeFusedCausalLMOutput(ModelOutput):
 def fused_causal_lm_output(**fields: Any) -> Any:
     """What ``model(..., fused_lm_head=True)`` returns: TRL's ``FusedCausalLMOutput(**fields)``, or its fields in a
     ``TreeFusedCausalLMOutput`` on a TRL without one."""
-    require_tested_trl(FUSED_HEAD_USER)
     if not has_fused_lm_head():
         return TreeFusedCausalLMOutput(**fields)
     from trl.trainer.utils import FusedCausalLMOutput
@@ -73,7 +70,6 @@ def chunked_log_prob_values(*args: Any) -> tuple[torch.Tensor | None, ...]:
     weight and bias, targets ``[M]``, temperature, vocabulary chunk, softcap, scale, outputs), or its plain-torch
     equivalent (``plain_log_prob_values``) on a TRL without it: ``(log_probs, entropy, log_sum_sq_probs,
     mean_logits, is_top1)``, each ``[M]`` or ``None`` when not asked for."""
-    require_tested_trl(FUSED_HEAD_USER)
     if not has_fused_lm_head():
         return plain_log_prob_values(*args)
     from trl.kernels import ChunkedLogProbFunction
